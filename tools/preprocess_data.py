@@ -351,8 +351,11 @@ def _merge_parts(tasks: list[ShardTask], dataset_prefix: str, dtype) -> None:
     builder = IndexedDatasetBuilder(bin_tmp, dtype=dtype)
     # add_index runs gc.collect() per part; frozen, the large torch/megatron heap is not rescanned.
     gc.freeze()
-    for task in tasks:
-        builder.add_index(task.part_prefix)
+    try:
+        for task in tasks:
+            builder.add_index(task.part_prefix)
+    finally:
+        gc.unfreeze()
     builder.finalize(idx_tmp)
     for tmp in (bin_tmp, idx_tmp):
         _fsync_file(tmp)
