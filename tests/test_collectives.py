@@ -1,5 +1,5 @@
-"""Multi-process tests of the outer-group collectives: one torchrun launch per K (gloo backend), the
-checks themselves run inside tests/_collectives_worker.py on every rank."""
+"""Tests of the outer-group collectives. K = 2 and 4: one torchrun launch per K (gloo backend), the
+checks themselves run inside tests/_collectives_worker.py on every rank. K = 1 runs in this process."""
 import json
 import os
 import subprocess
@@ -8,6 +8,12 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
+
+from trainer.diloco.collectives import all_finite, all_gather_average_many, reduce_scatter_average_many
+from trainer.diloco.compression import CompressionConfig, Compressor
+from trainer.diloco.link import SlowLink
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER = REPO_ROOT / "tests" / "_collectives_worker.py"
@@ -32,7 +38,7 @@ def out_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("collectives")
 
 
-@pytest.mark.parametrize("workers", [1, 2, 4])
+@pytest.mark.parametrize("workers", [2, 4])
 def test_collectives_agree_bitwise_match_reference_and_count_bytes(workers, out_dir):
     launch(workers, out_dir)
 
@@ -44,3 +50,41 @@ def test_reduce_scatter_bytes_stay_flat_while_all_gather_grows(out_dir):
     assert k2["all_gather_sent"] == payload and k4["all_gather_sent"] == 3 * payload
     assert k4["reduce_scatter_sent"] <= 1.55 * payload
     assert k4["reduce_scatter_sent"] / k2["reduce_scatter_sent"] < 1.6
+
+
+@pytest.fixture
+def single_worker_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("config", [CompressionConfig(), CompressionConfig(method="statistical", bits=2, zstd=True),
+                                    CompressionConfig(method="topk")])
+def test_a_single_worker_averages_to_its_own_decoding_and_sends_nothing(config, single_worker_group):
+    tensors = [torch.randn(5, 7), torch.randn(11)]
+    compressor = Compressor(config)
+    once = [compressor.decode(compressor.encode(t), t.shape) for t in tensors]
+    twice = [compressor.decode(compressor.encode(t), t.shape) for t in once]  # reduce-scatter re-quantizes
+    for collective, expected in ((all_gather_average_many, once), (reduce_scatter_average_many, twice)):
+        averages, stats = collective(tensors, [compressor] * 2, None, context="K=1")
+        assert all(torch.equal(a, e) for a, e in zip(averages, expected)), collective.__name__
+        assert (stats.bytes_sent, stats.bytes_received) == (0, 0)
+    assert all_finite(True, None) and not all_finite(False, None)
+
+
+def test_slow_link_delay_is_latency_plus_serialization():
+    link = SlowLink(bandwidth_gbit_s=1.0, latency_ms=10.0)
+    assert link.delay(0) == pytest.approx(0.01)
+    assert link.delay(125_000_000) == pytest.approx(1.01)  # 1 Gbit at 1 Gbit/s
+    with pytest.raises(ValueError, match="SlowLink.bandwidth_gbit_s"):
+        SlowLink(bandwidth_gbit_s=0.0, latency_ms=1.0)
+    with pytest.raises(ValueError, match="SlowLink.latency_ms"):
+        SlowLink(bandwidth_gbit_s=1.0, latency_ms=-1.0)
+
+
+def test_collectives_accept_a_slow_link(single_worker_group):
+    tensor = torch.randn(3, 4)
+    average, _ = reduce_scatter_average_many([tensor], [Compressor(CompressionConfig())], None, context="link",
+                                             link=SlowLink(bandwidth_gbit_s=10.0, latency_ms=0.0))
+    assert torch.equal(average[0], tensor)

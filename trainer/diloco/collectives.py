@@ -140,9 +140,11 @@ def _split(buffer: torch.Tensor, sizes: Sequence[int]) -> list[Payload]:
 
 
 def _average_in_rank_order(decoded: Iterable[torch.Tensor], size: int) -> torch.Tensor:
+    """Sum in the given (rank) order, then divide: the same fp32 operations on every rank. Accumulates
+    in place into the first tensor, which decode() returns freshly allocated."""
     total = None
     for tensor in decoded:
-        total = tensor.clone() if total is None else total.add_(tensor)
+        total = tensor if total is None else total.add_(tensor)
     return total.div_(size)
 
 
