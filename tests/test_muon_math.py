@@ -22,6 +22,15 @@ def _generator(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """These matrices are tiny: one thread avoids OpenMP spin-waits on a busy, shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def torch_muon_in_fp32(monkeypatch):
     """torch.optim.Muon always casts to bfloat16 before Newton-Schulz (`grad.bfloat16()`); lifting
