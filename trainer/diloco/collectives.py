@@ -154,7 +154,7 @@ def all_gather_average_many(tensors: Sequence[torch.Tensor], codecs: Sequence[Co
     """Average each tensor over the group: encode (through the codec's error feedback if any),
     all-gather the payloads, decode all K, average. Returns fp32 tensors of the input shapes."""
     start = time.perf_counter()
-    wire = _Wire(group, context, link, _device(tensors))
+    wire = _Wire(group, context, link, _batch_device(tensors, codecs))
     shapes = [tensor.shape for tensor in tensors]
     plains = [_plain(codec) for codec in codecs]
     payloads = [codec.compress(tensor) for codec, tensor in zip(codecs, tensors)]
@@ -178,7 +178,7 @@ def reduce_scatter_average_many(tensors: Sequence[torch.Tensor], codecs: Sequenc
     of every worker, re-quantizes it (no error feedback) and all ranks decode the re-quantized chunks.
     Returns fp32 tensors of the input shapes."""
     start = time.perf_counter()
-    wire = _Wire(group, context, link, _device(tensors))
+    wire = _Wire(group, context, link, _batch_device(tensors, codecs))
     size, me = wire.size, wire.rank
     plains = [_plain(codec) for codec in codecs]
     counts = [row_split(rows_shape(tensor.shape)[0], size) for tensor in tensors]
@@ -231,9 +231,11 @@ def all_finite(flag: bool, group: Group, *, context: str = "all_finite") -> bool
     return all(flags[0] == 1 for flags in wire.all_gather_ints([int(bool(flag))]))
 
 
-def _device(tensors: Sequence[torch.Tensor]) -> torch.device:
+def _batch_device(tensors: Sequence[torch.Tensor], codecs: Sequence[Codec]) -> torch.device:
     if not tensors:
         raise ValueError("the collectives need at least one tensor")
+    if len(tensors) != len(codecs):
+        raise ValueError(f"got {len(tensors)} tensors but {len(codecs)} codecs; pass one codec per tensor")
     return tensors[0].device
 
 
