@@ -1,0 +1,26 @@
+"""Small learnable token datasets in Megatron's indexed format, written with megatron-core's own
+IndexedDatasetBuilder: each document walks a fixed random successor table with some noise, so a
+model can learn it and the loss goes down within a few dozen steps."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+
+def write_markov_dataset(prefix: str, vocab_size: int = 1000, num_docs: int = 400, doc_len: int = 300,
+                         noise: float = 0.1, seed: int = 0, eod: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    successor = rng.integers(1, vocab_size, size=vocab_size)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for _ in range(num_docs):
+        length = int(rng.integers(doc_len // 2, doc_len))
+        doc = np.empty(length + 1, dtype=np.int64)
+        doc[0] = rng.integers(1, vocab_size)
+        for i in range(1, length):
+            doc[i] = rng.integers(1, vocab_size) if rng.random() < noise else successor[doc[i - 1]]
+        doc[length] = eod
+        builder.add_item(torch.from_numpy(doc))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    return prefix

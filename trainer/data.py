@@ -1,0 +1,119 @@
+"""Training and validation data: megatron-core's GPTDataset (packing, shuffling, blends, splits)
+behind a deterministic per-worker sampler.
+
+The global sample stream is the train GPTDataset's index order. Inner step s consumes global
+samples [s*B, (s+1)*B); worker k takes the k-th B/K of them and inner-DP rank d the d-th share of
+that, cut into micro-batches. Streams of different workers and ranks are disjoint, and the only
+state is the step, so a resumed run sees exactly the samples an uninterrupted run would have seen.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+from trainer.config import BatchConfig, DataConfig
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What GPTDataset needs from a tokenizer: vocabulary size and end-of-document id."""
+
+    vocab_size: int
+    eod: int
+
+    @property
+    def unique_identifiers(self) -> dict:
+        """Megatron hashes this into its dataset cache keys."""
+        return {"class": "TokenizerInfo", "vocab_size": self.vocab_size, "eod": self.eod}
+
+
+def tokenizer_info(data: DataConfig) -> TokenizerInfo:
+    if data.tokenizer_model:
+        from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
+
+        tok = SentencePieceTokenizer(data.tokenizer_model)
+        return TokenizerInfo(tok.vocab_size, tok.eod_id)
+    if data.vocab_size:
+        return TokenizerInfo(data.vocab_size, 0)
+    raise ValueError("give --tokenizer-model (or --vocab-size for pre-tokenized data without a tokenizer)")
+
+
+def _blend(paths: list[str]) -> tuple[list[str], list[float] | None]:
+    if len(paths) == 1:
+        prefixes, weights = paths, None
+    elif len(paths) % 2 == 0:
+        weights, prefixes = [float(w) for w in paths[0::2]], paths[1::2]
+    else:
+        raise ValueError(f"--data-path takes one prefix or weight/prefix pairs, got {paths}")
+    for prefix in prefixes:
+        for suffix in (".bin", ".idx"):
+            if not Path(prefix + suffix).is_file():
+                raise FileNotFoundError(f"dataset file {prefix + suffix} not found (from --data-path)")
+    return prefixes, weights
+
+
+@dataclass
+class Datasets:
+    train: GPTDataset
+    valid: GPTDataset | None
+
+
+def build_datasets(data: DataConfig, tokenizer: TokenizerInfo, seq_length: int, seed: int,
+                   train_samples: int, valid_samples: int, cache_dir: str) -> Datasets:
+    """Every rank must call this (Megatron builds on rank 0 first, then the others read its cache)."""
+    if not data.data_path:
+        raise ValueError("no training data: give --data-path PREFIX (the P of P.bin/P.idx)")
+    common = dict(random_seed=seed, sequence_length=seq_length, tokenizer=tokenizer,
+                  reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                  create_attention_mask=False, path_to_cache=cache_dir)
+    if data.valid_data_path:
+        config = GPTDatasetConfig(blend_per_split=[_blend(data.data_path), _blend(data.valid_data_path), None],
+                                  **common)
+    else:
+        config = GPTDatasetConfig(blend=_blend(data.data_path), split=data.split, **common)
+    train, valid, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [train_samples, valid_samples, None], lambda: True, config).build()
+    return Datasets(train, valid)
+
+
+@dataclass(frozen=True)
+class StreamPosition:
+    """Which slice of the global sample stream this rank reads."""
+
+    worker: int
+    data_rank: int
+    batch: BatchConfig
+    identical_workers: bool = False  # every worker reads worker 0's stream (a test identity)
+
+    def sample_indices(self, step: int, micro: int) -> range:
+        worker = 0 if self.identical_workers else self.worker
+        per_rank = self.batch.micro_batch_size * self.batch.gradient_accumulation_steps
+        start = (step * self.batch.global_batch + (worker * self.batch.data_parallel + self.data_rank) * per_rank
+                 + micro * self.batch.micro_batch_size)
+        return range(start, start + self.batch.micro_batch_size)
+
+
+def collate(dataset, indices) -> dict[str, torch.Tensor]:
+    samples = [dataset[i % len(dataset)] for i in indices]
+    return {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels", "loss_mask", "position_ids")}
+
+
+def micro_batches(dataset, position: StreamPosition, step: int):
+    """The micro-batches this rank trains on at inner step `step`."""
+    for micro in range(position.batch.gradient_accumulation_steps):
+        yield collate(dataset, position.sample_indices(step, micro))
+
+
+def validation_batches(dataset, position: StreamPosition, eval_iters: int):
+    """The same validation samples at every evaluation; inner-DP ranks split them, every worker
+    evaluates the same ones so the numbers are comparable across workers and methods."""
+    for it in range(eval_iters):
+        for micro in range(position.batch.gradient_accumulation_steps):
+            per_rank = position.batch.micro_batch_size * position.batch.gradient_accumulation_steps
+            start = (it * position.batch.per_worker + position.data_rank * per_rank
+                     + micro * position.batch.micro_batch_size)
+            yield collate(dataset, range(start, start + position.batch.micro_batch_size))

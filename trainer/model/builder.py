@@ -1,0 +1,147 @@
+"""Builds the Megatron-core GPTModel (Llama/Qwen3 style) for this rank's TP/PP shard, with initial
+weights that are identical, as full tensors, at every TP and PP size for a given seed."""
+from __future__ import annotations
+
+import math
+import re
+import zlib
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as mps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer import TransformerConfig
+
+from trainer.model.layout import full_shape, layout_of, shard
+from trainer.model.presets import ModelShape
+
+VOCAB_PADDING = 128  # padded vocab must not depend on T, so that weights match across TP degrees
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
+    padded = -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+    if padded % tensor_parallel:
+        raise ValueError(f"padded vocabulary {padded} is not divisible by tensor-model-parallel-size {tensor_parallel}")
+    return padded
+
+
+def transformer_config(shape: ModelShape, tensor: int, pipeline: int, params_dtype: torch.dtype) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.query_groups,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        kv_channels=shape.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.norm_epsilon,
+        qk_layernorm=shape.qk_layernorm,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tensor,
+        pipeline_model_parallel_size=pipeline,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # we initialize from full tensors, see initialize_weights
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        init_method_std=shape.init_std,
+    )
+
+
+def build_model(shape: ModelShape, vocab_size: int, params_dtype: torch.dtype = torch.float32) -> GPTModel:
+    """This rank's stage of the model; call after Megatron's groups exist."""
+    tensor = mps.get_tensor_model_parallel_world_size()
+    pipeline = mps.get_pipeline_model_parallel_world_size()
+    config = transformer_config(shape, tensor, pipeline, params_dtype)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization="RMSNorm"),
+        vocab_size=vocab_size,
+        max_sequence_length=shape.seq_length,
+        pre_process=mps.is_pipeline_first_stage(),
+        post_process=mps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=shape.rotary_base,
+        parallel_output=True,
+    )
+    return model
+
+
+def canonical_names(model: torch.nn.Module) -> dict[str, str]:
+    """Local parameter name -> name with the *global* layer index, the same at every PP size."""
+    offsets = {}
+    for module_name, module in model.named_modules():
+        m = re.fullmatch(r"(.*decoder\.layers)\.(\d+)", module_name)
+        if m and hasattr(module, "layer_number"):
+            offsets[module_name] = f"{m.group(1)}.{module.layer_number - 1}"
+    names = {}
+    for name, _ in model.named_parameters():
+        canonical = name
+        m = re.match(r"(.*decoder\.layers\.\d+)(\..*)", name)
+        if m:
+            canonical = offsets[m.group(1)] + m.group(2)
+        names[name] = canonical
+    return names
+
+
+def _init_std(canonical: str, shape: ModelShape) -> float:
+    # Output projections of residual branches are scaled down with depth (GPT-2 / Megatron practice).
+    if canonical.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return shape.init_std / math.sqrt(2.0 * shape.num_layers)
+    return shape.init_std
+
+
+def full_initial_tensor(canonical: str, full: tuple[int, ...], shape: ModelShape, seed: int) -> torch.Tensor:
+    """The T=1 initial value of one parameter, from (seed, global name) only."""
+    if canonical.endswith("norm.weight"):
+        return torch.ones(full)
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{canonical}".encode()))
+    return torch.empty(full).normal_(0.0, _init_std(canonical, shape), generator=generator)
+
+
+def tag_parameters(model: torch.nn.Module) -> None:
+    """Set Megatron's own parameter attributes (its layers set them only when they initialize
+    weights themselves): the tensor-parallel split, and the embedding/output flag that Megatron's
+    optimizers use to keep those matrices out of Muon."""
+    for name, param in model.named_parameters():
+        layout = layout_of(name)
+        if not hasattr(param, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(param, layout.partition_dim is not None,
+                                                 -1 if layout.partition_dim is None else layout.partition_dim, 1)
+        param.is_embedding_or_output_parameter = name.endswith(("word_embeddings.weight", "output_layer.weight"))
+
+
+@torch.no_grad()
+def initialize_weights(model: torch.nn.Module, shape: ModelShape, seed: int) -> None:
+    tp_rank = mps.get_tensor_model_parallel_rank()
+    tp_size = mps.get_tensor_model_parallel_world_size()
+    names = canonical_names(model)
+    for name, param in model.named_parameters():
+        layout = layout_of(name)
+        full = full_initial_tensor(names[name], full_shape(tuple(param.shape), layout, tp_size), shape, seed)
+        param.copy_(shard(full, layout, tp_rank, tp_size))
+    tag_parameters(model)
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(parameters this rank holds, of which replicated across TP) for the global count."""
+    total = replicated = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        if layout_of(name).partition_dim is None:
+            replicated += p.numel()
+    return total, replicated

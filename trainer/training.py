@@ -1,0 +1,110 @@
+"""The inner training loop: Megatron's forward/backward schedules (pipeline or not) for one worker's
+micro-batches, then the DeepSpeed engine's step (gradient all-reduce over the inner DP group and the
+inner optimizer), then any step hooks (the MuLoCo outer sync)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from trainer.config import RunConfig
+from trainer.data import StreamPosition, micro_batches, validation_batches
+from trainer.metrics import MetricsLogger
+from trainer.topology import Topology
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1)
+    # A copy: the schedule divides the returned loss in place by the number of micro-batches.
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+@dataclass
+class StepResult:
+    loss: float | None  # None except on the last pipeline stage
+    grad_norm: float
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, topology: Topology, engine, train_dataset, valid_dataset,
+                 position: StreamPosition, logger: MetricsLogger):
+        self.config, self.topology, self.engine, self.logger = config, topology, engine, logger
+        self.model = engine.module
+        self.train_dataset, self.valid_dataset, self.position = train_dataset, valid_dataset, position
+        self.step = 0  # optimizer steps taken
+        self.step_hooks: list[Callable[[int], dict | None]] = []  # called after each optimizer step
+        self._forward_backward = get_forward_backward_func()
+
+    def _run_schedule(self, batches: Iterable[dict], num_micro: int, forward_only: bool) -> float | None:
+        outputs = self._forward_backward(
+            forward_step_func=_forward_step, data_iterator=iter(batches), model=[self.model],
+            num_microbatches=num_micro, seq_length=self.config.model.seq_length,
+            micro_batch_size=self.config.batch.micro_batch_size, forward_only=forward_only)
+        if not mps.is_pipeline_last_stage():
+            return None
+        return float(torch.stack([o["lm loss"] for o in outputs]).mean())
+
+    def train_step(self) -> StepResult:
+        self.model.train()
+        loss = self._run_schedule(micro_batches(self.train_dataset, self.position, self.step),
+                                  self.config.batch.gradient_accumulation_steps, forward_only=False)
+        self.engine.step()  # inner-DP all-reduce, clipping and the inner optimizer, lr schedule
+        self.step += 1
+        return StepResult(loss, self.engine.optimizer.last_grad_norm)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        batches = list(validation_batches(self.valid_dataset, self.position, self.config.eval_iters))
+        loss = self._run_schedule(batches, len(batches), forward_only=True)
+        return self._mean_over_loss_ranks(loss, group=self.topology.worker_group)
+
+    def _mean_over_loss_ranks(self, loss: float | None, group) -> float:
+        """Mean of the losses held by last-stage ranks in `group` (the logging rank is on stage 0)."""
+        holds = loss is not None and mps.get_tensor_model_parallel_rank() == 0
+        t = torch.tensor([loss if holds else 0.0, 1.0 if holds else 0.0], dtype=torch.float64)
+        dist.all_reduce(t, group=group)
+        return float(t[0] / t[1])
+
+    def train(self) -> dict:
+        cfg = self.config
+        tokens_per_step = cfg.batch.global_batch * cfg.model.seq_length
+        last_val = None
+        window_start, window_steps = time.time(), 0
+        while self.step < cfg.schedule.train_iters:
+            result = self.train_step()
+            window_steps += 1
+            extra = {}
+            for hook in self.step_hooks:
+                extra.update(hook(self.step) or {})
+            record = None
+            if self.step % cfg.log_interval == 0 or self.step == cfg.schedule.train_iters:
+                loss = self._mean_over_loss_ranks(result.loss, group=None)  # over every worker's replica
+                elapsed = time.time() - window_start
+                record = {"step": self.step, "tokens": self.step * tokens_per_step, "loss": loss,
+                          "lr": self.engine.optimizer.param_groups[-1]["lr"], "grad_norm": result.grad_norm,
+                          "tokens_per_s": window_steps * tokens_per_step / max(elapsed, 1e-9), **extra}
+                window_start, window_steps = time.time(), 0
+            if cfg.eval_interval and (self.step % cfg.eval_interval == 0 or self.step == cfg.schedule.train_iters):
+                last_val = self.evaluate()
+                record = record or {"step": self.step, "tokens": self.step * tokens_per_step}
+                record["val_loss"] = last_val
+            if record is not None:
+                self.logger.log(record, self.step)
+                self.logger.progress(self.step, " ".join(
+                    f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items() if k != "step"))
+        return {"steps": self.step, "val_loss": last_val}
