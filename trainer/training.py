@@ -47,6 +47,9 @@ class Trainer:
         self.train_dataset, self.valid_dataset, self.position = train_dataset, valid_dataset, position
         self.step = 0  # optimizer steps taken
         self.step_hooks: list[Callable[[int], dict | None]] = []  # called after each optimizer step
+        # Components with state_dict()/load_state_dict() that a checkpoint must carry besides the
+        # engine (the MuLoCo outer loop registers itself here as "muloco").
+        self.extra_state: dict[str, object] = {}
         self._forward_backward = get_forward_backward_func()
 
     def _run_schedule(self, batches: Iterable[dict], num_micro: int, forward_only: bool) -> float | None:
