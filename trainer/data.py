@@ -76,7 +76,7 @@ def build_datasets(data: DataConfig, tokenizer: TokenizerInfo, seq_length: int, 
     else:
         config = GPTDatasetConfig(blend=_blend(data.data_path), split=data.split, **common)
     train, valid, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [train_samples, valid_samples, None], lambda: True, config).build()
+        GPTDataset, [train_samples, valid_samples, 0], lambda: True, config).build()  # 0, not None: weighted blends need a size
     return Datasets(train, valid)
 
 
@@ -97,8 +97,13 @@ class StreamPosition:
         return range(start, start + self.batch.micro_batch_size)
 
 
-def collate(dataset, indices) -> dict[str, torch.Tensor]:
-    samples = [dataset[i % len(dataset)] for i in indices]
+def collate(dataset, indices: range) -> dict[str, torch.Tensor]:
+    # Never wrap around: silently repeating samples would corrupt an experiment.
+    if indices.stop > len(dataset):
+        raise IndexError(f"sample {indices.stop - 1} is past the end of the dataset ({len(dataset)} samples); "
+                         f"the datasets are built for train-iters x global batch samples (and eval-iters x "
+                         f"per-worker batch for validation), so the same settings must be used when reading")
+    samples = [dataset[i] for i in indices]
     return {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels", "loss_mask", "position_ids")}
 
 
