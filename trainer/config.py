@@ -103,7 +103,7 @@ class RunConfig:
     save_interval: int | None = None
     bf16: bool = False
     ds_config: dict[str, Any] = field(default_factory=dict)
-    muloco: dict[str, Any] | None = None  # parsed by trainer.diloco.config
+    muloco: Any = None  # trainer.diloco.config.MuLoCoConfig, or None for the data-parallel baseline
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, default=str)
@@ -177,7 +177,11 @@ def _scheduler_from_ds(block: dict[str, Any] | None) -> ScheduleConfig:
 def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
     ds = json.loads(Path(args.ds_config).read_text())
     muloco = ds.pop("muloco", None)
-    workers = int((muloco or {}).get("workers", 1))
+    if muloco is not None:
+        from trainer.diloco.config import MuLoCoConfig  # the outer loop's own config module
+
+        muloco = MuLoCoConfig.from_dict(muloco)
+    workers = muloco.workers if muloco is not None else 1
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     from trainer.topology import ParallelSizes  # sizes are validated there, with one message
 

@@ -16,6 +16,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from megatron_patches import DeepSpeedMpu, apply_cpu_shims_if_needed, initialize_megatron_groups
 from trainer.config import RunConfig
+from trainer.diloco.outer_loop import OuterLoop
 from trainer.data import StreamPosition, build_datasets, tokenizer_info
 from trainer.metrics import MetricsLogger
 from trainer.model.builder import (build_model, canonical_names, count_parameters, initialize_weights,
@@ -83,9 +84,16 @@ def run(config: RunConfig) -> dict:
                               train_samples=config.schedule.train_iters * samples_per_step,
                               valid_samples=max(eval_samples, 1),
                               cache_dir=str(Path(config.run_dir) / "data_cache"))
-    position = StreamPosition(topology.coords.worker, topology.coords.data, config.batch)
+    identical = config.muloco is not None and config.muloco.identical_worker_data
+    position = StreamPosition(topology.coords.worker, topology.coords.data, config.batch, identical)
     logger = MetricsLogger(config.run_dir, config.tensorboard_dir, config.schedule.train_iters, is_logger)
     trainer = Trainer(config, topology, engine, datasets.train, datasets.valid, position, logger)
+    if config.muloco is not None:
+        outer = OuterLoop(config.muloco, list(model.named_parameters()), canonical, topology,
+                          mps.get_tensor_model_parallel_rank(), config.model.num_layers,
+                          log=lambda record, step: logger.log(record, step, prefix="outer"))
+        outer.attach(engine)
+        trainer.extra_state["muloco"] = outer
     if is_logger:
         print(f"global batch {config.batch.global_batch} sequences ({config.batch.per_worker} per worker x "
               f"{config.batch.workers} workers), {config.schedule.train_iters} steps", flush=True)
