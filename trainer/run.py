@@ -43,7 +43,8 @@ def _global_parameter_count(model, topology) -> int:
     return int(t.sum())
 
 
-def run(config: RunConfig) -> dict:
+def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
+    """`trainer_class` lets tests and benchmarks observe a run assembled exactly as here."""
     from trainer.pretrain import COLLECTIVE_TIMEOUT
 
     apply_cpu_shims_if_needed()
@@ -87,7 +88,7 @@ def run(config: RunConfig) -> dict:
     identical = config.muloco is not None and config.muloco.identical_worker_data
     position = StreamPosition(topology.coords.worker, topology.coords.data, config.batch, identical)
     logger = MetricsLogger(config.run_dir, config.tensorboard_dir, config.schedule.train_iters, is_logger)
-    trainer = Trainer(config, topology, engine, datasets.train, datasets.valid, position, logger)
+    trainer = trainer_class(config, topology, engine, datasets.train, datasets.valid, position, logger)
     if config.muloco is not None:
         outer = OuterLoop(config.muloco, list(model.named_parameters()), canonical, topology,
                           mps.get_tensor_model_parallel_rank(), config.model.num_layers,
