@@ -217,7 +217,9 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
         seed=args.seed, run_dir=run_dir, tensorboard_dir=args.tensorboard_dir or str(Path(run_dir) / "tensorboard"),
         log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         save=args.save, load=args.load, save_interval=args.save_interval,
-        bf16=bool(ds.get("bf16", {}).get("enabled", False)), ds_config=ds, muloco=muloco)
+        # Mixed precision is Megatron's autocast over fp32 parameters (the optimizers need whole fp32
+        # tensors, not DeepSpeed's flattened bf16 partitions), so DeepSpeed never sees the bf16 block.
+        bf16=bool(ds.pop("bf16", {}).get("enabled", False)), ds_config=ds, muloco=muloco)
 
 
 def _check_model(shape: ModelShape, tp: int, pp: int) -> None:

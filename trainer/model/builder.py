@@ -27,7 +27,7 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
     return padded
 
 
-def transformer_config(shape: ModelShape, tensor: int, pipeline: int, params_dtype: torch.dtype) -> TransformerConfig:
+def transformer_config(shape: ModelShape, tensor: int, pipeline: int, bf16_autocast: bool) -> TransformerConfig:
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -46,9 +46,10 @@ def transformer_config(shape: ModelShape, tensor: int, pipeline: int, params_dty
         attention_dropout=0.0,
         tensor_model_parallel_size=tensor,
         pipeline_model_parallel_size=pipeline,
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
+        params_dtype=torch.float32,  # master weights; bf16 compute comes from autocast
+        pipeline_dtype=torch.float32,  # activations sent between stages stay fp32 under autocast
+        enable_autocast=bf16_autocast,
+        autocast_dtype=torch.bfloat16 if bf16_autocast else None,
         use_cpu_initialization=True,
         perform_initialization=False,  # we initialize from full tensors, see initialize_weights
         bias_activation_fusion=False,
@@ -61,11 +62,11 @@ def transformer_config(shape: ModelShape, tensor: int, pipeline: int, params_dty
     )
 
 
-def build_model(shape: ModelShape, vocab_size: int, params_dtype: torch.dtype = torch.float32) -> GPTModel:
-    """This rank's stage of the model; call after Megatron's groups exist."""
+def build_model(shape: ModelShape, vocab_size: int, bf16_autocast: bool = False) -> GPTModel:
+    """This rank's stage of the model (fp32 parameters); call after Megatron's groups exist."""
     tensor = mps.get_tensor_model_parallel_world_size()
     pipeline = mps.get_pipeline_model_parallel_world_size()
-    config = transformer_config(shape, tensor, pipeline, params_dtype)
+    config = transformer_config(shape, tensor, pipeline, bf16_autocast)
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization="RMSNorm"),
