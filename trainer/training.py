@@ -96,7 +96,8 @@ class Trainer:
                 extra.update(hook(self.step) or {})
             record = None
             if self.step % cfg.log_interval == 0 or self.step == cfg.schedule.train_iters:
-                loss = self._mean_over_loss_ranks(result.loss, group=None)  # over every worker's replica
+                # Worker 0's loss: logging must not add a cross-datacenter collective per step.
+                loss = self._mean_over_loss_ranks(result.loss, group=self.topology.worker_group)
                 elapsed = time.time() - window_start
                 record = {"step": self.step, "tokens": self.step * tokens_per_step, "loss": loss,
                           "lr": self.engine.optimizer.param_groups[-1]["lr"], "grad_norm": result.grad_norm,
