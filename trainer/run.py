@@ -15,6 +15,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from torch.optim.lr_scheduler import LambdaLR
 
 from megatron_patches import DeepSpeedMpu, apply_cpu_shims_if_needed, initialize_megatron_groups
+from trainer.checkpoint import Checkpointer
 from trainer.config import RunConfig
 from trainer.diloco.outer_loop import OuterLoop
 from trainer.data import StreamPosition, build_datasets, tokenizer_info
@@ -99,6 +100,7 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     if is_logger:
         print(f"global batch {config.batch.global_batch} sequences ({config.batch.per_worker} per worker x "
               f"{config.batch.workers} workers), {config.schedule.train_iters} steps", flush=True)
+    Checkpointer(config, topology, trainer, canonical, tokenizer.vocab_size, vocab).attach()  # --load, --save
     summary = trainer.train()
     logger.close()
     if is_logger:

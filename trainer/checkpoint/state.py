@@ -1,0 +1,97 @@
+"""What one rank saves and restores: model shard, inner optimizer and lr scheduler state, DeepSpeed
+counters, RNG states and the trainer's extra components, all keyed by canonical parameter name so
+that a rank file does not depend on how parameters are numbered locally."""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from deepspeed.accelerator import get_accelerator
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+from trainer.checkpoint.format import CheckpointError
+
+ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+
+
+def to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+def capture_rng() -> dict:
+    accelerator = get_accelerator()
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "accelerator": None if accelerator.device_name() == "cpu" else accelerator.get_rng_state(),
+            "tracker": get_cuda_rng_tracker().get_states()}
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["accelerator"] is not None:
+        get_accelerator().set_rng_state(state["accelerator"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, name_of: dict[torch.Tensor, str]) -> dict:
+    return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+            "state": {name_of[p]: dict(s) for p, s in optimizer.state.items()}}
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict, param_of: dict[str, torch.Tensor]) -> None:
+    kinds = [g.get("kind") for g in optimizer.param_groups]
+    saved_kinds = [g.get("kind") for g in saved["param_groups"]]
+    if kinds != saved_kinds:
+        raise CheckpointError(f"checkpoint optimizer has param groups {saved_kinds}, this run {kinds} "
+                              "(a different inner optimizer?)")
+    for group, hyper in zip(optimizer.param_groups, saved["param_groups"]):
+        group.update(hyper)
+    optimizer.state.clear()
+    for name, s in saved["state"].items():
+        optimizer.state[param_of[name]] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+
+
+def capture(trainer, name_of: dict[torch.Tensor, str], probe: dict | None) -> dict:
+    """This rank's whole state at the end of step `trainer.step` (RNG first: nothing may draw before)."""
+    engine = trainer.engine
+    return to_cpu({
+        "rng": capture_rng(),
+        "step": trainer.step,
+        "model": {name_of[p]: p for p in trainer.model.parameters()},
+        "optimizer": optimizer_state(engine.optimizer, name_of),
+        "scheduler": engine.lr_scheduler.state_dict(),
+        "engine": {k: getattr(engine, k) for k in ENGINE_COUNTERS},
+        "extra": {k: component.state_dict() for k, component in trainer.extra_state.items()},
+        "probe": probe,
+    })
+
+
+@torch.no_grad()
+def restore(trainer, state: dict, param_of: dict[str, torch.Tensor]) -> None:
+    """Inverse of `capture`; a state without "rng" (a resharded one) leaves the fresh seeds."""
+    missing = sorted(set(param_of) - set(state["model"]))
+    unexpected = sorted(set(state["model"]) - set(param_of))
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint shard does not match this rank's parameters: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
+    for name, p in param_of.items():
+        p.copy_(state["model"][name])
+    engine = trainer.engine
+    restore_optimizer(engine.optimizer, state["optimizer"], param_of)
+    engine.lr_scheduler.load_state_dict(state["scheduler"])
+    for k in ENGINE_COUNTERS:
+        setattr(engine, k, state["engine"][k])
+    trainer.step = state["step"]
+    for k, component in trainer.extra_state.items():
+        component.load_state_dict(state["extra"][k])
+    if "rng" in state:
+        restore_rng(state["rng"])
