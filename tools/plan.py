@@ -1,0 +1,477 @@
+"""Plan a MuLoCo run before renting machines: parameters, per-rank memory, bytes per outer sync and
+an idealised wall-clock for a token budget against data-parallel AdamW and Muon.
+
+    python tools/plan.py --model 15b --tensor 4 --pipeline 2 --data 4 --workers 16 --sync-interval 30 \
+        --compression statistical:4 --seq-length 2048 --global-batch 1024 --bandwidth-gbit 10 --tokens 1e11 \
+        [--ds-config ds_configs/gpu_15b_muloco_k16.json] [--json]
+
+Shapes come from the real Megatron GPTModel: every pipeline stage of one tensor-parallel rank is
+built on the meta device (no memory) in a single process that joins a *fake* T x P world
+(torch's "fake" process-group backend), so Megatron's own layers decide the shard shapes. TP ranks of
+a stage hold identically shaped shards, so one TP rank per stage is enough.
+
+Memory model (bytes per rank, the largest pipeline stage; this trainer keeps fp32 parameters and
+runs bf16 as Megatron autocast over them):
+  weights 4/param; bf16 weight copies autocast keeps for the backward 2/param (bf16 only);
+  gradients 4/param (DeepSpeed without ZeRO keeps them in the parameter dtype);
+  Muon momentum 4 per Muon parameter; AdamW moments 8 per AdamW parameter;
+  Muon step workspace: 4 fp32 buffers of one gathered bucket (DistributedMuon gathers TP shards of a
+  bucket of at most `bucket_numel` full-layout elements: local flat, gathered, full-layout copies,
+  scatter buffer);
+  activations (Korthikanti et al. 2022, no sequence parallelism, no recomputation, Megatron's local
+  attention that materialises the scores): s*b*h*(10 + 24/T + 5*a*s/(h*T)) bytes per layer and
+  micro-batch of b sequences, min(P, M) micro-batches in flight on the first stage (1F1B);
+  logits on the last stage: 8 bytes per token and local vocab entry (fp32 logits and their gradient).
+  Not counted: the CUDA context and allocator fragmentation (keep ~10% headroom).
+Host memory (outer state, per rank): each of the D inner-DP replicas owns ~1/D of its shard (the
+outer loop's own owner assignment): fp32 global weights 4 + outer momentum 4 + error feedback 4 (the
+compressed parameters, when on) + the fp32 pseudogradient 4 built at a sync.
+
+Bytes per outer sync per rank: the compression module's `Compressor.payload_nbytes` on each owned
+tensor as the outer loop sends it (row-parallel weights transposed; embeddings, the head and 1-D
+tensors uncompressed with `uncompressed_small`), put through the formulas of
+trainer/diloco/collectives.py (all_gather: (K-1) * S; reduce_scatter: sum_{j != k} S_j + (K-1) * max_j S_j).
+
+Wall-clock model (idealised): compute is 6 * N * tokens FLOPs at `--mfu` of `--gpu-tflops` per GPU,
+on the same K*D*P*T GPUs for every method, stretched by the pipeline bubble (M + P - 1) / M.
+The K datacenters are joined by links of `--bandwidth-gbit` each; with `--bandwidth-scope datacenter`
+(the default) the ranks of a datacenter share its link, with `rank` each rank has its own.
+- DP AdamW / DP Muon: every step, a hierarchical gradient all-reduce whose cross-datacenter part is a
+  ring all-reduce over K of each rank's 1/D share of its shard, 2 (K-1)/K * shard/D * `--dp-grad-bytes`,
+  assumed perfectly overlapped with compute (step = max(compute, communication), the best case for DP).
+- MuLoCo: every H steps one sync of the bytes above, not overlapped (or overlapped with tau inner steps
+  when the ds_config's streaming block sets overlap_steps).
+Latency, the intra-datacenter collectives and Newton-Schulz time are ignored. Same tokens for every
+method: MuLoCo at K > 1 reaches a somewhat higher loss at equal tokens (DESIGN.md's table), which this
+model does not price in.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer.config import ConfigError, _check_model  # noqa: E402
+from trainer.diloco.collectives import row_split  # noqa: E402
+from trainer.diloco.compression import Compressor, CompressionConfig, rows_shape  # noqa: E402
+from trainer.model.layout import layout_of  # noqa: E402
+from trainer.model.presets import PRESETS, ModelShape  # noqa: E402
+from trainer.optim.ownership import assign_owners  # noqa: E402
+
+PAPER_VOCAB = 128_256  # the paper's presets' parameter counts match a Llama-3-sized vocabulary
+GIB = 1024 ** 3
+MUON_WORKSPACE_BUFFERS = 4
+
+
+@dataclass(frozen=True)
+class ShardParam:
+    """One parameter as one TP rank of one pipeline stage holds it."""
+    name: str
+    shape: tuple[int, ...]
+    tensor_parallel: bool  # split across TP ranks (False: replicated, e.g. norms)
+    transposed_on_wire: bool  # row-parallel weights are compressed by columns
+    embedding_or_output: bool
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def muon(self) -> bool:
+        """Routed to Muon when the inner optimizer is Muon (trainer.optim.routing's rule)."""
+        return len(self.shape) == 2 and not self.embedding_or_output
+
+
+# -- shapes from the real model -------------------------------------------------------------------
+
+def build_stage_shards(shape: ModelShape, vocab_size: int, tensor: int, pipeline: int) -> list[list[ShardParam]]:
+    """Parameters of TP rank 0 of every pipeline stage, from Megatron's GPTModel built on meta."""
+    # Imported here: megatron-core and the fake backend are only needed for building.
+    from megatron.core import parallel_state as mps
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    from megatron_patches import apply_cpu_shims_if_needed
+    from trainer.model.builder import build_model, padded_vocab_size
+
+    _check_model(shape, tensor, pipeline)
+    vocab = padded_vocab_size(vocab_size, tensor)
+    apply_cpu_shims_if_needed()
+    stages = []
+    for stage in range(pipeline):
+        # A single process cannot join a real T x P world; the fake backend lets it be any rank.
+        dist.init_process_group("fake", rank=stage * tensor, world_size=tensor * pipeline, store=FakeStore())
+        try:
+            mps.initialize_model_parallel(tensor, pipeline, order="tp-pp-dp", create_gloo_process_groups=False)
+            with torch.device("meta"):
+                model = build_model(shape, vocab)
+            stages.append([ShardParam(name, tuple(p.shape), layout_of(name).partition_dim is not None,
+                                      layout_of(name).partition_dim == 1,
+                                      name.endswith(("word_embeddings.weight", "output_layer.weight")))
+                           for name, p in model.named_parameters()])
+        finally:
+            mps.destroy_model_parallel()
+            dist.destroy_process_group()
+    return stages
+
+
+def parameter_count(stages: list[list[ShardParam]], tensor: int) -> int:
+    """Global count: TP-split parameters times T, replicated ones once."""
+    return sum(p.numel * (tensor if p.tensor_parallel else 1) for stage in stages for p in stage)
+
+
+# -- inputs ---------------------------------------------------------------------------------------
+
+@dataclass
+class PlanInputs:
+    model: str
+    tensor: int
+    pipeline: int
+    data: int
+    workers: int
+    sync_interval: int
+    compression: CompressionConfig
+    collective: str
+    optimizer: str  # the inner optimizer of the MuLoCo run: "muon" (MuLoCo) or "adamw" (DiLoCo)
+    seq_length: int
+    global_batch: int
+    micro_batch: int
+    bf16: bool
+    bandwidth_gbit: float
+    bandwidth_scope: str
+    tokens: float
+    gpu_tflops: float
+    mfu: float
+    dp_grad_bytes: int
+    overlap_steps: int
+    vocab_size: int
+    gpu_memory_gib: float
+
+    @property
+    def gpus(self) -> int:
+        return self.workers * self.data * self.pipeline * self.tensor
+
+    @property
+    def ranks_per_worker(self) -> int:
+        return self.data * self.pipeline * self.tensor
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per rank per step (gradient accumulation), from B split over K workers x D."""
+        per_step = self.micro_batch * self.data * self.workers
+        if self.global_batch % per_step:
+            raise ConfigError(f"global batch {self.global_batch} is not divisible by micro-batch x D x K = "
+                              f"{self.micro_batch} x {self.data} x {self.workers}")
+        return self.global_batch // per_step
+
+
+def parse_compression(spec: str, error_feedback: bool) -> CompressionConfig:
+    """'none', 'statistical:4', 'linear:2', 'topk:0.02'."""
+    method, _, arg = spec.partition(":")
+    if method == "topk":
+        return CompressionConfig(method, topk_fraction=float(arg or 0.02), error_feedback=error_feedback)
+    if method == "none":
+        return CompressionConfig("none")
+    return CompressionConfig(method, bits=int(arg or 4), error_feedback=error_feedback)
+
+
+# -- memory ---------------------------------------------------------------------------------------
+
+@dataclass
+class Memory:
+    stage: int
+    weights: float
+    bf16_weight_copies: float
+    gradients: float
+    muon_momentum: float
+    adamw_moments: float
+    muon_workspace: float
+    activations: float
+    logits: float
+    host_outer_state: float  # host memory, per rank
+
+    @property
+    def device_total(self) -> float:
+        return (self.weights + self.bf16_weight_copies + self.gradients + self.muon_momentum + self.adamw_moments
+                + self.muon_workspace + self.activations + self.logits)
+
+
+def _muon_bucket_numel() -> int | None:
+    from trainer.optim.distributed_muon import DistributedMuon
+
+    default = inspect.signature(DistributedMuon.__init__).parameters.get("bucket_numel")
+    return None if default is None else int(default.default)
+
+
+def stage_memory(stage_index: int, stage: list[ShardParam], inputs: PlanInputs, optimizer: str) -> Memory:
+    shape = PRESETS[inputs.model].with_overrides(seq_length=inputs.seq_length)
+    T, P = inputs.tensor, inputs.pipeline
+    n = sum(p.numel for p in stage)
+    n_muon = sum(p.numel for p in stage if p.muon) if optimizer == "muon" else 0
+    gathered = n_muon * T if T > 1 else 0  # T = 1 orthogonalizes in place, nothing is gathered
+    bucket = _muon_bucket_numel()
+    if bucket is not None:
+        gathered = min(gathered, bucket)
+    s, b, h, a = inputs.seq_length, inputs.micro_batch, shape.hidden_size, shape.num_attention_heads
+    per_layer = s * b * h * (10 + 24 / T + 5 * a * s / (h * T))
+    layers = shape.num_layers // P
+    in_flight = min(P - stage_index, inputs.micro_batches)  # 1F1B: stage i holds P - i micro-batches
+    vocab_local = sum(p.shape[0] for p in stage if p.name.endswith("output_layer.weight"))
+    return Memory(
+        stage=stage_index,
+        weights=4 * n,
+        bf16_weight_copies=2 * n if inputs.bf16 else 0,
+        gradients=4 * n,
+        muon_momentum=4 * n_muon,
+        adamw_moments=8 * (n - n_muon),
+        muon_workspace=MUON_WORKSPACE_BUFFERS * 4 * gathered,
+        activations=per_layer * layers * in_flight,
+        logits=8 * s * b * vocab_local,
+        host_outer_state=host_outer_state(stage, inputs),
+    )
+
+
+def _owned(stage: list[ShardParam], data: int, replica: int) -> list[ShardParam]:
+    """The parameters inner-DP replica `replica` syncs (trainer.diloco.outer_loop's assignment)."""
+    owners = assign_owners([p.numel for p in stage], data)
+    return [p for p, owner in zip(stage, owners) if owner == replica]
+
+
+def _sent_uncompressed(p: ShardParam, compression: CompressionConfig) -> bool:
+    return compression.method == "none" or (compression.uncompressed_small and (len(p.shape) == 1 or p.embedding_or_output))
+
+
+def host_outer_state(stage: list[ShardParam], inputs: PlanInputs) -> float:
+    ef = inputs.compression.error_feedback
+    return max(sum(p.numel * (12 + (4 if ef and not _sent_uncompressed(p, inputs.compression) else 0))
+                   for p in _owned(stage, inputs.data, d)) for d in range(inputs.data))
+
+
+# -- bytes ----------------------------------------------------------------------------------------
+
+def _wire_shape(p: ShardParam) -> tuple[int, ...]:
+    return (p.shape[1], p.shape[0]) if p.transposed_on_wire else p.shape
+
+
+def sync_bytes_sent(params: list[ShardParam], compression: CompressionConfig, collective: str, workers: int,
+                    outer_rank: int) -> int:
+    """Bytes one rank sends in one outer sync of `params` (collectives.py's accounting)."""
+    if not params or workers == 1:
+        return 0
+    raw = Compressor(CompressionConfig("none"))
+    codec = Compressor(compression)
+
+    def nbytes(p: ShardParam, shape) -> int:
+        size = (raw if _sent_uncompressed(p, compression) else codec).payload_nbytes(shape)
+        if size is None:
+            raise ConfigError("zstd payload sizes depend on the data; plan without zstd")
+        return size
+
+    if collective == "all_gather":
+        return (workers - 1) * sum(nbytes(p, _wire_shape(p)) for p in params)
+    chunk = [0] * workers  # S_j: bytes of row chunk j over all tensors
+    for p in params:
+        rows, cols = rows_shape(_wire_shape(p))
+        for j, count in enumerate(row_split(rows, workers)):
+            chunk[j] += nbytes(p, (count, cols))
+    return sum(s for j, s in enumerate(chunk) if j != outer_rank) + (workers - 1) * max(chunk)
+
+
+@dataclass
+class SyncBytes:
+    per_rank_max: int  # the busiest rank
+    per_rank_mean: float  # what the trainer logs as bytes_sent_per_rank
+    per_worker: int  # all ranks of one datacenter together (mean over workers)
+    uncompressed_per_rank_max: int  # the same sync without compression, for the ratio
+
+
+def outer_sync_bytes(stages: list[list[ShardParam]], inputs: PlanInputs) -> SyncBytes:
+    def per_rank(compression: CompressionConfig) -> list[int]:
+        # TP ranks of a stage hold identically shaped shards, so stage 0's TP rank 0 stands for all T.
+        return [sync_bytes_sent(_owned(stage, inputs.data, d), compression, inputs.collective, inputs.workers, k)
+                for k in range(inputs.workers) for stage in stages for d in range(inputs.data)]
+
+    sent = per_rank(inputs.compression)
+    raw = per_rank(CompressionConfig("none"))
+    total = sum(sent) * inputs.tensor  # over every rank of the world
+    return SyncBytes(max(sent), total / inputs.gpus, round(total / inputs.workers), max(raw))
+
+
+# -- wall-clock -----------------------------------------------------------------------------------
+
+@dataclass
+class MethodTime:
+    method: str
+    steps: int
+    compute_s_per_step: float
+    communication_s_per_step: float  # cross-datacenter, amortised per inner step
+    total_hours: float
+    cross_dc_bytes_per_rank: float  # over the whole run
+
+
+def _link_seconds(busiest_rank_bytes: float, datacenter_bytes: float, inputs: PlanInputs) -> float:
+    """A shared datacenter link carries every rank's bytes; per-rank links wait for the busiest rank."""
+    nbytes = datacenter_bytes if inputs.bandwidth_scope == "datacenter" else busiest_rank_bytes
+    return nbytes * 8 / (inputs.bandwidth_gbit * 1e9)
+
+
+def wall_clock(params: int, stages: list[list[ShardParam]], sync: SyncBytes, inputs: PlanInputs) -> list[MethodTime]:
+    tokens_per_step = inputs.global_batch * inputs.seq_length
+    steps = math.ceil(inputs.tokens / tokens_per_step)
+    M = inputs.micro_batches
+    bubble = (M + inputs.pipeline - 1) / M
+    compute = 6 * params * tokens_per_step / (inputs.gpus * inputs.gpu_tflops * 1e12 * inputs.mfu) * bubble
+    shard = max(sum(p.numel for p in stage) for stage in stages)
+    K = inputs.workers
+    dp_bytes = 2 * (K - 1) / K * shard / inputs.data * inputs.dp_grad_bytes
+    dp_comm = _link_seconds(dp_bytes, dp_bytes * inputs.ranks_per_worker, inputs)
+    times = [MethodTime(name, steps, compute, dp_comm, steps * max(compute, dp_comm) / 3600, steps * dp_bytes)
+             for name in ("DP AdamW", "DP Muon")]
+    sync_s = _link_seconds(sync.per_rank_max, sync.per_worker, inputs)
+    exposed = max(0.0, sync_s - inputs.overlap_steps * compute)
+    name = f"{'MuLoCo' if inputs.optimizer == 'muon' else 'DiLoCo'} K={K}"
+    syncs = steps // inputs.sync_interval
+    times.append(MethodTime(name, steps, compute, sync_s / inputs.sync_interval,
+                            (steps * compute + syncs * exposed) / 3600, syncs * sync.per_rank_max))
+    return times
+
+
+# -- the plan -------------------------------------------------------------------------------------
+
+@dataclass
+class Plan:
+    inputs: PlanInputs
+    parameters: int
+    memory: list[Memory]  # the worst stage of the MuLoCo run's inner optimizer, then of DP AdamW
+    sync: SyncBytes
+    times: list[MethodTime]
+    fits: bool
+
+
+def make_plan(inputs: PlanInputs) -> Plan:
+    shape = PRESETS[inputs.model].with_overrides(seq_length=inputs.seq_length)
+    stages = build_stage_shards(shape, inputs.vocab_size, inputs.tensor, inputs.pipeline)
+    params = parameter_count(stages, inputs.tensor)
+    memory = [max((stage_memory(i, stage, inputs, opt) for i, stage in enumerate(stages)),
+                  key=lambda m: m.device_total) for opt in (inputs.optimizer, "adamw")]
+    sync = outer_sync_bytes(stages, inputs)
+    fits = memory[0].device_total * 1.1 <= inputs.gpu_memory_gib * GIB
+    return Plan(inputs, params, memory, sync, wall_clock(params, stages, sync, inputs), fits)
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.2f} GiB"
+
+
+def render(plan: Plan) -> str:
+    i = plan.inputs
+    lines = [f"# plan: {i.model}, K={i.workers} x D={i.data} x P={i.pipeline} x T={i.tensor} = {i.gpus} GPUs",
+             f"parameters: {plan.parameters:,} (vocab {i.vocab_size}, seq {i.seq_length})",
+             f"batch: B={i.global_batch} sequences/step = {i.global_batch // i.workers} per worker = "
+             f"micro {i.micro_batch} x accumulation {i.micro_batches} x D {i.data}",
+             "", f"## memory per rank (worst pipeline stage; {'bf16 autocast' if i.bf16 else 'fp32'})",
+             f"| | {i.optimizer} inner (stage {plan.memory[0].stage}) | adamw (stage {plan.memory[1].stage}) |",
+             "|---|---|---|"]
+    for key in ("weights", "bf16_weight_copies", "gradients", "muon_momentum", "adamw_moments", "muon_workspace",
+                "activations", "logits"):
+        lines.append(f"| {key} | {_gib(getattr(plan.memory[0], key))} | {_gib(getattr(plan.memory[1], key))} |")
+    lines += [f"| **device total** | **{_gib(plan.memory[0].device_total)}** | {_gib(plan.memory[1].device_total)} |",
+              f"| host outer state | {_gib(plan.memory[0].host_outer_state)} | |",
+              f"fits a {i.gpu_memory_gib:g} GiB GPU with 10% headroom: {'yes' if plan.fits else 'NO'}",
+              "", f"## bytes per outer sync ({i.compression.method}"
+              f"{'' if i.compression.method == 'none' else ':' + str(i.compression.bits)}"
+              f"{'+EF' if i.compression.error_feedback else ''}, {i.collective})",
+              f"per rank: {plan.sync.per_rank_max:,} B (max), {plan.sync.per_rank_mean:,.0f} B (mean); "
+              f"per datacenter: {plan.sync.per_worker:,} B; "
+              f"uncompressed per rank: {plan.sync.uncompressed_per_rank_max:,} B "
+              f"({plan.sync.uncompressed_per_rank_max / max(plan.sync.per_rank_max, 1):.1f}x)",
+              "", f"## idealised wall-clock for {i.tokens:.3g} tokens at {i.bandwidth_gbit:g} Gbit/s per "
+              f"{i.bandwidth_scope} ({i.gpu_tflops:g} TFLOP/s x MFU {i.mfu:g})",
+              "| method | steps | compute s/step | cross-DC s/step | hours | vs fastest | cross-DC bytes/rank |",
+              "|---|---|---|---|---|---|---|"]
+    fastest = min(t.total_hours for t in plan.times)
+    for t in plan.times:
+        lines.append(f"| {t.method} | {t.steps:,} | {t.compute_s_per_step:.3f} | {t.communication_s_per_step:.3f} | "
+                     f"{t.total_hours:,.1f} | {t.total_hours / fastest:.2f}x | {t.cross_dc_bytes_per_rank:.3g} |")
+    return "\n".join(lines)
+
+
+def _inputs_from_args(args: argparse.Namespace) -> PlanInputs:
+    ds = json.loads(Path(args.ds_config).read_text()) if args.ds_config else {}
+    muloco = ds.get("muloco", {})
+    pick = lambda flag, default: default if flag is None else flag  # noqa: E731
+    workers = pick(args.workers, muloco.get("workers", 1))
+    data = args.data
+    micro = pick(args.micro_batch, ds.get("train_micro_batch_size_per_gpu", 1))
+    if args.global_batch is not None:
+        global_batch = args.global_batch
+    else:
+        global_batch = micro * ds.get("gradient_accumulation_steps", 1) * data * workers
+    if args.compression is not None:
+        compression = parse_compression(args.compression, args.error_feedback)
+    else:
+        compression = CompressionConfig(**muloco.get("compression", {}))
+    return PlanInputs(
+        model=args.model, tensor=args.tensor, pipeline=args.pipeline, data=data, workers=workers,
+        sync_interval=pick(args.sync_interval, muloco.get("sync_interval", 30)), compression=compression,
+        collective=pick(args.collective, muloco.get("collective", "all_gather")),
+        optimizer=str(ds.get("optimizer", {}).get("type", "muon")), seq_length=args.seq_length,
+        global_batch=global_batch, micro_batch=micro,
+        bf16=bool(ds.get("bf16", {}).get("enabled", True)) if args.ds_config else True,
+        bandwidth_gbit=args.bandwidth_gbit, bandwidth_scope=args.bandwidth_scope, tokens=args.tokens,
+        gpu_tflops=args.gpu_tflops, mfu=args.mfu, dp_grad_bytes=args.dp_grad_bytes,
+        overlap_steps=muloco.get("streaming", {}).get("overlap_steps", 0), vocab_size=args.vocab_size,
+        gpu_memory_gib=args.gpu_memory_gib)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, choices=sorted(PRESETS))
+    p.add_argument("--tensor", type=int, default=1)
+    p.add_argument("--pipeline", type=int, default=1)
+    p.add_argument("--data", type=int, default=1, help="D, inner data-parallel replicas per worker")
+    p.add_argument("--workers", type=int, default=None, help="K (default: the ds_config's, else 1)")
+    p.add_argument("--sync-interval", type=int, default=None, help="H (default: the ds_config's, else 30)")
+    p.add_argument("--compression", default=None, help="none | statistical:BITS | linear:BITS | topk:FRACTION")
+    p.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--collective", choices=["all_gather", "reduce_scatter"], default=None)
+    p.add_argument("--seq-length", type=int, default=2048)
+    p.add_argument("--global-batch", type=int, default=None, help="B sequences per step over all workers")
+    p.add_argument("--micro-batch", type=int, default=None)
+    p.add_argument("--vocab-size", type=int, default=PAPER_VOCAB)
+    p.add_argument("--bandwidth-gbit", type=float, default=10.0)
+    p.add_argument("--bandwidth-scope", choices=["datacenter", "rank"], default="datacenter")
+    p.add_argument("--tokens", type=float, default=1e11)
+    p.add_argument("--gpu-tflops", type=float, default=989.0, help="peak dense bf16 TFLOP/s per GPU (H100 SXM)")
+    p.add_argument("--mfu", type=float, default=0.4)
+    p.add_argument("--dp-grad-bytes", type=int, default=2, help="bytes per gradient element DP all-reduces (bf16)")
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    p.add_argument("--ds-config", default=None, help="take K, H, compression, collective, optimizer, batch from it")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of markdown")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        plan = make_plan(_inputs_from_args(args))
+    except (ConfigError, ValueError) as err:
+        print(f"plan error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(asdict(plan), default=str))
+    else:
+        print(render(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
