@@ -50,16 +50,31 @@ class ShardGroup:
 
 
 class DistributedMuon:
+    """`bucket_numel` bounds the full-layout elements gathered at once (memory at 15B scale); the
+    ownership plan is global, so each bucket's work is spread over all owners too."""
+
     def __init__(self, names: list[str], params: list[torch.nn.Parameter], model_shape: ModelShape,
-                 tp: ShardGroup, dp: ShardGroup):
+                 tp: ShardGroup, dp: ShardGroup, bucket_numel: int = 1 << 28):
         self.names, self.params, self.model_shape, self.tp, self.dp = names, params, model_shape, tp, dp
         self.layouts: list[ParamLayout] = [layout_of(n) for n in names]
         self.full_shapes = [full_shape(tuple(p.shape), lay, tp.size) for p, lay in zip(params, self.layouts)]
         self.matrices = [LogicalMatrix(i, part, shp)
                          for i, (n, fs) in enumerate(zip(names, self.full_shapes))
                          for part, shp in logical_shapes(n, fs, model_shape).items()]
+        self.buckets = self._buckets(bucket_numel)
         self.plan: OwnershipPlan | None = None
         self._ns_steps: int | None = None
+
+    def _buckets(self, bucket_numel: int) -> list[list[int]]:
+        buckets, current, size = [], [], 0
+        for i, p in enumerate(self.params):
+            n = p.numel() * self.tp.size
+            if current and size + n > bucket_numel:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(i)
+            size += n
+        return buckets + ([current] if current else [])
 
     def _ownership(self, ns_steps: int) -> OwnershipPlan:
         if self.plan is None or self._ns_steps != ns_steps:
@@ -72,48 +87,49 @@ class DistributedMuon:
     def owner_id(self) -> int:
         return self.dp.rank * self.tp.size + self.tp.rank
 
-    def _gather_full(self, directions: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _gather_full(self, bucket: list[int], directions: list[torch.Tensor]) -> dict[int, torch.Tensor]:
         if self.tp.size == 1:
-            return directions
-        flat = torch.cat([d.reshape(-1) for d in directions])
+            return {i: directions[i] for i in bucket}
+        flat = torch.cat([directions[i].reshape(-1) for i in bucket])
         gathered = torch.empty(self.tp.size * flat.numel(), dtype=flat.dtype, device=flat.device)
         dist.all_gather_into_tensor(gathered, flat, group=self.tp.group)
         per_rank = gathered.view(self.tp.size, -1)
-        fulls, offset = [], 0
-        for d, layout in zip(directions, self.layouts):
-            n = d.numel()
-            fulls.append(unshard([per_rank[r, offset:offset + n].view_as(d) for r in range(self.tp.size)], layout))
+        fulls, offset = {}, 0
+        for i in bucket:
+            d, n = directions[i], directions[i].numel()
+            fulls[i] = unshard([per_rank[r, offset:offset + n].view_as(d) for r in range(self.tp.size)],
+                               self.layouts[i])
             offset += n
         return fulls
 
-    def _orthogonalized_updates(self, fulls: list[torch.Tensor], config: MuonConfig) -> list[torch.Tensor | None]:
-        """Full-layout, lr-scaled updates for the parameters holding a matrix this rank owns."""
-        plan = self._ownership(config.ns_steps)
+    def _orthogonalized_updates(self, fulls: dict[int, torch.Tensor], config: MuonConfig) -> dict[int, torch.Tensor]:
+        """Full-layout, lr-scaled updates of the bucket's parameters holding a matrix this rank owns."""
         mine: dict[int, dict[str, torch.Tensor]] = {}
-        for item in plan.items_of(self.owner_id):
+        for item in self._ownership(config.ns_steps).items_of(self.owner_id):
             m = self.matrices[item]
+            if m.param_index not in fulls:
+                continue
             direction = logical_matrices(self.names[m.param_index], fulls[m.param_index], self.model_shape)[m.part]
             ortho = orthogonalize_direction(direction, config) * lr_scale(m.shape, config.lr_scaling)
             mine.setdefault(m.param_index, {})[m.part] = ortho
-        updates: list[torch.Tensor | None] = [None] * len(fulls)
+        updates = {}
         for i, parts in mine.items():
-            logical = logical_matrices(self.names[i], fulls[i], self.model_shape)
-            for part, tensor in logical.items():
+            for part, tensor in logical_matrices(self.names[i], fulls[i], self.model_shape).items():
                 parts.setdefault(part, torch.zeros_like(tensor))
             updates[i] = from_logical_matrices(self.names[i], parts, self.model_shape)
         return updates
 
-    def _scatter_local(self, updates: list[torch.Tensor | None]) -> list[torch.Tensor]:
-        """Every rank's local slice of the updates, from the owners' full-layout results."""
+    def _scatter_local(self, bucket: list[int], updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Every rank's local slice of the bucket's updates, from the owners' full-layout results."""
         if self.tp.size == 1 and self.dp.size == 1:
             return updates  # this rank owns everything
-        local_sizes = [p.numel() for p in self.params]
-        buffer = torch.zeros(self.tp.size, sum(local_sizes), dtype=self.params[0].dtype)
+        sizes = [self.params[i].numel() for i in bucket]
+        buffer = torch.zeros(self.tp.size, sum(sizes), dtype=self.params[bucket[0]].dtype)
         offset = 0
-        for p, layout, update, n in zip(self.params, self.layouts, updates, local_sizes):
-            if update is not None:
+        for i, n in zip(bucket, sizes):
+            if i in updates:
                 for r in range(self.tp.size):
-                    buffer[r, offset:offset + n] = shard(update, layout, r, self.tp.size).reshape(-1)
+                    buffer[r, offset:offset + n] = shard(updates[i], self.layouts[i], r, self.tp.size).reshape(-1)
             offset += n
         if self.dp.size > 1:
             dist.all_reduce(buffer, group=self.dp.group)
@@ -122,9 +138,9 @@ class DistributedMuon:
             dist.reduce_scatter_tensor(local, buffer.reshape(-1), group=self.tp.group)
         else:
             local = buffer[0]
-        out, offset = [], 0
-        for p, n in zip(self.params, local_sizes):
-            out.append(local[offset:offset + n].view_as(p))
+        out, offset = {}, 0
+        for i, n in zip(bucket, sizes):
+            out[i] = local[offset:offset + n].view_as(self.params[i])
             offset += n
         return out
 
@@ -133,6 +149,8 @@ class DistributedMuon:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         directions = [update_momentum(buf, g, config.momentum, config.nesterov)
                       for buf, g in zip(momentum_buffers, grads)]
-        updates = self._scatter_local(self._orthogonalized_updates(self._gather_full(directions), config))
-        for p, u in zip(self.params, updates):
-            apply_update(p, u, config.lr, config.weight_decay, scale=1.0)  # lr scale applied per logical matrix
+        for bucket in self.buckets:
+            updates = self._scatter_local(bucket, self._orthogonalized_updates(self._gather_full(bucket, directions), config))
+            for i in bucket:
+                # The lr scale was applied per logical matrix (Q, K, V differ in shape).
+                apply_update(self.params[i], updates[i], config.lr, config.weight_decay, scale=1.0)
