@@ -62,6 +62,19 @@ class Datasets:
     valid: GPTDataset | None
 
 
+def check_data(data: DataConfig) -> None:
+    """Fail on missing data or tokenizer before any process group or collective exists."""
+    if not data.data_path:
+        raise ValueError("no training data: give --data-path PREFIX (the P of P.bin/P.idx)")
+    _blend(data.data_path)
+    if data.valid_data_path:
+        _blend(data.valid_data_path)
+    if data.tokenizer_model and not Path(data.tokenizer_model).is_file():
+        raise FileNotFoundError(f"tokenizer model {data.tokenizer_model} not found (from --tokenizer-model)")
+    if not data.tokenizer_model and not data.vocab_size:
+        raise ValueError("give --tokenizer-model (or --vocab-size for pre-tokenized data without a tokenizer)")
+
+
 def build_datasets(data: DataConfig, tokenizer: TokenizerInfo, seq_length: int, seed: int,
                    train_samples: int, valid_samples: int, cache_dir: str) -> Datasets:
     """Every rank must call this (Megatron builds on rank 0 first, then the others read its cache)."""
