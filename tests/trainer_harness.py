@@ -1,0 +1,124 @@
+"""Running the real trainer from tests and benchmarks: the deepspeed launcher on a private port with
+a timeout that kills every rank, runs assembled by trainer.run inside the current process, the run
+dir's metrics, and the real tiny Megatron model in a single-process world."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PRETRAIN = REPO_ROOT / "trainer" / "pretrain.py"
+DS_CONFIGS = {name: REPO_ROOT / "ds_configs" / f"cpu_tiny_{name}.json" for name in ("muon", "adamw")}
+TINY_VOCAB = 1000
+LAUNCH_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    # Other people's launches share this machine: the default port 29500 would collide.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_flags(data_prefix: str | Path, run_dir: str | Path, optimizer: str, *extra: str) -> list[str]:
+    """pretrain.py flags for the tiny preset on a synthetic dataset of vocabulary TINY_VOCAB."""
+    return ["--ds_config", str(DS_CONFIGS[optimizer]), "--model", "tiny", "--data-path", str(data_prefix),
+            "--vocab-size", str(TINY_VOCAB), "--run-dir", str(run_dir), *extra]
+
+
+@dataclass
+class LaunchResult:
+    returncode: int
+    output: str  # stdout and stderr of the launcher and every rank, interleaved
+
+    def check(self, what: str) -> "LaunchResult":
+        assert self.returncode == 0, f"{what} failed (exit {self.returncode}):\n{self.output[-8000:]}"
+        return self
+
+
+def deepspeed_launch(script: str | Path, num_ranks: int, args: list[str],
+                     timeout_s: float = LAUNCH_TIMEOUT_S) -> LaunchResult:
+    """`deepspeed --num_gpus N script args` (N gloo processes on CPU). A hang fails within the
+    timeout: the launcher and its ranks share a new session, which is killed as a whole."""
+    command = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(num_ranks),
+               "--master_port", str(free_port()), str(script), *args]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return LaunchResult(124, f"timed out after {timeout_s} s\n{output}")
+    return LaunchResult(proc.returncode, output)
+
+
+def init_distributed() -> None:
+    """As pretrain.py does; outside a launcher this process becomes a world of one."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+
+
+def run_trainer(flags: list[str], trainer_class=None) -> dict:
+    """One run exactly as pretrain.py assembles it, in this process (after init_distributed);
+    Megatron's groups are torn down afterwards so that the next run can build its own."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mps
+
+    from trainer.config import build_parser, resolve
+    from trainer.run import run
+    from trainer.training import Trainer
+
+    config = resolve(build_parser().parse_args(flags), dist.get_world_size())
+    try:
+        return run(config, trainer_class or Trainer)
+    finally:
+        mps.destroy_model_parallel()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+
+
+@contextmanager
+def megatron_world_of_one(seed: int = 1234):
+    """A single-process gloo world with Megatron's groups (T = P = D = 1) and the CPU shims, for
+    building the real model inside a test."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_patches import apply_cpu_shims_if_needed
+
+    apply_cpu_shims_if_needed()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mps.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
+    model_parallel_cuda_manual_seed(seed)
+    try:
+        yield
+    finally:
+        mps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def tiny_model(seed: int = 1234):
+    """The tiny preset's GPTModel with the trainer's initial weights (inside megatron_world_of_one)."""
+    from trainer.model.builder import build_model, initialize_weights, padded_vocab_size
+    from trainer.model.presets import PRESETS
+
+    model = build_model(PRESETS["tiny"], padded_vocab_size(TINY_VOCAB, 1))
+    initialize_weights(model, PRESETS["tiny"], seed)
+    return model
