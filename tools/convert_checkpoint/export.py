@@ -1,0 +1,51 @@
+"""Writes the Hugging Face directory: config.json, generation_config.json, sharded safetensors and,
+when the run used one, the tokenizer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import GenerationConfig
+
+from tokenizer.hf_export import export_hf_tokenizer
+from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
+from tools.convert_checkpoint.hf_mapping import hf_config, hf_tensors
+from tools.convert_checkpoint.merge import full_weights
+from tools.convert_checkpoint.safetensors_writer import ShardedSafetensorsWriter
+from trainer.checkpoint import CheckpointReader
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 2 ** 30
+
+
+@dataclass
+class ExportResult:
+    out_dir: Path
+    architecture: str
+    files: list[Path]
+    total_bytes: int
+    tokenizer: bool
+
+
+def _special_ids(reader: CheckpointReader) -> dict[str, int]:
+    if reader.meta.tokenizer_model is None:
+        return {}
+    tok = SentencePieceTokenizer(reader.directory / reader.meta.tokenizer_model)
+    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eod_id, "pad_token_id": tok.pad_id}
+    return {k: v for k, v in ids.items() if v is not None and v >= 0}
+
+
+def export(reader: CheckpointReader, out_dir: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> ExportResult:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    special = _special_ids(reader)
+    config = hf_config(reader.meta, special)
+    config.save_pretrained(out)
+    GenerationConfig(**special).save_pretrained(out)
+    writer = ShardedSafetensorsWriter(out, max_shard_bytes)
+    for name, full in full_weights(reader):
+        for hf_name, tensor in hf_tensors(name, full, reader.meta).items():
+            writer.add(hf_name, tensor)
+    files = writer.close()
+    if reader.meta.tokenizer_model is not None:
+        export_hf_tokenizer(reader.directory / reader.meta.tokenizer_model, out)
+    return ExportResult(out, config.architectures[0], files, writer.total_bytes, bool(special))
