@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The first command on a fresh machine: sets up .venv, builds a small real-text corpus from the
+# Python standard library's documentation, trains a tokenizer, preprocesses, and pretrains a tiny
+# model with DeepSpeed on 2 CPU processes for a few minutes. Offline once installed. Re-running
+# skips the stages that finished.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DS_CONFIG=ds_configs/cpu_tiny_muon.json  # the method the demo shows
+TRAIN_ITERS=120
+EVAL_INTERVAL=20
+DATA=demo_data
+RUN_DIR=runs/demo
+
+. scripts/venv.sh
+
+echo "[demo 1/5] corpus: Python stdlib docs in Nemotron-CC layout -> $DATA/corpus"
+if [ -f "$DATA/corpus/.complete" ]; then
+    echo "  done before, skipping"
+else
+    python -m tools.build_demo_corpus --output "$DATA/corpus"
+    touch "$DATA/corpus/.complete"
+fi
+
+echo "[demo 2/5] tokenizer: SentencePiece BPE, vocab 4096 -> $DATA/tokenizer/demo.model"
+if [ -f "$DATA/tokenizer/demo.model" ]; then
+    echo "  done before, skipping"
+else
+    python -m tokenizer.train --input "$DATA/corpus/train" --vocab-size 4096 --output-prefix "$DATA/tokenizer/demo"
+fi
+
+echo "[demo 3/5] preprocess: tokenize into Megatron .bin/.idx with 2 workers -> $DATA/data"
+for split in train valid; do
+    if [ -f "$DATA/data/${split}_text_document.idx" ]; then  # written last, under its final name
+        echo "  $split: done before, skipping"
+    else
+        python tools/preprocess_data.py --input "$DATA/corpus/$split" --output-prefix "$DATA/data/$split" \
+            --tokenizer-model "$DATA/tokenizer/demo.model" --workers 2
+    fi
+done
+
+echo "[demo 4/5] pretrain: tiny model, $DS_CONFIG, $TRAIN_ITERS steps on 2 CPU processes -> $RUN_DIR"
+if [ -f "$RUN_DIR/summary.json" ]; then
+    echo "  done before, skipping (delete $RUN_DIR to train again)"
+else
+    rm -rf "$RUN_DIR"  # an interrupted run: metrics.jsonl would otherwise mix two runs
+    master_port="$(python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')"
+    deepspeed --num_gpus 2 --master_port "$master_port" trainer/pretrain.py --ds_config "$DS_CONFIG" \
+        --model tiny --train-iters "$TRAIN_ITERS" --eval-interval "$EVAL_INTERVAL" --eval-iters 4 --log-interval 10 \
+        --data-path "$DATA/data/train_text_document" --valid-data-path "$DATA/data/valid_text_document" \
+        --tokenizer-model "$DATA/tokenizer/demo.model" --run-dir "$RUN_DIR"
+fi
+
+echo "[demo 5/5] result"
+python - "$RUN_DIR/metrics.jsonl" <<'PY'
+import json, sys
+evals = [r for r in map(json.loads, open(sys.argv[1])) if "val_loss" in r]
+first, last = evals[0], evals[-1]
+print(f"  validation loss {first['val_loss']:.3f} at step {first['step']} -> {last['val_loss']:.3f} at step {last['step']}")
+if last["val_loss"] >= first["val_loss"]:
+    sys.exit("  validation loss did not go down: something is wrong")
+PY
+echo "demo done: run dir $RUN_DIR (config.json, metrics.jsonl, summary.json); TensorBoard: tensorboard --logdir $RUN_DIR/tensorboard"

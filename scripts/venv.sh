@@ -1,0 +1,20 @@
+# Sourced by the scripts in this folder, from the repository root: creates .venv on first use,
+# installs the project into it and activates it. Reinstalls when the package metadata changes.
+VENV_DIR=.venv
+INSTALL_STAMP="$VENV_DIR/.muloco-installed"
+
+if [ ! -x "$VENV_DIR/bin/python" ]; then
+    echo "[setup] creating $VENV_DIR"
+    python3 -m venv "$VENV_DIR"
+fi
+. "$VENV_DIR/bin/activate"
+wanted_install="$(cat setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
+if [ "$(cat "$INSTALL_STAMP" 2>/dev/null)" != "$wanted_install" ]; then
+    echo "[setup] installing the project into $VENV_DIR (once; later runs skip this)"
+    # torch pinned first: resolved as a bare dependency it could pull a multi-GB CUDA build.
+    pip install --quiet torch==2.13.0
+    pip install --quiet -e ".[test]"
+    echo "$wanted_install" > "$INSTALL_STAMP"
+fi
+# Megatron warns at import about optional GPU kernels that a CPU run does not use.
+export PYTHONWARNINGS=ignore
