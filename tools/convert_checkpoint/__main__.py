@@ -17,18 +17,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iteration", type=int, default=None, help="step to export (default: latest)")
     p.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
     p.add_argument("--verify", action="store_true", help="compare the export's logits with the trainer's model")
+    p.add_argument("--verify-only", action="store_true", help="verify an existing export in --save, write nothing")
     args = p.parse_args(argv)
     try:
         reader = CheckpointReader(args.load, args.iteration)
     except CheckpointError as err:
         print(f"checkpoint error: {err}", file=sys.stderr)
         return 2
-    start = time.perf_counter()
-    result = export(reader, args.save, args.max_shard_bytes)
-    print(f"exported {reader.directory} ({reader.meta.describe_layout()}) as {result.architecture} to {result.out_dir}: "
-          f"{len(result.files)} safetensors file(s), {result.total_bytes / 2 ** 20:.1f} MiB"
-          f"{', tokenizer' if result.tokenizer else ''} in {time.perf_counter() - start:.1f}s")
-    if not args.verify:
+    if not args.verify_only:
+        _export(reader, args)
+    if not (args.verify or args.verify_only):
         return 0
     report = verify(reader, args.save)
     print(report)
@@ -37,6 +35,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print("verify passed")
     return 0
+
+
+def _export(reader: CheckpointReader, args: argparse.Namespace) -> None:
+    start = time.perf_counter()
+    result = export(reader, args.save, args.max_shard_bytes)
+    print(f"exported {reader.directory} ({reader.meta.describe_layout()}) as {result.architecture} to {result.out_dir}: "
+          f"{len(result.files)} safetensors file(s), {result.total_bytes / 2 ** 20:.1f} MiB"
+          f"{', tokenizer' if result.tokenizer else ''} in {time.perf_counter() - start:.1f}s")
 
 
 if __name__ == "__main__":

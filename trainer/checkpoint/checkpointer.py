@@ -19,7 +19,8 @@ from trainer.checkpoint.format import (COMPLETE, CheckpointError, CheckpointMeta
                                        publish, rank_file, remove_incomplete, write_durably, write_text_durably)
 from trainer.config import RunConfig
 from trainer.model.layout import layout_of, shard
-from trainer.topology import Topology, coordinates
+from trainer.model.presets import ModelShape
+from trainer.topology import ParallelSizes, Topology, coordinates
 
 PROBE_LENGTH = 32
 # Test hook: "STEP:RANK" makes that rank die after writing its temporary file, before publishing it.
@@ -47,6 +48,38 @@ def probe_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor |
         seq_length=tokens.shape[1], micro_batch_size=1, forward_only=True)
     model.train(was_training)
     return outputs[0]["logits"] if mps.is_pipeline_last_stage() else None
+
+
+def check_fits(meta: CheckpointMeta, sizes: ParallelSizes, model: ModelShape, padded_vocab_size: int,
+               global_batch: int, extra_state: list[str]) -> bool:
+    """Raise on what cannot be resumed; return whether the layout must be resharded."""
+    if meta.sizes.workers != sizes.workers:
+        raise CheckpointError(f"checkpoint has K={meta.sizes.workers} workers, this run K={sizes.workers}; "
+                              "the number of workers cannot change on resume")
+    if meta.model != model:
+        diffs = [f"{k}: checkpoint {v}, this run {getattr(model, k)}"
+                 for k, v in asdict(meta.model).items() if getattr(model, k) != v]
+        raise CheckpointError("model shape differs: " + "; ".join(diffs))
+    if meta.padded_vocab_size != padded_vocab_size:
+        raise CheckpointError(f"checkpoint has padded vocabulary {meta.padded_vocab_size}, "
+                              f"this run {padded_vocab_size} (a different tokenizer?)")
+    batch = meta.config["batch"]
+    saved_batch = batch["micro_batch_size"] * batch["gradient_accumulation_steps"] * batch["data_parallel"] * batch["workers"]
+    if saved_batch != global_batch:
+        raise CheckpointError(f"checkpoint global batch is {saved_batch} sequences, this run {global_batch}: "
+                              "the data stream would not continue")
+    if meta.extra_state != extra_state:
+        raise CheckpointError(f"checkpoint holds state for {meta.extra_state or 'no extra components'}, "
+                              f"this run has {extra_state or 'none'} (MuLoCo on one side only?)")
+    dims = [(n, getattr(meta.sizes, a), getattr(sizes, a)) for n, a in (("D", "data"), ("P", "pipeline"), ("T", "tensor"))
+            if getattr(meta.sizes, a) != getattr(sizes, a)]
+    if dims and meta.extra_state:
+        theirs = " ".join(f"{n}={old}" for n, old, _ in dims)
+        ours = " ".join(f"{n}={new}" for n, _, new in dims)
+        raise CheckpointError(f"checkpoint has {theirs}, this run {ours}: the state of {meta.extra_state} is sharded "
+                              f"by (d, p, t) and cannot be resharded; resume with the checkpoint's layout "
+                              f"({meta.describe_layout()})")
+    return bool(dims)
 
 
 class Checkpointer:
@@ -129,39 +162,9 @@ class Checkpointer:
         if self.topology.rank == 0:
             print(f"resumed from {reader.directory} at step {self.trainer.step} ({how})", flush=True)
 
-    def _check_fits(self, meta: CheckpointMeta) -> bool:
-        """Raise on what cannot be resumed; return whether the layout must be resharded."""
-        ours, theirs = self.topology.sizes, meta.sizes
-        if theirs.workers != ours.workers:
-            raise CheckpointError(f"checkpoint has K={theirs.workers} workers, this run K={ours.workers}; "
-                                  "the number of workers cannot change on resume")
-        if meta.model != self.config.model:
-            diffs = [f"{k}: checkpoint {v}, this run {getattr(self.config.model, k)}"
-                     for k, v in asdict(meta.model).items() if getattr(self.config.model, k) != v]
-            raise CheckpointError("model shape differs: " + "; ".join(diffs))
-        if meta.padded_vocab_size != self.padded_vocab_size:
-            raise CheckpointError(f"checkpoint has padded vocabulary {meta.padded_vocab_size}, "
-                                  f"this run {self.padded_vocab_size} (a different tokenizer?)")
-        batch = meta.config["batch"]
-        saved_batch = batch["micro_batch_size"] * batch["gradient_accumulation_steps"] * batch["data_parallel"] * batch["workers"]
-        if saved_batch != self.config.batch.global_batch:
-            raise CheckpointError(f"checkpoint global batch is {saved_batch} sequences, this run "
-                                  f"{self.config.batch.global_batch}: the data stream would not continue")
-        if meta.extra_state != sorted(self.trainer.extra_state):
-            raise CheckpointError(f"checkpoint holds state for {meta.extra_state or 'no extra components'}, "
-                                  f"this run has {sorted(self.trainer.extra_state) or 'none'} (MuLoCo on one side only?)")
-        differs = [f"{n}={getattr(theirs, a)}" for n, a in (("D", "data"), ("P", "pipeline"), ("T", "tensor"))
-                   if getattr(theirs, a) != getattr(ours, a)]
-        if differs and meta.extra_state:
-            mine = [f"{n}={getattr(ours, a)}" for n, a in (("D", "data"), ("P", "pipeline"), ("T", "tensor"))
-                    if getattr(theirs, a) != getattr(ours, a)]
-            raise CheckpointError(f"checkpoint has {' '.join(differs)}, this run {' '.join(mine)}: the state of "
-                                  f"{meta.extra_state} is sharded by (d, p, t) and cannot be resharded; resume "
-                                  f"with the checkpoint's layout ({meta.describe_layout()})")
-        return bool(differs)
-
     def _load(self, reader: CheckpointReader) -> str:
-        if self._check_fits(reader.meta):
+        if check_fits(reader.meta, self.topology.sizes, self.config.model, self.padded_vocab_size,
+                      self.config.batch.global_batch, sorted(self.trainer.extra_state)):
             saved, how = self._resharded_state(reader), f"resharded from {reader.meta.describe_layout()}"
         else:
             saved, how = reader.rank_state(self.topology.rank), "same layout"

@@ -1,0 +1,82 @@
+"""Short training runs for the checkpoint and export tests, launched with torchrun (a free port per
+launch), and their outputs: losses per step and rank files. The T=2 P=2 reference run is made once
+per test session and shared by test_checkpoint and test_convert_checkpoint."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LAUNCH_TIMEOUT_S = 600  # 2 shared CPU cores: four ranks start slowly
+TRAIN_ITERS = 6
+
+
+def dataset(base: Path) -> str:
+    prefix = base / "markov"
+    if not prefix.with_suffix(".idx").exists():
+        sys.path.insert(0, str(REPO_ROOT / "tests"))
+        from synthetic_data import write_markov_dataset
+
+        write_markov_dataset(str(prefix), vocab_size=1000)
+    return str(prefix)
+
+
+def launch(base: Path, ranks: int, run_dir: Path, *flags: str, ds_config: str = "ds_configs/cpu_tiny_muon.json",
+           env: dict | None = None, data_flags: tuple[str, ...] | None = None) -> subprocess.CompletedProcess:
+    data = data_flags or ("--data-path", dataset(base), "--vocab-size", "1000")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+           "trainer/pretrain.py", "--ds_config", ds_config, "--model", "tiny", *data,
+           "--train-iters", str(TRAIN_ITERS), "--log-interval", "1", "--eval-interval", "0",
+           "--run-dir", str(run_dir), *flags]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    return subprocess.run(cmd, cwd=REPO_ROOT, env=full_env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+
+
+def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"run failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return result
+
+
+def reference_checkpoint(base: Path) -> Path:
+    """6 steps at T=2 P=2 (4 ranks), saving at steps 3 and 6; returns the run's base folder."""
+    ref = base / "reference_t2p2"
+    if not (ref / "ckpt" / "latest").exists():
+        check(launch(base, 4, ref / "run", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                     "--save", str(ref / "ckpt"), "--save-interval", "3"))
+    return ref
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def rank_files(ckpt: Path, step: int) -> list[Path]:
+    return sorted((ckpt / f"iter_{step:07d}").glob("rank_*.pt"))
+
+
+def assert_same_state(a: Path, b: Path, keys=("step", "model", "optimizer", "scheduler", "engine", "extra")) -> None:
+    """Bit-for-bit equality of two rank files' training state."""
+    sa, sb = (torch.load(p, weights_only=False) for p in (a, b))
+    for key in keys:
+        _assert_equal(sa[key], sb[key], f"{a.name}:{key}")
+
+
+def _assert_equal(x, y, where: str) -> None:
+    if isinstance(x, torch.Tensor):
+        assert torch.equal(x, y), f"{where} differs (max |diff| {(x.double() - y.double()).abs().max():.3g})"
+    elif isinstance(x, dict):
+        assert x.keys() == y.keys(), f"{where}: keys differ"
+        for k in x:
+            _assert_equal(x[k], y[k], f"{where}.{k}")
+    elif isinstance(x, (list, tuple)):
+        assert len(x) == len(y), f"{where}: lengths differ"
+        for i, (u, v) in enumerate(zip(x, y)):
+            _assert_equal(u, v, f"{where}[{i}]")
+    else:
+        assert x == y, f"{where}: {x!r} != {y!r}"

@@ -1,0 +1,124 @@
+"""Checkpoints: exact resume at T=2 P=2 and for MuLoCo K=2 with 2-bit compression and error feedback,
+a crash in the middle of a save, resharding to another T/P, and clear refusals of what cannot fit.
+Multi-process runs are tiny (6 steps) and launched by tests/_ckpt_runs.py."""
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from _ckpt_runs import (REPO_ROOT, TRAIN_ITERS, assert_same_state, check, launch, losses, rank_files,
+                        reference_checkpoint)
+from trainer.checkpoint import CheckpointError, CheckpointMeta, CheckpointReader, latest_iteration
+from trainer.checkpoint.checkpointer import CRASH_ENV, check_fits
+from trainer.topology import ParallelSizes
+
+T2P2 = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return tmp_path_factory.getbasetemp()
+
+
+def copy_iteration(src_ckpt: Path, step: int, dst_ckpt: Path) -> Path:
+    """A checkpoint folder holding only iteration `step` of another, as if a run had stopped there."""
+    shutil.copytree(src_ckpt / f"iter_{step:07d}", dst_ckpt / f"iter_{step:07d}")
+    (dst_ckpt / "latest").write_text(f"{step}\n")
+    return dst_ckpt
+
+
+def test_resume_after_a_crash_mid_save_is_exact_at_t2_p2(base, tmp_path):
+    ref = reference_checkpoint(base)
+    ckpt = copy_iteration(ref / "ckpt", 3, tmp_path / "ckpt")
+    resume = ("--load", str(ckpt), "--save", str(ckpt), "--save-interval", "1", *T2P2)
+
+    # Resume at step 3, save at 4, then rank 1 dies while writing step 5's checkpoint.
+    crashed = launch(base, 4, tmp_path / "run1", *resume, env={CRASH_ENV: "5:1"})
+    assert crashed.returncode != 0
+    assert latest_iteration(ckpt) == 4, "latest moved although a rank never finished its file"
+    assert not (ckpt / "iter_0000005" / "complete").exists()
+    assert list((ckpt / "iter_0000005").glob("*.tmp.*")), "the crash hook did not fire mid-save"
+    reader = CheckpointReader(ckpt)  # the previous checkpoint is intact and loadable
+    assert reader.meta.step == 4 and all(reader.rank_state(r)["step"] == 4 for r in range(4))
+
+    # Resume at step 4 (not a multiple of the reference's save interval) and finish.
+    check(launch(base, 4, tmp_path / "run2", *resume))
+    assert not list(ckpt.glob("**/*.tmp.*")), "stale temporary files survived the next save"
+    assert (ckpt / "iter_0000005" / "complete").exists()
+
+    stitched = {**losses(tmp_path / "run1"), **losses(tmp_path / "run2")}
+    reference = losses(ref / "run")
+    assert {s: stitched[s] for s in (4, 5, 6)} == {s: reference[s] for s in (4, 5, 6)}
+    for a, b in zip(rank_files(ref / "ckpt", TRAIN_ITERS), rank_files(ckpt, TRAIN_ITERS), strict=True):
+        assert_same_state(a, b)
+
+
+def test_resume_at_another_tensor_and_pipeline_size_reshards(base, tmp_path):
+    ref = reference_checkpoint(base)
+    ckpt = copy_iteration(ref / "ckpt", 3, tmp_path / "ckpt")
+    result = check(launch(base, 1, tmp_path / "run", "--load", str(ckpt)))
+    assert "resharded from K=1 D=1 P=2 T=2" in result.stdout
+    resumed, reference = losses(tmp_path / "run"), losses(ref / "run")
+    assert sorted(resumed) == [4, 5, 6]
+    for step in resumed:  # Muon is TP-invariant, so only reduction order differs
+        assert resumed[step] == pytest.approx(reference[step], abs=1e-4)
+
+
+def test_muloco_k2_with_2bit_error_feedback_resumes_exactly_mid_sync_interval(base, tmp_path):
+    config = json.loads((REPO_ROOT / "ds_configs" / "cpu_tiny_muloco.json").read_text())
+    config["muloco"].update(workers=2, sync_interval=2,
+                            compression={"method": "statistical", "bits": 2, "error_feedback": True})
+    ds_config = tmp_path / "muloco_k2.json"
+    ds_config.write_text(json.dumps(config))
+    full = tmp_path / "full"
+    check(launch(base, 2, full / "run", "--save", str(full / "ckpt"), "--save-interval", "3",
+                 ds_config=str(ds_config)))
+    ckpt = copy_iteration(full / "ckpt", 3, tmp_path / "ckpt")  # step 3: between the syncs at 2 and 4
+    check(launch(base, 2, tmp_path / "run", "--load", str(ckpt), "--save", str(ckpt), ds_config=str(ds_config)))
+    reference, resumed = losses(full / "run"), losses(tmp_path / "run")
+    assert {s: resumed[s] for s in (4, 5, 6)} == {s: reference[s] for s in (4, 5, 6)}
+    for a, b in zip(rank_files(full / "ckpt", TRAIN_ITERS), rank_files(ckpt, TRAIN_ITERS), strict=True):
+        assert_same_state(a, b)  # includes the outer weights, momentum and error-feedback buffers
+
+
+def _meta(**changes) -> CheckpointMeta:
+    from trainer.model.presets import PRESETS
+
+    meta = CheckpointMeta(step=3, sizes=ParallelSizes(1, 1, 2, 2), model=PRESETS["tiny"], vocab_size=1000,
+                          padded_vocab_size=1024, ranks=[], tokenizer_model=None, extra_state=[],
+                          config={"batch": {"micro_batch_size": 4, "gradient_accumulation_steps": 1,
+                                            "data_parallel": 1, "workers": 1}})
+    return replace(meta, **changes)
+
+
+def _fits(meta: CheckpointMeta, sizes=ParallelSizes(1, 1, 2, 2), extra=()) -> bool:
+    from trainer.model.presets import PRESETS
+
+    return check_fits(meta, sizes, PRESETS["tiny"], 1024, global_batch=4 * sizes.workers, extra_state=list(extra))
+
+
+def test_layout_checks_name_what_differs():
+    assert _fits(_meta()) is False
+    assert _fits(_meta(), ParallelSizes(1, 1, 2, 1)) is True  # resharded
+    with pytest.raises(CheckpointError, match="checkpoint has K=1 workers, this run K=2"):
+        _fits(_meta(), ParallelSizes(2, 1, 2, 2))
+    muloco = _meta(extra_state=["muloco"])
+    with pytest.raises(CheckpointError, match="checkpoint has T=2, this run T=1.*cannot be resharded"):
+        _fits(muloco, ParallelSizes(1, 1, 2, 1), extra=["muloco"])
+    with pytest.raises(CheckpointError, match="MuLoCo on one side only"):
+        _fits(muloco)
+    with pytest.raises(CheckpointError, match="num_layers: checkpoint 2, this run 4"):
+        _fits(_meta(model=replace(_meta().model, num_layers=2)))
+    with pytest.raises(CheckpointError, match="padded vocabulary 2048"):
+        _fits(_meta(padded_vocab_size=2048))
+
+
+def test_reader_refuses_a_missing_or_incomplete_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="latest"):
+        CheckpointReader(tmp_path)
+    (tmp_path / "iter_0000002").mkdir()
+    (tmp_path / "latest").write_text("2\n")
+    with pytest.raises(CheckpointError, match="incomplete"):
+        CheckpointReader(tmp_path)
