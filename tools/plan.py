@@ -404,7 +404,7 @@ def render(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _inputs_from_args(args: argparse.Namespace) -> PlanInputs:
+def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     ds = json.loads(Path(args.ds_config).read_text()) if args.ds_config else {}
     muloco = ds.get("muloco", {})
     pick = lambda flag, default: default if flag is None else flag  # noqa: E731
@@ -462,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        plan = make_plan(_inputs_from_args(args))
+        plan = make_plan(inputs_from_args(args))
     except (ConfigError, ValueError) as err:
         print(f"plan error: {err}", file=sys.stderr)
         return 2
