@@ -31,6 +31,8 @@ STEPS = 6
 # A wrong outer or inner step moves weights by ~1e-2 of their norm.
 WEIGHT_RTOL = 1e-4
 LOSS_TOL = dict(rtol=1e-5, atol=0.0)
+FP32_NOISE = 1e-5  # largest entry difference fp32 reduction order makes in these runs' weights
+FLIP_FRACTION = 0.005  # observed: at most 0.05% of a tensor's entries flip a bin at the first sync
 OUTER = dict(outer_lr=0.7, outer_momentum=0.6, nesterov=True)
 FOUR_BIT_EF = {"method": "statistical", "bits": 4, "error_feedback": True}
 
@@ -135,6 +137,22 @@ def assert_same_run(actual: list[dict], expected: list[dict], workers: int) -> N
                             f"worker {k} final weights")
 
 
+def assert_same_compressed_run(actual: list[dict], expected: list[dict], workers: int) -> None:
+    """Quantization is discontinuous: fp32 noise moves an entry that sits on a bin edge by one bin
+    (~1e-4 here), and later inner steps spread those flips. So: losses step for step; right after the
+    first sync, all but FLIP_FRACTION of each tensor's entries within fp32 noise (a quantization group
+    that depended on the parallel layout would change nearly all of them). Final weights differ by
+    the spread flips (~2e-3 of a small matrix's norm), so the losses carry the rest of the run."""
+    first = f"post@{sync_steps(expected)[0]}"
+    for k in range(workers):
+        torch.testing.assert_close(worker_losses(actual, k), worker_losses(expected, k), **LOSS_TOL,
+                                   msg=lambda m: f"worker {k} losses: {m}")
+        a, b = worker_weights(actual, k, first), worker_weights(expected, k, first)
+        for name in b:
+            flipped = float(((a[name] - b[name]).abs() > FP32_NOISE).float().mean())
+            assert flipped <= FLIP_FRACTION, f"worker {k} {name} after the first sync: {flipped:.2%} of entries differ"
+
+
 def test_k1_with_outer_lr_1_and_no_momentum_is_inner_only_training(workdir):
     outer, plain = dumps(workdir, "k1_noop_outer"), dumps(workdir, "inner_only")
     assert sync_steps(outer) == [H, 2 * H]  # the hook did sync
@@ -186,10 +204,14 @@ def test_every_rank_holds_bit_identical_shards_after_every_sync(workdir, name):
                     assert torch.equal(other[param], value), f"{name}: {param} at {position} differs after step {step}"
 
 
-@pytest.mark.parametrize("name, reference", [("k2_t2", "k2"), ("k2_p2", "k2"), ("k2_t2_4bit", "k2_4bit"),
-                                             ("k2_p2_4bit", "k2_4bit"), ("k2_d2_4bit", "k2_4bit")])
+@pytest.mark.parametrize("name, reference", [("k2_t2", "k2"), ("k2_p2", "k2")])
 def test_parallelism_inside_a_worker_does_not_change_the_run(workdir, name, reference):
     assert_same_run(dumps(workdir, name), dumps(workdir, reference), workers=2)
+
+
+@pytest.mark.parametrize("name", ["k2_t2_4bit", "k2_p2_4bit", "k2_d2_4bit"])
+def test_parallelism_inside_a_worker_does_not_change_a_compressed_run(workdir, name):
+    assert_same_compressed_run(dumps(workdir, name), dumps(workdir, "k2_4bit"), workers=2)
 
 
 def test_compressed_sync_sends_fewer_bytes_and_changes_the_result(workdir):
