@@ -1,0 +1,136 @@
+"""Bytes per rank per outer sync, measured on the real collectives, against the bytes the
+data-parallel baseline all-reduces over the same H inner steps.
+
+    python benchmarks/outer_sync_bytes.py [--model 150m] [--vocab-size 32000] [--sync-interval 30]
+                                          [--workers 2 4] [--compress-embeddings]
+
+Launches itself under torchrun once per K (gloo on CPU). Every rank is one whole worker (T=1) and
+builds the preset's real model; then, for each compression and collective, an OuterLoop over that
+model takes one outer sync of random pseudogradients through its hook, and the sync's collectives
+count every byte they send. The DP baseline ring all-reduces 2 (K-1)/K x 4 bytes x parameters per
+rank per inner step over the same K replicas, H times per outer sync. Embeddings and norms go
+uncompressed unless --compress-embeddings. Prints a table per K; the last line is JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+COMPRESSIONS = {
+    "none": {"method": "none"},
+    "statistical 8-bit + EF": {"method": "statistical", "bits": 8, "error_feedback": True},
+    "statistical 4-bit + EF": {"method": "statistical", "bits": 4, "error_feedback": True},
+    "statistical 2-bit + EF": {"method": "statistical", "bits": 2, "error_feedback": True},
+    "linear 4-bit + EF": {"method": "linear", "bits": 4, "error_feedback": True},
+    "top-2% + EF": {"method": "topk", "topk_fraction": 0.02, "error_feedback": True},
+}
+COLLECTIVES = ("all_gather", "reduce_scatter")
+TIMEOUT = timedelta(minutes=10)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="150m")
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--sync-interval", type=int, default=30, help="H: inner steps per outer sync")
+    p.add_argument("--workers", type=int, nargs="+", default=[2, 4], help="K values, one launch each")
+    p.add_argument("--compress-embeddings", action="store_true", help="compress embeddings and norms too")
+    p.add_argument("--out", help=argparse.SUPPRESS)  # a rank's result file (set by the launcher)
+    return p.parse_args(argv)
+
+
+def measure(args: argparse.Namespace) -> list[dict]:
+    """One rank of a K-rank launch: every sync of the grid on the real model; rank 0 returns the rows."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_patches import apply_cpu_shims_if_needed, initialize_megatron_groups
+    from trainer.diloco.compression import CompressionConfig
+    from trainer.diloco.config import MuLoCoConfig
+    from trainer.diloco.outer_loop import OuterLoop
+    from trainer.model.builder import build_model, canonical_names, initialize_weights, padded_vocab_size
+    from trainer.model.presets import PRESETS
+    from trainer.topology import ParallelSizes, build_topology
+
+    dist.init_process_group("gloo", timeout=TIMEOUT)
+    apply_cpu_shims_if_needed()
+    K = dist.get_world_size()
+    topology = build_topology(ParallelSizes(K, 1, 1, 1), TIMEOUT)
+    initialize_megatron_groups(topology, TIMEOUT)
+    model_parallel_cuda_manual_seed(0)
+    shape = PRESETS[args.model]
+    model = build_model(shape, padded_vocab_size(args.vocab_size, 1))
+    initialize_weights(model, shape, seed=0)
+    params = sum(p.numel() for p in model.parameters())
+    dp_bytes = 2 * (K - 1) / K * 4 * params * args.sync_interval
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    rows = []
+    for label, compression in COMPRESSIONS.items():
+        compression = {**compression, "uncompressed_small": not args.compress_embeddings}
+        for collective in COLLECTIVES:
+            config = MuLoCoConfig(workers=K, sync_interval=args.sync_interval, collective=collective,
+                                  compression=CompressionConfig(**compression))
+            records = []
+            outer = OuterLoop(config, list(model.named_parameters()), canonical_names(model), topology, 0,
+                              shape.num_layers, log=lambda record, step: records.append(record))
+            with torch.no_grad():  # this worker's H inner steps, as far as the sync can tell
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=generator), alpha=1e-3)
+            outer.after_inner_step(args.sync_interval)
+            del outer
+            if records:
+                r = records[0]
+                rows.append({"K": K, "compression": label, "collective": collective, "parameters": params,
+                             "bytes_per_rank_per_sync": r["bytes_sent_per_rank"],
+                             "dp_bytes_per_rank_per_H_steps": dp_bytes,
+                             "dp_over_outer": dp_bytes / r["bytes_sent_per_rank"],
+                             "compression_error": r["compression_error"], "sync_seconds": r["sync_seconds"]})
+    dist.destroy_process_group()
+    return rows
+
+
+def launch(args: argparse.Namespace, workers: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        forwarded = ["--model", args.model, "--vocab-size", str(args.vocab_size),
+                     "--sync-interval", str(args.sync_interval), "--out", str(out)]
+        if args.compress_embeddings:
+            forwarded.append("--compress-embeddings")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
+                        __file__, *forwarded], check=True, env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
+
+
+def main() -> None:
+    args = parse_args()
+    if "LOCAL_RANK" in os.environ:  # a rank under torchrun
+        rows = measure(args)
+        if rows:
+            Path(args.out).write_text(json.dumps(rows))
+        return
+    rows = [row for K in args.workers for row in launch(args, K)]
+    print(f"model {args.model} ({rows[0]['parameters']:,} parameters), H = {args.sync_interval}, embeddings and norms "
+          f"{'compressed' if args.compress_embeddings else 'uncompressed'}")
+    print(f"{'K':>2} {'compression':<24} {'collective':<15} {'MB/rank/sync':>13} {'DP MB/rank/H':>13} "
+          f"{'DP/outer':>9} {'rel. error':>10} {'sync s':>7}")
+    for r in rows:
+        print(f"{r['K']:>2} {r['compression']:<24} {r['collective']:<15} {r['bytes_per_rank_per_sync'] / 1e6:>13.2f} "
+              f"{r['dp_bytes_per_rank_per_H_steps'] / 1e6:>13.1f} {r['dp_over_outer']:>9.1f} "
+              f"{r['compression_error']:>10.3f} {r['sync_seconds']:>7.2f}")
+    print(json.dumps({"model": args.model, "sync_interval": args.sync_interval,
+                      "compress_embeddings": args.compress_embeddings, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
