@@ -14,6 +14,9 @@ from trainer.checkpoint import CheckpointError, CheckpointMeta, CheckpointReader
 from trainer.checkpoint.checkpointer import CRASH_ENV, check_fits
 from trainer.topology import ParallelSizes
 
+# Several launches per test, each bounded by its own timeout; on a shared 2-core machine the
+# default 600 s per test is too tight for three 4-rank launches.
+pytestmark = pytest.mark.timeout(1800)
 T2P2 = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
 
 

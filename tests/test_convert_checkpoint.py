@@ -16,6 +16,9 @@ from _ckpt_runs import REPO_ROOT, check, dataset, launch, reference_checkpoint
 from tools.convert_checkpoint.merge import recorded_probe
 from trainer.checkpoint import CheckpointReader
 
+# Several launches per test, each bounded by its own timeout; on a shared 2-core machine the
+# default 600 s per test is too tight for three 4-rank launches.
+pytestmark = pytest.mark.timeout(1800)
 CONVERT_TIMEOUT_S = 300
 
 
