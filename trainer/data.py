@@ -88,8 +88,9 @@ def build_datasets(data: DataConfig, tokenizer: TokenizerInfo, seq_length: int, 
                                   **common)
     else:
         config = GPTDatasetConfig(blend=_blend(data.data_path), split=data.split, **common)
+    # Test split size 0, not None: Megatron refuses a None size for a weighted blend.
     train, valid, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [train_samples, valid_samples, 0], lambda: True, config).build()  # 0, not None: weighted blends need a size
+        GPTDataset, [train_samples, valid_samples, 0], lambda: True, config).build()
     return Datasets(train, valid)
 
 
@@ -104,9 +105,16 @@ class StreamPosition:
 
     def sample_indices(self, step: int, micro: int) -> range:
         worker = 0 if self.identical_workers else self.worker
+        return self._micro_batch(step * self.batch.global_batch + worker * self.batch.per_worker, micro)
+
+    def validation_indices(self, iteration: int, micro: int) -> range:
+        """Every worker evaluates the same samples, so the numbers compare across workers and methods."""
+        return self._micro_batch(iteration * self.batch.per_worker, micro)
+
+    def _micro_batch(self, worker_start: int, micro: int) -> range:
+        """Micro-batch `micro` of this rank's share of the per-worker batch that starts at `worker_start`."""
         per_rank = self.batch.micro_batch_size * self.batch.gradient_accumulation_steps
-        start = (step * self.batch.global_batch + (worker * self.batch.data_parallel + self.data_rank) * per_rank
-                 + micro * self.batch.micro_batch_size)
+        start = worker_start + self.data_rank * per_rank + micro * self.batch.micro_batch_size
         return range(start, start + self.batch.micro_batch_size)
 
 
@@ -127,11 +135,7 @@ def micro_batches(dataset, position: StreamPosition, step: int):
 
 
 def validation_batches(dataset, position: StreamPosition, eval_iters: int):
-    """The same validation samples at every evaluation; inner-DP ranks split them, every worker
-    evaluates the same ones so the numbers are comparable across workers and methods."""
-    for it in range(eval_iters):
+    """The same validation samples at every evaluation; inner-DP ranks split them."""
+    for iteration in range(eval_iters):
         for micro in range(position.batch.gradient_accumulation_steps):
-            per_rank = position.batch.micro_batch_size * position.batch.gradient_accumulation_steps
-            start = (it * position.batch.per_worker + position.data_rank * per_rank
-                     + micro * position.batch.micro_batch_size)
-            yield collate(dataset, range(start, start + position.batch.micro_batch_size))
+            yield collate(dataset, position.validation_indices(iteration, micro))
