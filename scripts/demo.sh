@@ -44,6 +44,8 @@ if [ -f "$RUN_DIR/summary.json" ]; then
     echo "  done before, skipping (delete $RUN_DIR to train again)"
 else
     rm -rf "$RUN_DIR"  # an interrupted run: metrics.jsonl would otherwise mix two runs
+    # Two processes share the cores: more threads than cores would only slow both down.
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( ($(nproc) + 1) / 2 ))}"
     master_port="$(python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')"
     deepspeed --num_gpus 2 --master_port "$master_port" trainer/pretrain.py --ds_config "$DS_CONFIG" \
         --model tiny --train-iters "$TRAIN_ITERS" --eval-interval "$EVAL_INTERVAL" --eval-iters 4 --log-interval 10 \
