@@ -118,6 +118,17 @@ def test_builds_are_deterministic_and_resume_exactly(prefixes, tokenizer, tmp_pa
     assert not torch.equal(worker0["tokens"], worker1["tokens"])
 
 
+def test_longer_run_keeps_the_stream_within_one_epoch(prefixes, tokenizer, tmp_path):
+    """Extending --train-iters on resume is safe while the run stays within one epoch (Megatron
+    reshuffles everything when the number of epochs changes)."""
+    short = build(tokenizer, tmp_path, [prefixes["train"]], cache="short").train
+    longer = build(tokenizer, tmp_path, [prefixes["train"]], train_samples=4 * STEPS * BATCH.global_batch,
+                   cache="longer").train
+    assert len(short) == len(longer)  # both one epoch
+    for step in range(STEPS):
+        assert all(torch.equal(a, b) for a, b in zip(step_tokens(short, step), step_tokens(longer, step)))
+
+
 def _packed_stream(dataset, documents: IndexedDataset) -> np.ndarray:
     """The epoch's documents in GPTDataset's shuffled document order, concatenated: unshuffled sample j
     is this stream's tokens [j*SEQ, (j+1)*SEQ] (one extra token for the labels)."""

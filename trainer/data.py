@@ -5,6 +5,8 @@ The global sample stream is the train GPTDataset's index order. Inner step s con
 samples [s*B, (s+1)*B); worker k takes the k-th B/K of them and inner-DP rank d the d-th share of
 that, cut into micro-batches. Streams of different workers and ranks are disjoint, and the only
 state is the step, so a resumed run sees exactly the samples an uninterrupted run would have seen.
+The order depends on the run length only through the number of epochs Megatron builds: extending
+--train-iters keeps the stream while the run stays within the same number of epochs.
 """
 from __future__ import annotations
 
