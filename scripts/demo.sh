@@ -7,8 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DS_CONFIG=ds_configs/cpu_tiny_muon.json  # the method the demo shows
-TRAIN_ITERS=120
-EVAL_INTERVAL=20
+TRAIN_ITERS="${TRAIN_ITERS:-120}"  # steps; the environment may override (a quick smoke test)
+EVAL_INTERVAL="${EVAL_INTERVAL:-20}"
 DATA=demo_data
 RUN_DIR=runs/demo
 
