@@ -1,0 +1,112 @@
+"""tools/plan.py against the real thing: parameter counts of the model built on meta, memory that adds
+up, and outer-sync bytes equal to what the trainer's collectives count in a real K=2 run."""
+import json
+
+import pytest
+import torch
+
+from tools import plan as planner
+from trainer_harness import PRETRAIN, TINY_VOCAB, deepspeed_launch, megatron_world_of_one, read_metrics
+from synthetic_data import write_markov_dataset
+from trainer.model.presets import PRESETS
+
+PRESETS_UP_TO_1_76B = ["tiny", "150m", "416m", "914m", "1.76b"]
+
+
+def _inputs(*flags: str) -> planner.PlanInputs:
+    return planner.inputs_from_args(planner.build_parser().parse_args(list(flags)))
+
+
+def _built_parameter_count(preset: str, vocab: int) -> int:
+    """Every parameter of the whole GPTModel, built on meta in a gloo world of one."""
+    from trainer.model.builder import build_model, padded_vocab_size
+
+    with megatron_world_of_one(), torch.device("meta"):
+        model = build_model(PRESETS[preset], padded_vocab_size(vocab, 1))
+        return sum(p.numel() for p in model.parameters())
+
+
+def _paper_formula(preset: str, vocab: int) -> int:
+    """Per layer: QKV, output projection, SwiGLU (gate, up, down), two RMSNorms and the QK-norms;
+    untied embedding and head; the final norm."""
+    s = PRESETS[preset]
+    h, f, d = s.hidden_size, s.ffn_hidden_size, s.kv_channels
+    attention = h * d * (s.num_attention_heads + 2 * s.query_groups) + s.num_attention_heads * d * h
+    layer = attention + 3 * h * f + 2 * h + 2 * d
+    return s.num_layers * layer + 2 * vocab * h + h
+
+
+@pytest.mark.parametrize("preset", PRESETS_UP_TO_1_76B)
+def test_parameter_count_equals_the_built_model(preset):
+    vocab = 1024 if preset == "tiny" else planner.PAPER_VOCAB
+    built = _built_parameter_count(preset, vocab)
+    assert built == _paper_formula(preset, vocab)
+    for tensor, pipeline in ((1, 1), (2, 2)):
+        stages = planner.build_stage_shards(PRESETS[preset], vocab, tensor, pipeline)
+        assert len(stages) == pipeline
+        assert planner.parameter_count(stages, tensor) == built
+
+
+def test_paper_presets_have_their_names_sizes():
+    counts = {p: _paper_formula(p, planner.PAPER_VOCAB) for p in ("150m", "416m", "914m", "1.76b", "3.1b", "15b")}
+    for preset, count in counts.items():
+        nominal = float(preset.rstrip("mb")) * (1e6 if preset.endswith("m") else 1e9)
+        assert abs(count / nominal - 1) < 0.1, (preset, count)
+
+
+@pytest.mark.parametrize("ds_config", ["ds_configs/gpu_150m_muloco_k1.json", "ds_configs/gpu_150m_dp_adamw.json"])
+def test_memory_adds_up(ds_config):
+    plan = planner.make_plan(_inputs("--model", "150m", "--tensor", "2", "--pipeline", "2", "--data", "2",
+                                     "--workers", "2", "--global-batch", "64", "--ds-config", ds_config))
+    for memory in plan.memory:
+        parts = ("weights", "bf16_weight_copies", "gradients", "muon_momentum", "adamw_moments", "muon_workspace",
+                 "activations", "logits")
+        assert memory.device_total == sum(getattr(memory, p) for p in parts)
+        n = memory.weights / 4
+        assert memory.gradients == memory.weights and memory.bf16_weight_copies == 2 * n
+        # Every parameter has exactly one optimizer's state.
+        assert memory.muon_momentum / 4 + memory.adamw_moments / 8 == n
+    muon_inner, adamw = plan.memory
+    if plan.inputs.optimizer == "adamw":
+        assert muon_inner == adamw and adamw.muon_momentum == 0
+    else:
+        assert muon_inner.muon_momentum > 0 and muon_inner.muon_workspace > 0
+    assert adamw.adamw_moments == 2 * adamw.weights
+    # Host outer state: each of the D replicas keeps fp32 global + momentum + pseudogradient of about half.
+    assert 12 * n / 2 <= plan.memory[0].host_outer_state <= 12 * n + 4 * n
+
+
+def test_15b_k16_config_fits_an_80gb_gpu():
+    plan = planner.make_plan(_inputs("--model", "15b", "--tensor", "4", "--pipeline", "2", "--data", "4",
+                                     "--ds-config", "ds_configs/gpu_15b_muloco_k16.json"))
+    assert plan.inputs.workers == 16 and plan.inputs.micro_batch == 1
+    assert plan.fits
+    assert plan.memory[0].device_total < 70 * planner.GIB
+
+
+@pytest.mark.parametrize("setup", [
+    {"ranks": 4, "tensor": 2, "collective": "reduce_scatter", "compression": {"method": "statistical", "bits": 4,
+                                                                             "error_feedback": True}},
+    {"ranks": 4, "tensor": 1, "collective": "all_gather", "compression": {"method": "statistical", "bits": 2,
+                                                                         "uncompressed_small": False}},
+], ids=["K2_T2_reduce_scatter_4bit", "K2_D2_all_gather_2bit"])
+def test_sync_bytes_equal_the_trainers_collectives(setup, tmp_path, repo_root):
+    config = json.loads((repo_root / "ds_configs" / "cpu_tiny_muloco.json").read_text())
+    config["muloco"].update(workers=2, sync_interval=2, collective=setup["collective"],
+                            compression=setup["compression"])
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    data = write_markov_dataset(str(tmp_path / "markov"), vocab_size=TINY_VOCAB, num_docs=60)
+    run_dir = tmp_path / "run"
+    deepspeed_launch(PRETRAIN, setup["ranks"], [
+        "--ds_config", str(tmp_path / "ds.json"), "--model", "tiny", "--data-path", data,
+        "--vocab-size", str(TINY_VOCAB), "--tensor-model-parallel-size", str(setup["tensor"]),
+        "--train-iters", "2", "--eval-interval", "0", "--run-dir", str(run_dir)],
+        timeout_s=900).check("K=2 MuLoCo run")  # 4 ranks start slowly on a shared 2-core machine
+    (measured,) = [r["bytes_sent_per_rank"] for r in read_metrics(run_dir) if "outer_step" in r]
+
+    plan = planner.make_plan(_inputs(
+        "--model", "tiny", "--seq-length", "128", "--vocab-size", str(TINY_VOCAB),
+        "--tensor", str(setup["tensor"]), "--data", str(setup["ranks"] // 2 // setup["tensor"]),
+        "--global-batch", "8", "--micro-batch", "1", "--ds-config", str(tmp_path / "ds.json")))
+    assert plan.sync.per_rank_mean == measured
+    assert plan.sync.per_rank_max >= measured
