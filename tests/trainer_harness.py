@@ -18,6 +18,11 @@ PRETRAIN = REPO_ROOT / "trainer" / "pretrain.py"
 DS_CONFIGS = {name: REPO_ROOT / "ds_configs" / f"cpu_tiny_{name}.json" for name in ("muon", "adamw")}
 TINY_VOCAB = 1000
 LAUNCH_TIMEOUT_S = 300
+# deepspeed.init_distributed JIT-builds a CPU communication op under one lock in the torch extensions
+# cache; virtual environments sharing the default cache rebuild it for each other (minutes, every
+# rank of every run waiting), so each environment keeps its own.
+EXTENSIONS_ENV = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                         str(Path(sys.prefix) / "torch_extensions"))}
 
 
 def free_port() -> int:
@@ -49,7 +54,8 @@ def deepspeed_launch(script: str | Path, num_ranks: int, args: list[str],
     timeout: the launcher and its ranks share a new session, which is killed as a whole."""
     command = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(num_ranks),
                "--master_port", str(free_port()), str(script), *args]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, **EXTENSIONS_ENV, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
@@ -66,6 +72,7 @@ def init_distributed() -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    os.environ.update(EXTENSIONS_ENV)
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
