@@ -2,7 +2,7 @@
 each assembled exactly as trainer/pretrain.py assembles it, and dumps what tests/test_outer_loop.py
 compares: per-step losses and weight shards at the start, around every applied outer sync, and at the end.
 
-    python -m torch.distributed.run --nproc_per_node N tests/_outer_probe.py CASES.json OUT_DIR
+    deepspeed --num_gpus N tests/_outer_probe.py CASES.json OUT_DIR
 
 CASES.json is a list of cases:
     {"name": str, "ds_config": {...}, "args": [pretrain flags],
@@ -15,24 +15,22 @@ the run's own files (metrics.jsonl, ...) are in OUT_DIR/NAME/run.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-import deepspeed
-import torch
-import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
-from megatron.core import parallel_state as mps
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _probe_common import rank_identity, shard_state
-from trainer.config import build_parser, resolve
-from trainer.data import StreamPosition
-from trainer.model.builder import canonical_names
-from trainer.pretrain import COLLECTIVE_TIMEOUT
-from trainer.run import run
-from trainer.training import Trainer
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from tests._probe_common import rank_identity, shard_state  # noqa: E402
+from tests.trainer_harness import init_distributed, run_trainer  # noqa: E402
+from trainer.data import StreamPosition  # noqa: E402
+from trainer.model.builder import canonical_names  # noqa: E402
+from trainer.training import Trainer  # noqa: E402
 
 
 def probe_trainer(case: dict, dump_path: Path) -> type[Trainer]:
@@ -102,18 +100,20 @@ def run_case(case: dict, out_dir: Path) -> None:
     if dist.get_rank() == 0:
         ds_path.write_text(json.dumps(case["ds_config"]))
     dist.barrier()
-    args = build_parser().parse_args([*case["args"], "--ds_config", str(ds_path), "--run-dir", str(case_dir / "run")])
-    config = resolve(args, dist.get_world_size())
-    run(config, trainer_class=probe_trainer(case, case_dir))
+    run_trainer([*case["args"], "--ds_config", str(ds_path), "--run-dir", str(case_dir / "run")],
+                probe_trainer(case, case_dir))
     dist.barrier()
-    mps.destroy_model_parallel()  # the next case builds its own topology
 
 
 def main() -> None:
-    cases, out_dir = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=COLLECTIVE_TIMEOUT)
-    for case in cases:
-        run_case(case, out_dir)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("cases", type=Path)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--local_rank", type=int)  # from the deepspeed launcher
+    args = parser.parse_args()
+    init_distributed()
+    for case in json.loads(args.cases.read_text()):
+        run_case(case, args.out_dir)
 
 
 if __name__ == "__main__":

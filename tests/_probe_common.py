@@ -1,5 +1,6 @@
-"""Helpers shared by the multi-process probes (scripts that run real trainings under torchrun and
-dump what the tests compare) and by the tests that launch them. The API only grows: add, never change.
+"""Weight dumps of multi-process probes (scripts that run real trainings under a launcher and dump
+what the tests compare; tests/trainer_harness.py launches and assembles the runs). The API only
+grows: add, never change.
 
 A probe rank dumps one dict: `rank_identity(topology)` (rank, coords, sizes) plus "snapshots", a
 dict label -> `shard_state(...)` (its *shard* of the weights under canonical names: global layer
@@ -9,37 +10,10 @@ trainer.model.layout.unshard, pipeline stages by canonical name.
 """
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Sequence
 
 import torch
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-LAUNCH_TIMEOUT_S = 300
-
-
-def launch(script: Path, nprocs: int, args: Sequence[str], timeout: int = LAUNCH_TIMEOUT_S) -> str:
-    """Run `script` on `nprocs` ranks (torchrun, gloo on CPU); fails with the output tail on error."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO_ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}",
-         str(script), *map(str, args)],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, \
-        f"{script.name} on {nprocs} ranks failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
-    return result.stdout
-
-
-def free_port() -> int:
-    """A port nobody listens on now (other test sessions may hold the launchers' default 29500)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- inside a probe rank ---------------------------------------------------------------------------

@@ -1,24 +1,22 @@
 """The MuLoCo outer loop end to end (issue 5): identities of the algorithm on real multi-process CPU
 trainings, the NaN/outlier guard, streaming with overlap, and the CLI run.
 
-Start-up dominates on CPU, so tests/_outer_probe.py runs many short trainings per launch: one
-2-rank launch and one 4-rank launch serve every identity; the CLI test is one deepspeed launch.
+Start-up dominates on CPU, so tests/_outer_probe.py runs several short trainings per launch: two
+2-rank launches and one 4-rank launch serve every identity; the CLI test is one more launch.
 The references are inner-only training, the K=1 run, and the outer step computed here in float64
 from the weights the workers held just before a sync.
 """
 import json
 import math
-import os
-import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
 
-from _probe_common import REPO_ROOT, free_port, launch, load_rank_dumps, worker_weights
+from _probe_common import load_rank_dumps, worker_weights
 from synthetic_data import write_markov_dataset
+from trainer_harness import PRETRAIN, REPO_ROOT, deepspeed_launch, read_metrics
 
 PROBE = REPO_ROOT / "tests" / "_outer_probe.py"
 MULOCO_CONFIG = REPO_ROOT / "ds_configs" / "cpu_tiny_muloco.json"
@@ -52,7 +50,7 @@ def case(name: str, ds_config: dict, data: str, *flags, steps: int = STEPS, **ex
     return {"name": name, "ds_config": ds_config, "args": args, **extra}
 
 
-def two_rank_cases(data: str) -> list[dict]:
+def k1_identity_cases(data: str) -> list[dict]:
     return [
         # K=1 on 2 ranks is D=2 inner replicas, so the outer state's ownership split runs here too.
         case("inner_only", inner_only_config(), data, "--micro-batch-size", "2"),
@@ -60,6 +58,11 @@ def two_rank_cases(data: str) -> list[dict]:
              "--micro-batch-size", "2"),
         case("k1", muloco_config(workers=1), data, "--micro-batch-size", "2", read_as_worker_of=2),
         case("k2_identical_data", muloco_config(identical_worker_data=True), data),
+    ]
+
+
+def k2_cases(data: str) -> list[dict]:
+    return [
         case("k2", muloco_config(), data),
         case("k2_4bit", muloco_config(compression=FOUR_BIT_EF), data),
         case("k2_poisoned", muloco_config(), data, steps=3 * H,
@@ -70,7 +73,7 @@ def two_rank_cases(data: str) -> list[dict]:
     ]
 
 
-def four_rank_cases(data: str) -> list[dict]:
+def parallel_cases(data: str) -> list[dict]:
     return [
         case("k2_t2", muloco_config(), data, "--tensor-model-parallel-size", "2"),
         case("k2_t2_4bit", muloco_config(compression=FOUR_BIT_EF), data, "--tensor-model-parallel-size", "2"),
@@ -87,25 +90,30 @@ def workdir(tmp_path_factory) -> Path:
     return path
 
 
+LAUNCHES = {"k1_identities": (2, k1_identity_cases), "k2": (2, k2_cases), "parallel": (4, parallel_cases)}
+
+
 @cache
-def _probe(workdir: Path, ranks: int) -> Path:
-    cases = (two_rank_cases if ranks == 2 else four_rank_cases)(str(workdir / "markov"))
-    out = workdir / f"probe_{ranks}"
+def _probe(workdir: Path, launch: str) -> Path:
+    ranks, cases = LAUNCHES[launch]
+    out = workdir / launch
     out.mkdir()
-    (out / "cases.json").write_text(json.dumps(cases))
-    launch(PROBE, ranks, [out / "cases.json", out])
+    (out / "cases.json").write_text(json.dumps(cases(str(workdir / "markov"))))
+    deepspeed_launch(PROBE, ranks, [str(out / "cases.json"), str(out)]).check(f"outer probe {launch}")
     return out
 
 
+def case_dir(workdir: Path, name: str) -> Path:
+    launch = next(launch for launch, (_, cases) in LAUNCHES.items() if name in {c["name"] for c in cases("")})
+    return _probe(workdir, launch) / name
+
+
 def dumps(workdir: Path, name: str) -> list[dict]:
-    ranks = 4 if name in {c["name"] for c in four_rank_cases("")} else 2
-    return load_rank_dumps(_probe(workdir, ranks) / name)
+    return load_rank_dumps(case_dir(workdir, name))
 
 
 def outer_records(workdir: Path, name: str) -> list[dict]:
-    ranks = 4 if name in {c["name"] for c in four_rank_cases("")} else 2
-    lines = (_probe(workdir, ranks) / name / "run" / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "outer_step" in r]
+    return [r for r in read_metrics(case_dir(workdir, name) / "run") if "outer_step" in r]
 
 
 def worker_losses(run: list[dict], worker: int) -> list[float]:
@@ -269,18 +277,13 @@ def test_streaming_fragments_sync_in_turn_with_overlap_over_reduce_scatter(workd
 
 def test_cli_k2_t2_four_bit_error_feedback_run_learns_and_logs_outer_syncs(workdir):
     run_dir = workdir / "cli"
-    deepspeed = Path(sys.executable).parent / "deepspeed"
-    result = subprocess.run(
-        [str(deepspeed), "--num_gpus", "4", "--master_port", str(free_port()), "trainer/pretrain.py",
-         "--ds_config", str(MULOCO_CONFIG), "--model", "tiny", "--data-path", str(workdir / "markov"),
-         "--vocab-size", str(VOCAB), "--train-iters", "40", "--tensor-model-parallel-size", "2",
-         "--eval-interval", "10", "--eval-iters", "2", "--run-dir", str(run_dir)],
-        cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
-        capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    deepspeed_launch(PRETRAIN, 4, [
+        "--ds_config", str(MULOCO_CONFIG), "--model", "tiny", "--data-path", str(workdir / "markov"),
+        "--vocab-size", str(VOCAB), "--train-iters", "40", "--tensor-model-parallel-size", "2",
+        "--eval-interval", "10", "--eval-iters", "2", "--run-dir", str(run_dir)]).check("the CLI run")
     config = json.loads((run_dir / "config.json").read_text())
     assert config["muloco"]["workers"] == 2 and config["tensor_parallel"] == 2
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir)
     val = [r["val_loss"] for r in records if "val_loss" in r]
     assert len(val) == 4 and val[-1] < val[0] - 0.5 and val == sorted(val, reverse=True)
     syncs = [r for r in records if "outer_step" in r]
