@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from trainer_harness import EXTENSIONS_ENV
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 600  # 2 shared CPU cores: four ranks start slowly
 TRAIN_ITERS = 6
@@ -33,7 +35,7 @@ def launch(base: Path, ranks: int, run_dir: Path, *flags: str, ds_config: str = 
            "trainer/pretrain.py", "--ds_config", ds_config, "--model", "tiny", *data,
            "--train-iters", str(TRAIN_ITERS), "--log-interval", "1", "--eval-interval", "0",
            "--run-dir", str(run_dir), *flags]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    full_env = {**os.environ, **EXTENSIONS_ENV, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     return subprocess.run(cmd, cwd=REPO_ROOT, env=full_env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
 
 
