@@ -1,0 +1,49 @@
+"""The entry point under the real launcher: an impossible size stops every rank at once with one clear
+message (no hang), and a short T=2 run writes config.json, metrics.jsonl and TensorBoard events
+while the loss goes down."""
+import json
+
+import pytest
+
+from synthetic_data import write_markov_dataset
+from trainer_harness import PRETRAIN, TINY_VOCAB, deepspeed_launch, read_metrics, tiny_flags
+
+# Far below LAUNCH_TIMEOUT_S: a rank waiting in a collective for a peer that already quit would hang.
+FAIL_FAST_S = 120
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_markov_dataset(str(tmp_path_factory.mktemp("cli") / "markov"), vocab_size=TINY_VOCAB)
+
+
+def test_impossible_size_exits_with_a_clear_message(data, tmp_path):
+    result = deepspeed_launch(PRETRAIN, 2, tiny_flags(data, tmp_path / "run", "muon",
+                                                      "--tensor-model-parallel-size", "4"), timeout_s=FAIL_FAST_S)
+    assert result.returncode not in (0, 124), result.output[-4000:]
+    assert ("configuration error: world size 2 is not divisible by workers x pipeline x tensor "
+            "= 1 x 1 x 4 = 4") in result.output
+    assert not (tmp_path / "run").exists(), "nothing may be written before the configuration is known good"
+
+
+def test_short_tensor_parallel_run_writes_its_run_dir_and_learns(data, tmp_path):
+    run_dir = tmp_path / "run"
+    deepspeed_launch(PRETRAIN, 2, tiny_flags(
+        data, run_dir, "muon", "--tensor-model-parallel-size", "2", "--train-iters", str(STEPS),
+        "--log-interval", "5", "--eval-interval", "10", "--eval-iters", "2")).check("T=2 run")
+
+    config = json.loads((run_dir / "config.json").read_text())
+    assert (config["tensor_parallel"], config["batch"]["data_parallel"]) == (2, 1)
+    assert config["optimizer"]["name"] == "muon" and config["schedule"]["train_iters"] == STEPS
+
+    records = read_metrics(run_dir)
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == [5, 10, 15, 20]
+    for r in train:
+        assert {"step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(r)
+        assert r["tokens"] == r["step"] * 4 * 128  # 4 sequences of 128 tokens per step
+    assert [r["step"] for r in records if "val_loss" in r] == [10, 20]
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5, [r["loss"] for r in train]
+
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
