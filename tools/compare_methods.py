@@ -67,7 +67,7 @@ class Settings:
 
 
 QUICK = Settings(steps=60, sync_interval=10, warmup=6, seeds=(0,), methods=QUICK_METHODS, lr_grid_size=2,
-                 outer_neighbours=False, run_timeout_s=900)
+                 outer_neighbours=False, run_timeout_s=1800)
 
 
 @dataclass(frozen=True)
