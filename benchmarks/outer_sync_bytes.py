@@ -87,7 +87,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 for p in model.parameters():
                     p.add_(torch.randn(p.shape, generator=generator), alpha=1e-3)
             outer.after_inner_step(args.sync_interval)
-            del outer
+            del outer  # its fp32 global weights, momentum and error-feedback buffers
             if records:
                 r = records[0]
                 rows.append({"K": K, "compression": label, "collective": collective, "parameters": params,
@@ -119,15 +119,18 @@ def main() -> None:
         if rows:
             Path(args.out).write_text(json.dumps(rows))
         return
-    rows = [row for K in args.workers for row in launch(args, K)]
-    print(f"model {args.model} ({rows[0]['parameters']:,} parameters), H = {args.sync_interval}, embeddings and norms "
-          f"{'compressed' if args.compress_embeddings else 'uncompressed'}")
+    print(f"model {args.model}, H = {args.sync_interval}, embeddings and norms "
+          f"{'compressed' if args.compress_embeddings else 'uncompressed'}", flush=True)
     print(f"{'K':>2} {'compression':<24} {'collective':<15} {'MB/rank/sync':>13} {'DP MB/rank/H':>13} "
-          f"{'DP/outer':>9} {'rel. error':>10} {'sync s':>7}")
-    for r in rows:
-        print(f"{r['K']:>2} {r['compression']:<24} {r['collective']:<15} {r['bytes_per_rank_per_sync'] / 1e6:>13.2f} "
-              f"{r['dp_bytes_per_rank_per_H_steps'] / 1e6:>13.1f} {r['dp_over_outer']:>9.1f} "
-              f"{r['compression_error']:>10.3f} {r['sync_seconds']:>7.2f}")
+          f"{'DP/outer':>9} {'rel. error':>10} {'sync s':>7}", flush=True)
+    rows = []
+    for K in args.workers:  # each K's rows as soon as its launch is done
+        rows += launch(args, K)
+        for r in rows[-len(COMPRESSIONS) * len(COLLECTIVES):]:
+            print(f"{r['K']:>2} {r['compression']:<24} {r['collective']:<15} {r['bytes_per_rank_per_sync'] / 1e6:>13.2f} "
+                  f"{r['dp_bytes_per_rank_per_H_steps'] / 1e6:>13.1f} {r['dp_over_outer']:>9.1f} "
+                  f"{r['compression_error']:>10.3f} {r['sync_seconds']:>7.2f}", flush=True)
+    print(f"parameters: {rows[0]['parameters']:,}")
     print(json.dumps({"model": args.model, "sync_interval": args.sync_interval,
                       "compress_embeddings": args.compress_embeddings, "rows": rows}))
 

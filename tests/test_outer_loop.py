@@ -2,7 +2,7 @@
 trainings, the NaN/outlier guard, streaming with overlap, and the CLI run.
 
 Start-up dominates on CPU, so tests/_outer_probe.py runs several short trainings per launch: two
-2-rank launches and one 4-rank launch serve every identity; the CLI test is one more launch.
+2-rank and two 4-rank launches serve every identity; the CLI test is one more launch.
 The references are inner-only training, the K=1 run, and the outer step computed here in float64
 from the weights the workers held just before a sync.
 """
@@ -16,7 +16,7 @@ import torch
 
 from _probe_common import load_rank_dumps, worker_weights
 from synthetic_data import write_markov_dataset
-from trainer_harness import PRETRAIN, REPO_ROOT, deepspeed_launch, read_metrics
+from trainer_harness import PRETRAIN, REPO_ROOT, LaunchResult, deepspeed_launch, read_metrics
 
 PROBE = REPO_ROOT / "tests" / "_outer_probe.py"
 MULOCO_CONFIG = REPO_ROOT / "ds_configs" / "cpu_tiny_muloco.json"
@@ -73,10 +73,15 @@ def k2_cases(data: str) -> list[dict]:
     ]
 
 
-def parallel_cases(data: str) -> list[dict]:
+def tensor_parallel_cases(data: str) -> list[dict]:
     return [
         case("k2_t2", muloco_config(), data, "--tensor-model-parallel-size", "2"),
         case("k2_t2_4bit", muloco_config(compression=FOUR_BIT_EF), data, "--tensor-model-parallel-size", "2"),
+    ]
+
+
+def pipeline_and_data_parallel_cases(data: str) -> list[dict]:
+    return [
         case("k2_p2", muloco_config(), data, "--pipeline-model-parallel-size", "2"),
         case("k2_p2_4bit", muloco_config(compression=FOUR_BIT_EF), data, "--pipeline-model-parallel-size", "2"),
         case("k2_d2_4bit", muloco_config(compression=FOUR_BIT_EF), data, "--micro-batch-size", "2"),
@@ -90,22 +95,26 @@ def workdir(tmp_path_factory) -> Path:
     return path
 
 
-LAUNCHES = {"k1_identities": (2, k1_identity_cases), "k2": (2, k2_cases), "parallel": (4, parallel_cases)}
+# Each launch stays well inside the harness's 300 s timeout on a busy 2-core machine.
+LAUNCHES = {"k1_identities": (2, k1_identity_cases), "k2": (2, k2_cases), "tensor_parallel": (4, tensor_parallel_cases),
+            "pipeline_and_data_parallel": (4, pipeline_and_data_parallel_cases)}
 
 
 @cache
-def _probe(workdir: Path, launch: str) -> Path:
+def _probe(workdir: Path, launch: str) -> tuple[Path, LaunchResult]:
+    """Each launch runs once per session; a failed one fails every test that reads it, with its output."""
     ranks, cases = LAUNCHES[launch]
     out = workdir / launch
     out.mkdir()
     (out / "cases.json").write_text(json.dumps(cases(str(workdir / "markov"))))
-    deepspeed_launch(PROBE, ranks, [str(out / "cases.json"), str(out)]).check(f"outer probe {launch}")
-    return out
+    return out, deepspeed_launch(PROBE, ranks, [str(out / "cases.json"), str(out)])
 
 
 def case_dir(workdir: Path, name: str) -> Path:
     launch = next(launch for launch, (_, cases) in LAUNCHES.items() if name in {c["name"] for c in cases("")})
-    return _probe(workdir, launch) / name
+    out, result = _probe(workdir, launch)
+    result.check(f"outer probe {launch}")
+    return out / name
 
 
 def dumps(workdir: Path, name: str) -> list[dict]:
