@@ -18,3 +18,6 @@ if [ "$(cat "$INSTALL_STAMP" 2>/dev/null)" != "$wanted_install" ]; then
 fi
 # Megatron warns at import about optional GPU kernels that a CPU run does not use.
 export PYTHONWARNINGS=ignore
+# DeepSpeed JIT-builds its CPU comm op on first use; a per-venv folder keeps another venv's build
+# (other torch, or one in progress) from being waited on or loaded.
+export TORCH_EXTENSIONS_DIR="$PWD/$VENV_DIR/torch_extensions"
