@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DS_CONFIG=ds_configs/cpu_tiny_muon.json  # the method the demo shows
+DS_CONFIG=ds_configs/cpu_tiny_muloco.json  # the method the demo shows: MuLoCo, K=2 workers, 4-bit + EF
 TRAIN_ITERS="${TRAIN_ITERS:-120}"  # steps; the environment may override (a quick smoke test)
 EVAL_INTERVAL="${EVAL_INTERVAL:-20}"
 DATA=demo_data
@@ -59,6 +59,10 @@ import json, sys
 evals = [r for r in map(json.loads, open(sys.argv[1])) if "val_loss" in r]
 first, last = evals[0], evals[-1]
 print(f"  validation loss {first['val_loss']:.3f} at step {first['step']} -> {last['val_loss']:.3f} at step {last['step']}")
+syncs = [r for r in map(json.loads, open(sys.argv[1])) if "outer_step" in r]
+if syncs:
+    print(f"  {len(syncs)} outer syncs, {syncs[-1]['bytes_sent_per_rank'] / 1e6:.2f} MB sent per rank per sync, "
+          f"pseudogradient cosine {syncs[-1]['pseudograd_cosine']:.3f}")
 if last["val_loss"] >= first["val_loss"]:
     sys.exit("  validation loss did not go down: something is wrong")
 PY
