@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tokenizer.train import TokenizerTrainingConfig, train_tokenizer  # noqa: E402
 from tools.preprocess_data import PreprocessConfig, run_preprocess  # noqa: E402
 
-SAMPLE_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "shakespeare" / "train"
+SAMPLE_CORPUS = Path(__file__).resolve().parents[1] / "corpus" / "shakespeare" / "train"
 
 
 def measure(inputs: tuple[str, ...], tokenizer_model: Path, workers: int, work_dir: Path) -> dict:

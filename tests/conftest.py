@@ -1,10 +1,10 @@
-"""Shared test fixtures: repository paths and the sample corpus that CI lays beside the clone."""
+"""Shared test fixtures: repository paths and the sample corpus shipped in `corpus/`."""
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_CORPUS = REPO_ROOT.parent / "shared" / "corpus" / "shakespeare"
+SAMPLE_CORPUS = REPO_ROOT / "corpus" / "shakespeare"
 
 
 @pytest.fixture(scope="session")
@@ -15,6 +15,4 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def shakespeare() -> Path:
     """The Nemotron-CC-layout sample corpus (train/ and valid/ folders of .jsonl.zstd shards)."""
-    if not SHARED_CORPUS.is_dir():
-        pytest.fail(f"sample corpus not found at {SHARED_CORPUS}; CI copies ../shared beside the clone")
-    return SHARED_CORPUS
+    return SAMPLE_CORPUS

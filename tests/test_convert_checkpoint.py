@@ -89,7 +89,7 @@ def test_llama_export_with_tokenizer_loads_and_generates(base, tmp_path):
     from tokenizer.train import TokenizerTrainingConfig, train_tokenizer
     from tools.generate import generate
 
-    corpus = REPO_ROOT.parent / "shared" / "corpus" / "shakespeare" / "train"
+    corpus = REPO_ROOT / "corpus" / "shakespeare" / "train"
     spm = train_tokenizer(TokenizerTrainingConfig(inputs=(str(corpus),), output_prefix=tmp_path / "spm",
                                                   vocab_size=1024, max_chars=300_000, num_threads=1)).model_path
     ckpt = tmp_path / "ckpt"  # the Markov data's ids (< 1000) are valid ids of this tokenizer

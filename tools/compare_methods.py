@@ -34,7 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "configs" / "compare"
-CORPUS = REPO.parent / "shared" / "corpus" / "shakespeare"
+CORPUS = REPO / "corpus" / "shakespeare"
 
 LR_GRIDS = {"adamw": (1e-3, 3e-3, 1e-2), "muon": (0.01, 0.02, 0.04)}
 # One neighbour of the paper's tuned outer lr, keyed by the tuned point (K=1 and K>1).
@@ -43,7 +43,7 @@ METHOD_ORDER = ("dp_adamw", "dp_muon", "diloco_k1", "muloco_k1", "diloco_k2", "m
                 "muloco_k4", "diloco_k4_stat4", "muloco_k4_stat4", "diloco_k4_stat2ef", "muloco_k4_stat2ef")
 QUICK_METHODS = ("dp_adamw", "dp_muon", "diloco_k1", "muloco_k1", "diloco_k4", "muloco_k4", "muloco_k4_stat4",
                  "muloco_k4_stat2ef")
-# The paper's 150M column (DESIGN.md) for the methods it reports; K=16 there, not K=4.
+# The paper's 150M column (arXiv 2505.23725) for the methods it reports; K=16 there, not K=4.
 PAPER_150M = {"dp_adamw": 3.158, "dp_muon": 3.124, "muloco_k1": 3.120, "diloco_k1": 3.142}
 
 

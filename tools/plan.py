@@ -42,7 +42,7 @@ The K datacenters are joined by links of `--bandwidth-gbit` each; with `--bandwi
 - MuLoCo: every H steps one sync of the bytes above, not overlapped (or overlapped with tau inner steps
   when the ds_config's streaming block sets overlap_steps).
 Latency, the intra-datacenter collectives and Newton-Schulz time are ignored. Same tokens for every
-method: MuLoCo at K > 1 reaches a somewhat higher loss at equal tokens (DESIGN.md's table), which this
+method: MuLoCo at K > 1 reaches a somewhat higher loss at equal tokens (the paper's final-loss table, see README), which this
 model does not price in.
 """
 from __future__ import annotations

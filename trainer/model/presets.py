@@ -1,4 +1,4 @@
-"""Model shapes: a CPU-sized `tiny` and the paper's presets (DESIGN.md)."""
+"""Model shapes: a CPU-sized `tiny` and the paper's presets (arXiv 2505.23725)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
