@@ -16,11 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.errors import ConfigError
 from trainer.model.presets import PRESETS, ModelShape
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the setting."""
 
 
 @dataclass

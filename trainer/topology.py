@@ -13,9 +13,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-
-class TopologyError(ValueError):
-    """An impossible combination of parallel sizes; raised before any collective is entered."""
+from trainer.errors import TopologyError
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 from trainer.diloco.compression import CompressionConfig
 from trainer.diloco.link import SlowLink
 
