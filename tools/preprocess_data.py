@@ -38,6 +38,7 @@ with warnings.catch_warnings():  # megatron warns about GPU kernels that preproc
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
 
 from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer  # noqa: E402
+from trainer.durable import fsync_dir, write_text_durably  # noqa: E402
 from tools.shard_reader import BadRecord, NoInputMatchedError, read_documents, resolve_inputs  # noqa: E402
 
 # Bump when the part file contents would change for the same inputs, to invalidate old parts.
@@ -194,7 +195,7 @@ def _tokenize_shard(task: ShardTask) -> ShardStats:
         "part_sizes": _part_sizes(task.part_prefix),
         "stats": asdict(stats),
     }
-    _write_json_atomically(task.manifest_path, manifest)  # last: it marks the part complete
+    write_text_durably(task.manifest_path, json.dumps(manifest, indent=1))  # last: it marks the part complete
     return stats
 
 
@@ -363,7 +364,7 @@ def _merge_parts(tasks: list[ShardTask], dataset_prefix: str, dtype) -> None:
     Path(final_idx).unlink(missing_ok=True)
     os.replace(bin_tmp, final_bin)
     os.replace(idx_tmp, final_idx)
-    _fsync_dir(Path(final_idx).parent)
+    fsync_dir(Path(final_idx).parent)
 
 
 def _part_sizes(part_prefix: str) -> dict[str, int | None]:
@@ -377,24 +378,6 @@ def _part_sizes(part_prefix: str) -> dict[str, int | None]:
 def _fsync_file(path: str | Path) -> None:
     with open(path, "rb") as handle:
         os.fsync(handle.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def _write_json_atomically(path: Path, payload: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as handle:
-        json.dump(payload, handle, indent=1)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> PreprocessConfig:

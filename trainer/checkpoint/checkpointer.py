@@ -16,8 +16,9 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from trainer.checkpoint import state as rank_state
 from trainer.checkpoint.format import (COMPLETE, CheckpointError, CheckpointMeta, CheckpointReader, iteration_dir,
-                                       publish, rank_file, remove_incomplete, write_durably, write_text_durably)
+                                       publish, rank_file, remove_incomplete)
 from trainer.config import RunConfig
+from trainer.durable import write_durably, write_text_durably
 from trainer.model.layout import layout_of, shard
 from trainer.model.presets import ModelShape
 from trainer.topology import ParallelSizes, Topology, coordinates

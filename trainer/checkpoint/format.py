@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
+from trainer.durable import TMP_SUFFIX, write_text_durably
 from trainer.model.layout import layout_of, unshard
 from trainer.model.presets import ModelShape
 from trainer.topology import ParallelSizes, RankCoordinates
@@ -18,7 +18,6 @@ from trainer.topology import ParallelSizes, RankCoordinates
 FORMAT_VERSION = 1
 COMPLETE = "complete"
 LATEST = "latest"
-TMP_SUFFIX = ".tmp"
 
 
 class CheckpointError(RuntimeError):
@@ -31,31 +30,6 @@ def iteration_dir(root: str | Path, step: int) -> Path:
 
 def rank_file(directory: Path, rank: int) -> Path:
     return directory / f"rank_{rank:05d}.pt"
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_durably(path: Path, write: Callable[[Any], None], before_publish: Callable[[], None] = lambda: None) -> None:
-    """Write through `write(file)` to a temporary name, fsync, then rename over `path`: readers see
-    the old file or the whole new one, never a part."""
-    tmp = path.with_name(f"{path.name}{TMP_SUFFIX}.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    before_publish()
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def write_text_durably(path: Path, text: str) -> None:
-    write_durably(path, lambda f: f.write(text.encode()))
 
 
 def latest_iteration(root: str | Path) -> int | None:
