@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from megatron.core import parallel_state as mps
 
+from trainer import comm
 from trainer.topology import (ParallelSizes, Topology, coordinates,
                               inner_data_parallel_ranks, rank_of, RankCoordinates)
 
@@ -33,11 +34,7 @@ def initialize_megatron_groups(topology: Topology, timeout: timedelta) -> None:
     )
     rank = dist.get_rank()
     dp_ranks = next(r for r in inner_data_parallel_ranks(sizes) if rank in r)
-    tp_dp_group = None
-    for ranks in _tensor_and_inner_data_ranks(sizes):
-        group = dist.new_group(ranks, timeout=timeout)
-        if rank in ranks:
-            tp_dp_group = group
+    tp_dp_group = comm.new_subgroups(_tensor_and_inner_data_ranks(sizes), timeout)
     dp_group = topology.inner_dp_group
     mps._DATA_PARALLEL_GROUP = dp_group
     mps._DATA_PARALLEL_GROUP_GLOO = dp_group

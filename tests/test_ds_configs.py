@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import build_parser, resolve
+from trainer.engine import deepspeed_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "ds_configs").glob("*.json"))
 
@@ -22,7 +23,7 @@ def test_config_resolves(path):
     assert config.batch.workers == workers
     assert config.batch.data_parallel == 2
     # DeepSpeed's own batch check holds for one worker's ranks.
-    ds = config.ds_config
+    ds = deepspeed_config(config.ds_config, config.batch)
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 2
     assert config.batch.global_batch == workers * ds["train_batch_size"]
     # Blocks the trainer owns never reach DeepSpeed.

@@ -88,15 +88,16 @@ def _train_both(model, config: OptimizerConfig, reference: _PerLogicalMatrix, op
 
 
 def test_adamw_equals_torch_adamw(model):
-    config = OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.1)
+    config = OptimizerConfig.from_params("adamw", {"lr": 1e-2, "weight_decay": 0.1})
     optimizer, routing = _inner(model, config)
     assert not routing.muon
     _train_both(model, config, _PerLogicalMatrix(routing, None, config.lr, config.weight_decay), optimizer)
 
 
 def test_muon_equals_torch_muon_per_logical_matrix(model, torch_muon_in_fp32):  # noqa: F811
-    config = OptimizerConfig(name="muon", lr=0.02, weight_decay=0.1, muon_momentum=0.9, ns_schedule="keller",
-                             lr_scaling="torch_original", adamw_lr_factor=0.15, adamw_weight_decay_factor=0.5)
+    config = OptimizerConfig.from_params("muon", {  # the ds_config's params, as a user writes them
+        "lr": 0.02, "weight_decay": 0.1, "momentum": 0.9, "ns_schedule": "keller", "lr_scaling": "torch_original",
+        "adamw_lr_factor": 0.15, "adamw_weight_decay_factor": 0.5})
     optimizer, routing = _inner(model, config)
     reference = _PerLogicalMatrix(
         routing, lambda params: torch.optim.Muon(params, lr=config.lr, weight_decay=config.weight_decay,
@@ -106,7 +107,7 @@ def test_muon_equals_torch_muon_per_logical_matrix(model, torch_muon_in_fp32):  
 
 
 def test_muon_equals_reference_muon_with_paper_schedule(model):
-    config = OptimizerConfig(name="muon", lr=0.02, weight_decay=0.1, muon_nesterov=True)  # paper schedule
+    config = OptimizerConfig.from_params("muon", {"lr": 0.02, "weight_decay": 0.1, "nesterov": True})  # paper schedule
     optimizer, routing = _inner(model, config)
     muon_config = MuonConfig(lr=0.02, momentum=0.9, nesterov=True, ns_schedule="paper",
                              lr_scaling="spectral_norm", weight_decay=0.1)
@@ -133,7 +134,7 @@ def test_routing_rejects_uncovered_parameter(model):
 
 
 def test_clipping_uses_the_global_norm(model):
-    optimizer, _ = _inner(model, OptimizerConfig(name="muon", lr=0.02), clip_grad=1.0)
+    optimizer, _ = _inner(model, OptimizerConfig.from_params("muon", {"lr": 0.02}), clip_grad=1.0)
     grads = _random_grads(model, torch.Generator().manual_seed(1))
     reference = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads.values()]
     for r, g in zip(reference, grads.values()):
@@ -147,7 +148,7 @@ def test_clipping_uses_the_global_norm(model):
 
 
 def test_non_finite_gradient_norm_stops_before_touching_weights(model):
-    optimizer, _ = _inner(model, OptimizerConfig(name="adamw", lr=0.02), clip_grad=1.0)
+    optimizer, _ = _inner(model, OptimizerConfig.from_params("adamw", {"lr": 0.02}), clip_grad=1.0)
     _random_grads(model, torch.Generator().manual_seed(2))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     next(model.parameters()).grad[0, 0] = float("nan")

@@ -7,6 +7,7 @@ import pytest
 from megatron.core.parallel_state import RankGenerator
 
 from trainer.config import ConfigError, build_parser, resolve
+from trainer.engine import deepspeed_config
 from trainer.topology import (ParallelSizes, RankCoordinates, TopologyError, coordinates, inner_data_parallel_ranks,
                               outer_ranks, rank_of, worker_ranks)
 
@@ -85,7 +86,7 @@ def _resolve(tmp_path, world: int, *flags: str, workers: int | None = None):
 def test_resolve_accepts_a_good_layout(tmp_path):
     config = _resolve(tmp_path, 8, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
     assert (config.tensor_parallel, config.pipeline_parallel, config.batch.data_parallel) == (2, 2, 2)
-    assert config.ds_config["train_batch_size"] == 4  # micro 2 x D 2: what DeepSpeed checks
+    assert deepspeed_config(config.ds_config, config.batch)["train_batch_size"] == 4  # micro 2 x D 2: what DeepSpeed checks
 
 
 @pytest.mark.parametrize("world, flags, workers, message", [

@@ -11,17 +11,21 @@ The compute device is chosen once per process, after the launcher's local rank i
 """
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 ReduceOp = dist.ReduceOp
+# How long a collective may wait for a peer before the run fails instead of hanging.
+COLLECTIVE_TIMEOUT = timedelta(minutes=int(os.environ.get("MULOCO_COLLECTIVE_TIMEOUT_MIN", "10")))
 _compute_device: torch.device | None = None
 
 
 def init_compute_device(local_rank: int) -> torch.device:
-    """Pick this process's device: accelerator `local_rank` where there is one, else the CPU."""
+    """Pick this process's device: accelerator `local_rank` where there is one (modulo the number of
+    accelerators, so several processes may share one when their groups are on gloo), else the CPU."""
     global _compute_device
     from deepspeed.accelerator import get_accelerator
 
@@ -29,9 +33,17 @@ def init_compute_device(local_rank: int) -> torch.device:
     if accelerator.device_name() == "cpu":
         _compute_device = torch.device("cpu")
     else:
-        accelerator.set_device(local_rank)
-        _compute_device = torch.device(accelerator.device_name(local_rank))
+        index = local_rank % accelerator.device_count()
+        accelerator.set_device(index)
+        _compute_device = torch.device(accelerator.device_name(index))
     return _compute_device
+
+
+def default_backend() -> str:
+    """The backend of the default group when none is asked for: the accelerator's (NCCL), or gloo."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().communication_backend_name()
 
 
 def compute_device() -> torch.device:
@@ -44,10 +56,26 @@ def group_device(group=None) -> torch.device:
     return compute_device() if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
-def new_group(ranks: list[int], timeout: timedelta, backend: str | None = None):
+def new_group(ranks: list[int], timeout: timedelta = COLLECTIVE_TIMEOUT, backend: str | None = None):
     """Every rank must create every group, in the same order; returns the group (None if not a member
-    on backends that say so)."""
+    on backends that say so). `backend=None` is the default group's (NCCL on GPUs, gloo on CPU)."""
     return dist.new_group(ranks, timeout=timeout, backend=backend)
+
+
+def new_subgroups(all_ranks: list[list[int]], timeout: timedelta = COLLECTIVE_TIMEOUT, backend: str | None = None):
+    """Create one group per rank list (every rank creates all of them, in order); return ours."""
+    rank, mine = dist.get_rank(), None
+    for ranks in all_ranks:
+        group = new_group(ranks, timeout=timeout, backend=backend)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def to_compute_device(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` on the compute device (non-blocking from pinned host memory)."""
+    device = compute_device()
+    return tensor if tensor.device == device else tensor.to(device, non_blocking=True)
 
 
 def _run_on_group_device(group, tensors: list[torch.Tensor], collective) -> None:
@@ -90,4 +118,6 @@ def broadcast(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
 
 
 def barrier(group=None) -> None:
-    dist.barrier(group=group)
+    device = group_device(group)
+    # NCCL's barrier is an all-reduce on a device buffer: name ours, so it is not guessed from the rank.
+    dist.barrier(group=group, device_ids=[device.index]) if device.type == "cuda" else dist.barrier(group=group)

@@ -7,27 +7,28 @@ from __future__ import annotations
 
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import deepspeed  # noqa: E402
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from deepspeed.accelerator import get_accelerator  # noqa: E402
 
-from trainer.config import ConfigError, build_parser, resolve  # noqa: E402
+from trainer import comm  # noqa: E402
+from trainer.config import build_parser, resolve  # noqa: E402
 from trainer.data import check_data  # noqa: E402
-from trainer.topology import TopologyError  # noqa: E402
-
-COLLECTIVE_TIMEOUT = timedelta(minutes=int(os.environ.get("MULOCO_COLLECTIVE_TIMEOUT_MIN", "10")))
+from trainer.errors import ConfigError, TopologyError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=COLLECTIVE_TIMEOUT)
+    if args.deterministic_mode:  # cuBLAS reads this when it starts
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # The device first: NCCL binds each process to the accelerator current when it starts.
+    comm.init_compute_device(int(os.environ.get("LOCAL_RANK", args.local_rank or 0)))
+    deepspeed.init_distributed(dist_backend=args.distributed_backend or comm.default_backend(),
+                               timeout=comm.COLLECTIVE_TIMEOUT)
     try:  # every rank resolves the same config, so every rank stops here together, before any collective
         config = resolve(args, dist.get_world_size())
         check_data(config.data)

@@ -1,12 +1,13 @@
-"""Assembles one run from a resolved config: process groups, model, inner optimizer, DeepSpeed
-engine, data, logging, the MuLoCo outer loop when configured, and the training loop."""
+"""Assembles one run from a resolved config: compute device, process groups, model, inner optimizer,
+DeepSpeed engine, data, logging, the MuLoCo outer loop when configured, and the training loop."""
 from __future__ import annotations
 
 import json
+import os
 import random
+from contextlib import ExitStack
 from pathlib import Path
 
-import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -14,11 +15,13 @@ from megatron.core import parallel_state as mps
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from torch.optim.lr_scheduler import LambdaLR
 
-from megatron_patches import DeepSpeedMpu, apply_cpu_shims_if_needed, initialize_megatron_groups
-from trainer.checkpoint import Checkpointer
+from megatron_patches import apply_cpu_shims_if_needed, initialize_megatron_groups
+from trainer import comm
+from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.config import RunConfig
-from trainer.diloco.outer_loop import OuterLoop
 from trainer.data import StreamPosition, build_datasets, tokenizer_info
+from trainer.diloco.outer_loop import OuterLoop
+from trainer.engine import Engine
 from trainer.metrics import MetricsLogger
 from trainer.model.builder import (build_model, canonical_names, count_parameters, initialize_weights,
                                    padded_vocab_size)
@@ -30,30 +33,35 @@ from trainer.training import Trainer
 
 
 def _seed_everything(seed: int) -> None:
+    """After the compute device is chosen: Megatron's tracker seeds the current accelerator."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 
 
-def _global_parameter_count(model, topology) -> int:
+def _global_parameter_count(model) -> int:
     total, replicated = count_parameters(model)
     # Sharded parameters sum over TP and PP; replicated ones (norms) count once per stage.
-    t = torch.tensor([total - replicated, replicated if mps.get_tensor_model_parallel_rank() == 0 else 0])
-    dist.all_reduce(t, group=mps.get_model_parallel_group())
+    group = mps.get_model_parallel_group()
+    t = torch.tensor([total - replicated, replicated if mps.get_tensor_model_parallel_rank() == 0 else 0],
+                     device=comm.group_device(group))
+    comm.all_reduce(t, group=group)
     return int(t.sum())
 
 
 def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     """`trainer_class` lets tests and benchmarks observe a run assembled exactly as here."""
-    from trainer.pretrain import COLLECTIVE_TIMEOUT
-
+    device = comm.init_compute_device(int(os.environ.get("LOCAL_RANK", "0")))
     apply_cpu_shims_if_needed()
     sizes = ParallelSizes.from_world(dist.get_world_size(), config.batch.workers, config.pipeline_parallel,
                                      config.tensor_parallel)
-    topology = build_topology(sizes, COLLECTIVE_TIMEOUT)
-    initialize_megatron_groups(topology, COLLECTIVE_TIMEOUT)
+    topology = build_topology(sizes, comm.COLLECTIVE_TIMEOUT)
+    initialize_megatron_groups(topology, comm.COLLECTIVE_TIMEOUT)
     _seed_everything(config.seed)
+    if config.deterministic:
+        # warn_only: a kernel without a deterministic variant still runs (the GPU check states the tolerance).
+        torch.use_deterministic_algorithms(True, warn_only=True)
     is_logger = topology.is_logging_rank
     if is_logger:
         Path(config.run_dir).mkdir(parents=True, exist_ok=True)
@@ -66,7 +74,8 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
         raise ValueError("bf16 needs an accelerator; on CPU remove the ds_config's bf16 block (training runs in fp32)")
     model = build_model(config.model, vocab, bf16_autocast=config.bf16)
     initialize_weights(model, config.model, config.seed)
-    n_params = _global_parameter_count(model, topology)
+    model.to(device)  # before the optimizers see the parameters: their state is made beside them
+    n_params = _global_parameter_count(model)
     canonical = canonical_names(model)
     routing = route_parameters(model.named_parameters(), use_muon=config.optimizer.name == "muon")
     if is_logger:
@@ -77,9 +86,7 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
                                mps.get_tensor_model_parallel_group(), topology.inner_dp_group,
                                mps.get_model_parallel_group())
     scheduler = LambdaLR(optimizer, lambda step: lr_multiplier(step, config.schedule))
-    ds_config = dict(config.ds_config, managed_gradient_accumulation=False, gradient_clipping=0.0)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=ds_config, mpu=DeepSpeedMpu)
+    engine = Engine(model, optimizer, scheduler, config)
 
     samples_per_step = config.batch.global_batch
     eval_samples = config.eval_iters * config.batch.per_worker
@@ -91,18 +98,29 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     position = StreamPosition(topology.coords.worker, topology.coords.data, config.batch, identical)
     logger = MetricsLogger(config.run_dir, config.tensorboard_dir, config.schedule.train_iters, is_logger)
     trainer = trainer_class(config, topology, engine, datasets.train, datasets.valid, position, logger)
+    outer = None
     if config.muloco is not None:
         outer = OuterLoop(config.muloco, list(model.named_parameters()), canonical, topology,
                           mps.get_tensor_model_parallel_rank(), config.model.num_layers,
                           log=lambda record, step: logger.log(record, step, prefix="outer"))
-        outer.attach(engine)
         trainer.extra_state["muloco"] = outer
     if is_logger:
         print(f"global batch {config.batch.global_batch} sequences ({config.batch.per_worker} per worker x "
               f"{config.batch.workers} workers), {config.schedule.train_iters} steps", flush=True)
-    Checkpointer(config, topology, trainer, canonical, tokenizer.vocab_size, vocab).attach()  # --load, --save
-    summary = trainer.train()
+    checkpointer = Checkpointer(config, topology, trainer, canonical, tokenizer.vocab_size, vocab)
+    if config.load:
+        checkpointer.resume(config.load)
+    with ExitStack() as hooks:  # hooks run in this order after each step: the outer sync, then a save
+        if outer is not None:
+            hooks.enter_context(outer.attached_to(trainer))
+        if config.save:
+            hooks.enter_context(checkpointer.attached_to(trainer))
+        summary = trainer.train()
     logger.close()
+    if device.type != "cpu":
+        from deepspeed.accelerator import get_accelerator
+
+        summary["max_memory_gib"] = get_accelerator().max_memory_allocated(device) / 2**30
     if is_logger:
         summary["parameters"] = n_params
         (Path(config.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -13,6 +13,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from trainer import comm
 from trainer.errors import TopologyError
 
 
@@ -99,14 +100,6 @@ class Topology:
     worker_group: object
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.coords.pipeline == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.coords.pipeline == self.sizes.pipeline - 1
-
-    @property
     def is_logging_rank(self) -> bool:
         """Global rank 0 logs; it is worker 0's first stage, but the loss lives on the last stage."""
         return self.rank == 0
@@ -117,23 +110,15 @@ class Topology:
                 f"P {s.pipeline} pipeline x T {s.tensor} tensor")
 
 
-def _new_groups(all_ranks: list[list[int]], my_rank: int, timeout: timedelta):
-    """Every rank must create every group in the same order; keep only ours."""
-    mine = None
-    for ranks in all_ranks:
-        group = dist.new_group(ranks, timeout=timeout)
-        if my_rank in ranks:
-            mine = group
-    return mine
-
-
-def build_topology(sizes: ParallelSizes, timeout: timedelta) -> Topology:
+def build_topology(sizes: ParallelSizes, timeout: timedelta = comm.COLLECTIVE_TIMEOUT) -> Topology:
+    """The groups on the default backend (NCCL on GPUs): they carry every-step traffic inside one
+    worker. The outer group here is the cross-worker one the outer loop may replace with its own backend."""
     rank = dist.get_rank()
     return Topology(
         sizes=sizes,
         rank=rank,
         coords=coordinates(rank, sizes),
-        inner_dp_group=_new_groups(inner_data_parallel_ranks(sizes), rank, timeout),
-        outer_group=_new_groups(outer_ranks(sizes), rank, timeout),
-        worker_group=_new_groups(worker_ranks(sizes), rank, timeout),
+        inner_dp_group=comm.new_subgroups(inner_data_parallel_ranks(sizes), timeout),
+        outer_group=comm.new_subgroups(outer_ranks(sizes), timeout),
+        worker_group=comm.new_subgroups(worker_ranks(sizes), timeout),
     )

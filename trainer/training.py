@@ -1,34 +1,45 @@
 """The inner training loop: Megatron's forward/backward schedules (pipeline or not) for one worker's
-micro-batches, then the DeepSpeed engine's step (gradient all-reduce over the inner DP group and the
-inner optimizer), then any step hooks (the MuLoCo outer sync)."""
+micro-batches, then the engine's step (gradient all-reduce over the inner DP group and the inner
+optimizer), then the step hooks (the MuLoCo outer sync, checkpoint saves).
+
+Hooks are the trainer's one extension point: `register_step_hook(fn)` returns a handle whose
+`remove()` detaches `fn`; `fn(step)` runs after every optimizer step, in registration order, with
+`trainer.step` (THE step counter of a run) already counting that step, and may return a dict of
+values to log with the step.
+"""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Iterable
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as mps
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from torch.utils.hooks import RemovableHandle
 
+from trainer import comm
 from trainer.config import RunConfig
 from trainer.data import StreamPosition, micro_batches, validation_batches
+from trainer.engine import Engine
 from trainer.metrics import MetricsLogger
 from trainer.topology import Topology
+
+StepHook = Callable[[int], "dict | None"]
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask) / mask.sum().clamp(min=1)
-    # A copy: the schedule divides the returned loss in place by the number of micro-batches.
+    # A copy: Megatron's schedule divides the returned loss in place by the number of micro-batches.
     return loss, {"lm loss": loss.detach().clone()}
 
 
 def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
+    batch = {key: comm.to_compute_device(value) for key, value in next(data_iterator).items()}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(_loss_func, batch["loss_mask"])
 
@@ -37,20 +48,27 @@ def _forward_step(data_iterator, model):
 class StepResult:
     loss: float | None  # None except on the last pipeline stage
     grad_norm: float
+    hook_values: dict = field(default_factory=dict)  # what the step hooks returned
 
 
 class Trainer:
-    def __init__(self, config: RunConfig, topology: Topology, engine, train_dataset, valid_dataset,
+    def __init__(self, config: RunConfig, topology: Topology, engine: Engine, train_dataset, valid_dataset,
                  position: StreamPosition, logger: MetricsLogger):
         self.config, self.topology, self.engine, self.logger = config, topology, engine, logger
         self.model = engine.module
         self.train_dataset, self.valid_dataset, self.position = train_dataset, valid_dataset, position
-        self.step = 0  # optimizer steps taken
-        self.step_hooks: list[Callable[[int], dict | None]] = []  # called after each optimizer step
+        self.step = 0  # optimizer steps taken: the run's one step counter
+        self._step_hooks: OrderedDict[int, StepHook] = OrderedDict()
         # Components with state_dict()/load_state_dict() that a checkpoint must carry besides the
         # engine (the MuLoCo outer loop registers itself here as "muloco").
         self.extra_state: dict[str, object] = {}
         self._forward_backward = get_forward_backward_func()
+
+    def register_step_hook(self, hook: StepHook) -> RemovableHandle:
+        """Call `hook(step)` after every optimizer step until `handle.remove()`."""
+        handle = RemovableHandle(self._step_hooks)
+        self._step_hooks[handle.id] = hook
+        return handle
 
     def _run_schedule(self, batches: Iterable[dict], num_micro: int, forward_only: bool) -> float | None:
         outputs = self._forward_backward(
@@ -67,7 +85,10 @@ class Trainer:
                                   self.config.batch.gradient_accumulation_steps, forward_only=False)
         self.engine.step()  # inner-DP all-reduce, clipping and the inner optimizer, lr schedule
         self.step += 1
-        return StepResult(loss, self.engine.optimizer.last_grad_norm)
+        result = StepResult(loss, self.engine.optimizer.last_grad_norm)
+        for hook in list(self._step_hooks.values()):
+            result.hook_values.update(hook(self.step) or {})
+        return result
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -79,8 +100,9 @@ class Trainer:
     def _mean_over_loss_ranks(self, loss: float | None, group) -> float:
         """Mean of the losses held by last-stage ranks in `group` (the logging rank is on stage 0)."""
         holds = loss is not None and mps.get_tensor_model_parallel_rank() == 0
-        t = torch.tensor([loss if holds else 0.0, 1.0 if holds else 0.0], dtype=torch.float64)
-        dist.all_reduce(t, group=group)
+        t = torch.tensor([loss if holds else 0.0, 1.0 if holds else 0.0], dtype=torch.float64,
+                         device=comm.group_device(group))
+        comm.all_reduce(t, group=group)
         return float(t[0] / t[1])
 
     def train(self) -> dict:
@@ -91,9 +113,6 @@ class Trainer:
         while self.step < cfg.schedule.train_iters:
             result = self.train_step()
             window_steps += 1
-            extra = {}
-            for hook in self.step_hooks:
-                extra.update(hook(self.step) or {})
             record = None
             if self.step % cfg.log_interval == 0 or self.step == cfg.schedule.train_iters:
                 # Worker 0's loss: logging must not add a cross-datacenter collective per step.
@@ -101,7 +120,7 @@ class Trainer:
                 elapsed = time.time() - window_start
                 record = {"step": self.step, "tokens": self.step * tokens_per_step, "loss": loss,
                           "lr": self.engine.optimizer.param_groups[-1]["lr"], "grad_norm": result.grad_norm,
-                          "tokens_per_s": window_steps * tokens_per_step / max(elapsed, 1e-9), **extra}
+                          "tokens_per_s": window_steps * tokens_per_step / max(elapsed, 1e-9), **result.hook_values}
                 window_start, window_steps = time.time(), 0
             if cfg.eval_interval and (self.step % cfg.eval_interval == 0 or self.step == cfg.schedule.train_iters):
                 last_val = self.evaluate()

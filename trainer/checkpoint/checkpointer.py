@@ -2,6 +2,7 @@
 checks and resharding described in trainer/checkpoint/__init__.py."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -10,11 +11,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as mps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from trainer.checkpoint import state as rank_state
+import trainer.checkpoint.state as rank_state
+from trainer import comm
 from trainer.checkpoint.format import (COMPLETE, CheckpointError, CheckpointMeta, CheckpointReader, iteration_dir,
                                        publish, rank_file, remove_incomplete)
 from trainer.config import RunConfig
@@ -36,11 +37,12 @@ def probe_tokens(vocab_size: int, length: int) -> torch.Tensor:
 def probe_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor | None:
     """Logits of the (pipeline- and tensor-parallel) training model on `tokens`: this rank's vocab
     slice on the last stage, None elsewhere. Every rank of the worker must call it."""
-    positions = torch.arange(tokens.shape[1]).unsqueeze(0)
+    tokens = comm.to_compute_device(tokens)
+    positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
 
     def forward_step(data_iterator, module):
         logits = module(tokens, positions, None)
-        return logits, lambda out: (torch.zeros(()), {"logits": out.detach().float().clone()})
+        return logits, lambda out: (torch.zeros((), device=out.device), {"logits": out.detach().float().clone()})
 
     was_training = model.training
     model.eval()
@@ -91,12 +93,14 @@ class Checkpointer:
         self.param_of = {canonical[n]: p for n, p in trainer.model.named_parameters()}
         self.name_of = {p: n for n, p in self.param_of.items()}
 
-    def attach(self) -> None:
-        """Resume when --load is given; save at --save-interval steps and at the end when --save is."""
-        if self.config.load:
-            self.resume(self.config.load)
-        if self.config.save:
-            self.trainer.step_hooks.append(self._after_step)
+    @contextlib.contextmanager
+    def attached_to(self, trainer):
+        """Save at --save-interval steps and at the end while inside the block (a trainer step hook)."""
+        handle = trainer.register_step_hook(self._after_step)
+        try:
+            yield self
+        finally:
+            handle.remove()
 
     # -- saving ---------------------------------------------------------------------------------
 
@@ -123,7 +127,7 @@ class Checkpointer:
         if is_rank0:
             directory.mkdir(parents=True, exist_ok=True)
             (directory / COMPLETE).unlink(missing_ok=True)  # re-saving a step: unpublished until done
-        dist.barrier()
+        comm.barrier()
         rng = rank_state.capture_rng()  # the probe must not move any generator the run uses
         tokens = probe_tokens(self.vocab_size, min(PROBE_LENGTH, self.config.model.seq_length))
         logits = probe_logits(self.trainer.model, tokens)
@@ -138,7 +142,7 @@ class Checkpointer:
             if meta.tokenizer_model:
                 source = Path(self.config.data.tokenizer_model).read_bytes()
                 write_durably(directory / meta.tokenizer_model, lambda f: f.write(source))
-        dist.barrier()  # every rank's file is durable
+        comm.barrier()  # every rank's file is durable
         if is_rank0:
             publish(root, step)
             remove_incomplete(root, keep=step)

@@ -1,5 +1,5 @@
-"""What one rank saves and restores: model shard, inner optimizer and lr scheduler state, DeepSpeed
-counters, RNG states and the trainer's extra components, all keyed by canonical parameter name so
+"""What one rank saves and restores: model shard, inner optimizer and lr scheduler state, the step (and,
+as a record, DeepSpeed's counters, which follow it), RNG states and the trainer's extra components, all keyed by canonical parameter name so
 that a rank file does not depend on how parameters are numbered locally."""
 from __future__ import annotations
 
@@ -12,9 +12,6 @@ from deepspeed.accelerator import get_accelerator
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from trainer.checkpoint.format import CheckpointError
-
-ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
-
 
 def to_cpu(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
@@ -57,7 +54,9 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict, param_of: d
         group.update(hyper)
     optimizer.state.clear()
     for name, s in saved["state"].items():
-        optimizer.state[param_of[name]] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+        param = param_of[name]  # state lives beside its parameter (on the accelerator in a GPU run)
+        optimizer.state[param] = {k: v.to(param.device, copy=True) if isinstance(v, torch.Tensor) else v
+                                  for k, v in s.items()}
 
 
 def capture(trainer, name_of: dict[torch.Tensor, str], probe: dict | None) -> dict:
@@ -69,7 +68,7 @@ def capture(trainer, name_of: dict[torch.Tensor, str], probe: dict | None) -> di
         "model": {name_of[p]: p for p in trainer.model.parameters()},
         "optimizer": optimizer_state(engine.optimizer, name_of),
         "scheduler": engine.lr_scheduler.state_dict(),
-        "engine": {k: getattr(engine, k) for k in ENGINE_COUNTERS},
+        "engine": engine.counters(),
         "extra": {k: component.state_dict() for k, component in trainer.extra_state.items()},
         "probe": probe,
     })
@@ -88,9 +87,8 @@ def restore(trainer, state: dict, param_of: dict[str, torch.Tensor]) -> None:
     engine = trainer.engine
     restore_optimizer(engine.optimizer, state["optimizer"], param_of)
     engine.lr_scheduler.load_state_dict(state["scheduler"])
-    for k in ENGINE_COUNTERS:
-        setattr(engine, k, state["engine"][k])
     trainer.step = state["step"]
+    engine.set_step(trainer.step)
     for k, component in trainer.extra_state.items():
         component.load_state_dict(state["extra"][k])
     if "rng" in state:

@@ -1,4 +1,4 @@
-"""The MuLoCo / DiLoCo outer loop, attached to the DeepSpeed engine.
+"""The MuLoCo / DiLoCo outer loop, a step hook of the trainer.
 
 Every rank keeps, for the parameters of its own shard, fp32 global weights and outer momentum (on
 the host; pinned when an accelerator exists) and error-feedback buffers. With D inner-DP replicas,
@@ -18,11 +18,12 @@ A sync of one fragment:
 Compression groups are vectors each rank holds whole, so results do not depend on T: rows of
 column-parallel (and vocabulary-parallel) weights, columns of row-parallel ones (sent transposed).
 
-DeepSpeed has no public post-step hook, so `attach` wraps the engine's `step` method: any loop that
-calls `engine.step()` (ours, or a user's) gets the outer syncs, after steps DeepSpeed applied.
+`with outer.attached_to(trainer): trainer.train()` runs `after_inner_step` after every optimizer
+step of the block (a trainer step hook) and detaches on exit.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -113,17 +114,17 @@ class OuterLoop:
         return self.config.compression.uncompressed_small and (
             p.param.dim() == 1 or getattr(p.param, "is_embedding_or_output_parameter", False))
 
-    # -- engine hook -----------------------------------------------------------------------------
+    # -- step hook --------------------------------------------------------------------------------
 
-    def attach(self, engine) -> None:
-        inner_step = engine.step
-
-        def step_with_outer_sync(*args, **kwargs):
-            inner_step(*args, **kwargs)
-            if engine.was_step_applied():
-                self.after_inner_step(engine.global_steps)
-
-        engine.step = step_with_outer_sync
+    @contextlib.contextmanager
+    def attached_to(self, trainer):
+        """Sync after each of `trainer`'s optimizer steps inside the block (`after_inner_step` is looked
+        up at every step, so a wrapper installed later still runs)."""
+        handle = trainer.register_step_hook(lambda step: self.after_inner_step(step))
+        try:
+            yield self
+        finally:
+            handle.remove()
 
     def after_inner_step(self, step: int) -> None:
         for entry in [e for e in self.pending if e.apply_at == step]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from trainer import comm
+
 
 def is_partial_across_tensor_parallel(name: str) -> bool:
     """Per-head QK-norm gains are shared by all heads, but each TP rank only sees its own heads'
@@ -19,7 +21,7 @@ def sum_partial_grads(named_params, tp_group) -> None:
     grads = [p.grad for n, p in named_params if is_partial_across_tensor_parallel(n) and p.grad is not None]
     if grads:
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=tp_group)
+        comm.all_reduce(flat, group=tp_group)
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -28,13 +30,14 @@ def sum_partial_grads(named_params, tp_group) -> None:
 
 @torch.no_grad()
 def global_grad_norm(params, tp_rank: int, model_parallel_group) -> torch.Tensor:
-    """L2 norm of the full model's gradient; TP-replicated parameters count once (on TP rank 0)."""
-    sq = torch.zeros((), dtype=torch.float32)
-    for p in params:
-        if p.grad is None:
-            continue
-        if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
-            sq += p.grad.float().pow(2).sum()
+    """L2 norm of the full model's gradient; TP-replicated parameters count once (on TP rank 0).
+    Summed in fp32 on the gradients' device, then reduced on the group's."""
+    grads = [p.grad for p in params
+             if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)]
+    device = grads[0].device if grads else comm.compute_device()
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        sq += g.float().pow(2).sum()
     if model_parallel_group is not None and dist.get_world_size(model_parallel_group) > 1:
-        dist.all_reduce(sq, group=model_parallel_group)
+        comm.all_reduce(sq, group=model_parallel_group)
     return sq.sqrt()

@@ -7,6 +7,7 @@ param groups; it steps exactly once per optimizer step (DeepSpeed calls step() o
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -15,7 +16,6 @@ from trainer.config import OptimizerConfig
 from trainer.model.presets import ModelShape
 from trainer.optim.distributed_muon import DistributedMuon, ShardGroup
 from trainer.optim.grad_norm import global_grad_norm, sum_partial_grads
-from trainer.optim.muon import MuonConfig
 from trainer.optim.routing import Routing
 
 
@@ -55,12 +55,6 @@ class InnerOptimizer(torch.optim.Optimizer):
                                         model_shape, self.tp, ShardGroup.of(dp_group))
         self.last_grad_norm = 0.0
 
-    def _muon_config(self, group) -> MuonConfig:
-        c = self.config
-        return MuonConfig(lr=group["lr"], momentum=c.muon_momentum, nesterov=c.muon_nesterov,
-                          ns_schedule=c.ns_schedule, ns_steps=c.ns_steps, ns_dtype=c.ns_dtype,
-                          lr_scaling=c.lr_scaling, weight_decay=group["weight_decay"])
-
     @torch.no_grad()
     def step(self, closure=None):
         sum_partial_grads(self._named, self.tp.group)
@@ -78,7 +72,9 @@ class InnerOptimizer(torch.optim.Optimizer):
                 self._adamw_step(group)
             else:
                 buffers = [self._state(p, "momentum_buffer") for p in group["params"]]
-                self.muon.step(buffers, self._muon_config(group))
+                # The config's one Muon block, at this step's scheduled lr.
+                self.muon.step(buffers, dataclasses.replace(self.config.muon, lr=group["lr"],
+                                                            weight_decay=group["weight_decay"]))
 
     def _state(self, p, key: str) -> torch.Tensor:
         state = self.state[p]

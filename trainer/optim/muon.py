@@ -25,7 +25,7 @@ from trainer.optim.newton_schulz import NS_DTYPES, Schedule, orthogonalize, reso
 LR_SCALINGS = ("spectral_norm", "match_rms_adamw", "torch_original", "none")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MuonConfig:
     """Muon hyperparameters. Defaults are the MuLoCo paper's, except lr which has none."""
 
