@@ -64,7 +64,7 @@ def train_all(args: argparse.Namespace) -> None:
     from megatron.core import parallel_state as mps
 
     from trainer.config import build_parser, resolve
-    from trainer.pretrain import COLLECTIVE_TIMEOUT
+    from trainer.comm import COLLECTIVE_TIMEOUT
     from trainer.run import run
 
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=COLLECTIVE_TIMEOUT)

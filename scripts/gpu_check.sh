@@ -11,8 +11,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# Import-time warnings of optional kernels this check does not use (not the run's own warnings).
-export PYTHONWARNINGS="ignore::FutureWarning,ignore::DeprecationWarning,ignore::UserWarning:megatron"
 
 if [[ " $* " == *" --cpu "* ]]; then
     exec python scripts/gpu_check.py "$@"

@@ -16,8 +16,8 @@ if [ "$(cat "$INSTALL_STAMP" 2>/dev/null)" != "$wanted_install" ]; then
     pip install --quiet -e ".[test]"
     echo "$wanted_install" > "$INSTALL_STAMP"
 fi
-# Megatron warns at import about optional GPU kernels that a CPU run does not use.
-export PYTHONWARNINGS=ignore
+# (No blanket PYTHONWARNINGS=ignore: importing `trainer` filters the specific import-time warnings
+# megatron-core gives about optional kernels it does not use; every other warning shows.)
 # DeepSpeed JIT-builds its CPU comm op on first use; a per-venv folder keeps another venv's build
 # (other torch, or one in progress) from being waited on or loaded.
 export TORCH_EXTENSIONS_DIR="$PWD/$VENV_DIR/torch_extensions"

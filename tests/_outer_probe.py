@@ -68,7 +68,7 @@ def probe_trainer(case: dict, dump_path: Path) -> type[Trainer]:
                     self.dump["snapshots"][f"pre@{step}"] = before
                     self.dump["snapshots"][f"post@{step}"] = self.snapshot()
 
-            outer.after_inner_step = observed  # the engine hook looks the method up at each step
+            outer.after_inner_step = observed  # the step hook looks the method up at each step
 
         @torch.no_grad()
         def _corrupt(self, kind: str) -> None:

@@ -54,7 +54,7 @@ def deepspeed_launch(script: str | Path, num_ranks: int, args: list[str],
     timeout: the launcher and its ranks share a new session, which is killed as a whole."""
     command = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(num_ranks),
                "--master_port", str(free_port()), str(script), *args]
-    env = {**os.environ, **EXTENSIONS_ENV, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
+    env = {**os.environ, **EXTENSIONS_ENV, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)

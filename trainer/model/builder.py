@@ -14,6 +14,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer import TransformerConfig
 
+from trainer.model.attention import SDPAttention
 from trainer.model.layout import full_shape, layout_of, shard
 from trainer.model.presets import ModelShape
 
@@ -47,7 +48,9 @@ def transformer_config(shape: ModelShape, tensor: int, pipeline: int, bf16_autoc
         tensor_model_parallel_size=tensor,
         pipeline_model_parallel_size=pipeline,
         params_dtype=torch.float32,  # master weights; bf16 compute comes from autocast
-        pipeline_dtype=torch.float32,  # activations sent between stages stay fp32 under autocast
+        # Activations cross pipeline stages in bf16 under autocast (as in Megatron's bf16 runs): half the
+        # bytes; see build_model for the cast at the sending end.
+        pipeline_dtype=torch.bfloat16 if bf16_autocast else torch.float32,
         enable_autocast=bf16_autocast,
         autocast_dtype=torch.bfloat16 if bf16_autocast else None,
         use_cpu_initialization=True,
@@ -62,6 +65,13 @@ def transformer_config(shape: ModelShape, tensor: int, pipeline: int, bf16_autoc
     )
 
 
+def _layer_spec(shape: ModelShape):
+    """Megatron's local spec with fused attention (PyTorch SDPA) as its core attention."""
+    spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
 def build_model(shape: ModelShape, vocab_size: int, bf16_autocast: bool = False) -> GPTModel:
     """This rank's stage of the model (fp32 parameters); call after Megatron's groups exist."""
     tensor = mps.get_tensor_model_parallel_world_size()
@@ -69,7 +79,7 @@ def build_model(shape: ModelShape, vocab_size: int, bf16_autocast: bool = False)
     config = transformer_config(shape, tensor, pipeline, bf16_autocast)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization="RMSNorm"),
+        transformer_layer_spec=_layer_spec(shape),
         vocab_size=vocab_size,
         max_sequence_length=shape.seq_length,
         pre_process=mps.is_pipeline_first_stage(),
@@ -79,6 +89,10 @@ def build_model(shape: ModelShape, vocab_size: int, bf16_autocast: bool = False)
         rotary_base=shape.rotary_base,
         parallel_output=True,
     )
+    if bf16_autocast and not mps.is_pipeline_last_stage():
+        # The residual stream leaves a stage in fp32 (fp32 parameters under autocast); Megatron's p2p
+        # buffers are `pipeline_dtype`, so the sending stage casts its output.
+        model.register_forward_hook(lambda module, args, output: output.to(torch.bfloat16))
     return model
 
 
