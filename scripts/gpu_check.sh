@@ -22,10 +22,29 @@ if [ ${#wheels[@]} -eq 0 ]; then
     echo "no wheels in .gpu_wheels/: run 'bash scripts/gpu_wheels.sh' on a machine with network first" >&2
     exit 2
 fi
-# A venv that sees the machine's torch and friends, plus the carried wheels (no index: no network).
-VENV="${TMPDIR:-/tmp}/muloco_gpu_check_venv"
-if [ ! -x "$VENV/bin/python" ]; then
-    python3 -m venv --system-site-packages "$VENV"
+PYTHON="$(command -v python3 || command -v python)"
+# The wheels go to a folder put first on PYTHONPATH (the machine's own packages stay as they are).
+# pip installs them without an index; where pip is missing, a wheel is a zip archive to unpack.
+SITE="${TMPDIR:-/tmp}/muloco_gpu_check_site"
+rm -rf "$SITE" && mkdir -p "$SITE"
+# Only what the machine lacks: a carried wheel must not shadow a package the machine already has.
+mapfile -t wheels < <("$PYTHON" - "${wheels[@]}" <<'PY'
+import importlib.metadata, sys
+for wheel in sys.argv[1:]:
+    name = wheel.rsplit("/", 1)[-1].split("-")[0]
+    try:
+        importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        print(wheel)
+PY
+)
+echo "[check] installing ${#wheels[@]} carried wheels: ${wheels[*]}"
+if [ ${#wheels[@]} -eq 0 ]; then
+    :
+elif "$PYTHON" -m pip --version >/dev/null 2>&1; then
+    "$PYTHON" -m pip install --quiet --no-index --no-deps --disable-pip-version-check --target "$SITE" "${wheels[@]}"
+else
+    for wheel in "${wheels[@]}"; do "$PYTHON" -m zipfile -e "$wheel" "$SITE"; done
 fi
-"$VENV/bin/python" -m pip install --quiet --no-index --no-deps --disable-pip-version-check "${wheels[@]}"
-exec "$VENV/bin/python" scripts/gpu_check.py "$@"
+export PYTHONPATH="$SITE:$PYTHONPATH"
+exec "$PYTHON" scripts/gpu_check.py "$@"

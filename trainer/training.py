@@ -85,10 +85,13 @@ class Trainer:
                                   self.config.batch.gradient_accumulation_steps, forward_only=False)
         self.engine.step()  # inner-DP all-reduce, clipping and the inner optimizer, lr schedule
         self.step += 1
-        result = StepResult(loss, self.engine.optimizer.last_grad_norm)
-        for hook in list(self._step_hooks.values()):
-            result.hook_values.update(hook(self.step) or {})
-        return result
+        return StepResult(loss, self.engine.optimizer.last_grad_norm, self._run_step_hooks())
+
+    def _run_step_hooks(self) -> dict:
+        values = {}
+        for hook in list(self._step_hooks.values()):  # a hook may remove itself
+            values.update(hook(self.step) or {})
+        return values
 
     @torch.no_grad()
     def evaluate(self) -> float:
