@@ -13,12 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 from megatron.core.datasets.indexed_dataset import IndexedDataset
-
 from test_tokenizer import sentencepiece_model  # noqa: F401 - shared session fixture
+
+from dataprep.shards import read_documents, resolve_inputs
 from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
 from tools import preprocess_data
 from tools.build_demo_corpus import DemoCorpusConfig, build_demo_corpus
-from tools.shard_reader import read_documents, resolve_inputs
 
 
 def jsonl(*texts: str) -> bytes:
