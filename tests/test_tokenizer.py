@@ -71,6 +71,14 @@ def test_training_reads_an_even_share_of_every_file(shakespeare: Path, tmp_path:
     assert 8 * 1000 < sum(map(len, sentences)) < 9000 + 8 * max(map(len, sentences))
 
 
+def test_training_drops_lone_surrogates(tmp_path: Path, capsys):
+    (tmp_path / "shard.jsonl").write_bytes(b'{"text": "kept line"}\n{"text": "lone \\udc80 surrogate"}\n')
+    config = TokenizerTrainingConfig(inputs=(str(tmp_path / "shard.jsonl"),), output_prefix=tmp_path / "unused")
+    assert list(training_sentences(config)) == ["kept line"]
+    err = capsys.readouterr().err
+    assert "skipped 1 bad records" in err and f"{tmp_path / 'shard.jsonl'}:2: lone_surrogate" in err
+
+
 def test_hf_export_loads_offline_and_matches_sentencepiece(
     sentencepiece_model: Path, shakespeare: Path, tmp_path: Path, monkeypatch
 ):
