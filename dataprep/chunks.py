@@ -151,11 +151,11 @@ def _parquet_chunks(shard: int, path: Path, chunk_bytes: int, column: str, on_ba
     if parquet is None:
         return
     metadata = parquet.metadata
-    index = first_group = rows_before = rows = size = 0
+    chunks = first_group = rows_before = 0
     for group in range(metadata.num_row_groups):
-        size += metadata.row_group(group).total_byte_size
-        rows += metadata.row_group(group).num_rows
+        groups = range(first_group, group + 1)
+        size = sum(metadata.row_group(g).total_byte_size for g in groups)
         if size >= chunk_bytes or group == metadata.num_row_groups - 1:
-            yield Chunk(shard, index, path, first_group, group + 1, rows_before)
-            index, first_group, rows_before, size = index + 1, group + 1, rows_before + rows, 0
-            rows = 0
+            yield Chunk(shard, chunks, path, first_group, group + 1, rows_before)
+            chunks, first_group = chunks + 1, group + 1
+            rows_before += sum(metadata.row_group(g).num_rows for g in groups)

@@ -227,7 +227,7 @@ def test_resume_after_kill_redoes_only_unfinished_chunks(
     first_shard_chunks = len(list(parts.glob("shard-00000-chunk-*.json")))
 
     monkeypatch.delenv(preprocess_data.KILL_HOOK_ENV)
-    code, out, err = run_main(args, capsys)
+    code, _, err = run_main(args, capsys)
     assert code == 0, err
     assert f"resuming: reused {first_shard_chunks + 2} finished chunks" in err
     assert mtimes == {path: os.stat(path).st_mtime_ns for path in mtimes}
