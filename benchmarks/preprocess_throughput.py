@@ -8,7 +8,7 @@ repeated until the text reaches --mb megabytes, written as one uncompressed JSON
 byte ranges), the same as one zstd JSONL (big_zstd: decompressed once, blocks handed to the workers), and
 the same cut into 32 zstd shards (many_files). Without --tokenizer-model a small SentencePiece model is
 trained on the sample corpus first. tokens/s is the tool's own: from the first chunk handed out to the last
-one done (start-up, planning before it and the final merge excluded). The 1-minute load average is printed
+one done (imports, tokenizer loading and the final merge excluded). The 1-minute load average is printed
 next to every number: the ratio means "scaling" only when the machine has two free cores. The 2-worker
 output is checked byte-for-byte against the 1-worker output. The last line printed is a JSON object.
 """
@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import sys
 import tempfile
 from pathlib import Path
@@ -70,11 +71,19 @@ def build_corpus(work_dir: Path, megabytes: float) -> dict[str, str]:
             "many_files": str(many), "megabytes": round(len(text) / 1e6, 1)}
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and its reaped children (the pool's workers, once the run has ended)."""
+    return sum(usage.ru_utime + usage.ru_stime for usage in
+               (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
 def measure(case: str, inputs: str, tokenizer_model: Path, workers: int, work_dir: Path) -> dict:
     load_before = os.getloadavg()[0]
+    cpu_before = cpu_seconds()
     config = PreprocessConfig(inputs=(inputs,), output_prefix=str(work_dir / f"{case}_w{workers}"),
                               tokenizer_model=tokenizer_model, workers=workers)
     summary = run_preprocess(config)
+    cpu = cpu_seconds() - cpu_before
     return {
         "case": case,
         "workers": workers,
@@ -84,6 +93,9 @@ def measure(case: str, inputs: str, tokenizer_model: Path, workers: int, work_di
         "total_seconds": round(summary.seconds, 3),
         "tokens_per_s": round(summary.tokens_per_second),
         "mb_per_s": round(summary.megabytes_per_second, 3),
+        # Tokens per CPU-second of all processes: what the work costs, whatever the load; equal for 1 and 2
+        # workers means the split adds no work, so on two free cores the wall-clock ratio approaches 2.
+        "tokens_per_cpu_s": round(summary.tokens / cpu),
         "load_1min_before": round(load_before, 2),
         "load_1min_after": round(os.getloadavg()[0], 2),
         "prefix": config.dataset_prefix,
@@ -111,14 +123,17 @@ def main() -> int:
             one, two = (measure(case, corpus[case], model, workers, work_dir) for workers in (1, 2))
             rows.append({"case": case, "one_worker": one, "two_workers": two,
                          "ratio_2_over_1": round(two["tokens_per_s"] / one["tokens_per_s"], 3),
+                         "cpu_cost_ratio_2_over_1": round(one["tokens_per_cpu_s"] / two["tokens_per_cpu_s"], 3),
                          "identical_output": identical(one.pop("prefix"), two.pop("prefix"))})
     print(f"corpus: {corpus['megabytes']} MB of JSONL; machine: {os.cpu_count()} cores")
     for row in rows:
         for result in (row["one_worker"], row["two_workers"]):
             print(f"{row['case']:>10} workers={result['workers']}: {result['tokens_per_s']} tokens/s "
-                  f"({result['mb_per_s']} MB/s, {result['chunks']} chunks, {result['tokenize_seconds']} s), "
+                  f"({result['mb_per_s']} MB/s, {result['chunks']} chunks, {result['tokenize_seconds']} s, "
+                  f"{result['tokens_per_cpu_s']} tokens per CPU-second), "
                   f"load {result['load_1min_before']} -> {result['load_1min_after']}")
-        print(f"{row['case']:>10} 2-worker/1-worker: {row['ratio_2_over_1']:.2f}x, "
+        print(f"{row['case']:>10} 2-worker/1-worker: {row['ratio_2_over_1']:.2f}x tokens/s, "
+              f"{row['cpu_cost_ratio_2_over_1']:.2f}x CPU per token, "
               f"identical .bin/.idx: {row['identical_output']}")
     print(json.dumps({"benchmark": "preprocess_throughput", "megabytes": corpus["megabytes"],
                       "cpu_count": os.cpu_count(), "results": rows}))

@@ -138,7 +138,9 @@ class PreprocessSummary:
     bad_records: int
     bad_by_kind: dict[str, int]
     seconds: float  # the whole run
-    tokenize_seconds: float  # first chunk handed out to last chunk done: start-up and merge excluded
+    # First chunk handed out to last chunk done: imports, tokenizer loading and the merge excluded (the
+    # workers' own start is in: it runs in parallel with the first chunks).
+    tokenize_seconds: float
     processed_tokens: int  # tokenized in this run, excluding reused parts
     processed_bytes: int
 
