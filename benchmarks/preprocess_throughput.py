@@ -118,25 +118,24 @@ def main() -> int:
             inputs=(str(SAMPLE_CORPUS / "train"),), output_prefix=work_dir / "tokenizer", vocab_size=4096,
             max_chars=1_000_000)).model_path
         corpus = build_corpus(work_dir, args.mb)
-        rows = []
+        runs, ratios = [], []
         for case in args.cases:
             one, two = (measure(case, corpus[case], model, workers, work_dir) for workers in (1, 2))
-            rows.append({"case": case, "one_worker": one, "two_workers": two,
-                         "ratio_2_over_1": round(two["tokens_per_s"] / one["tokens_per_s"], 3),
-                         "cpu_cost_ratio_2_over_1": round(one["tokens_per_cpu_s"] / two["tokens_per_cpu_s"], 3),
-                         "identical_output": identical(one.pop("prefix"), two.pop("prefix"))})
+            ratios.append({"case": case, "ratio_2_over_1": round(two["tokens_per_s"] / one["tokens_per_s"], 3),
+                           "cpu_cost_ratio_2_over_1": round(one["tokens_per_cpu_s"] / two["tokens_per_cpu_s"], 3),
+                           "identical_output": identical(one.pop("prefix"), two.pop("prefix"))})
+            runs += [one, two]
     print(f"corpus: {corpus['megabytes']} MB of JSONL; machine: {os.cpu_count()} cores")
-    for row in rows:
-        for result in (row["one_worker"], row["two_workers"]):
-            print(f"{row['case']:>10} workers={result['workers']}: {result['tokens_per_s']} tokens/s "
-                  f"({result['mb_per_s']} MB/s, {result['chunks']} chunks, {result['tokenize_seconds']} s, "
-                  f"{result['tokens_per_cpu_s']} tokens per CPU-second), "
-                  f"load {result['load_1min_before']} -> {result['load_1min_after']}")
-        print(f"{row['case']:>10} 2-worker/1-worker: {row['ratio_2_over_1']:.2f}x tokens/s, "
-              f"{row['cpu_cost_ratio_2_over_1']:.2f}x CPU per token, "
-              f"identical .bin/.idx: {row['identical_output']}")
+    for result in runs:
+        print(f"{result['case']:>10} workers={result['workers']}: {result['tokens_per_s']} tokens/s "
+              f"({result['mb_per_s']} MB/s, {result['chunks']} chunks, {result['tokenize_seconds']} s, "
+              f"{result['tokens_per_cpu_s']} tokens per CPU-second), "
+              f"load {result['load_1min_before']} -> {result['load_1min_after']}")
+    for ratio in ratios:
+        print(f"{ratio['case']:>10} 2-worker/1-worker: {ratio['ratio_2_over_1']:.2f}x tokens/s, "
+              f"{ratio['cpu_cost_ratio_2_over_1']:.2f}x CPU per token, identical .bin/.idx: {ratio['identical_output']}")
     print(json.dumps({"benchmark": "preprocess_throughput", "megabytes": corpus["megabytes"],
-                      "cpu_count": os.cpu_count(), "results": rows}))
+                      "cpu_count": os.cpu_count(), "runs": runs, "ratios": ratios}))
     return 0
 
 
