@@ -114,10 +114,12 @@ def test_bad_records_are_counted_and_good_neighbours_kept(
     assert kept_from_truncated == [f"doc {i} " * 500 for i in range(len(kept_from_truncated))]
 
 
-def test_strict_fails_on_first_bad_record(messy_corpus: Path, sentencepiece_model: Path, tmp_path: Path, capsys):  # noqa: F811
+@pytest.mark.parametrize("chunking", [[], ["--chunk-mb", "0.00002"]], ids=["per_shard", "chunk_per_line"])
+def test_strict_fails_on_first_bad_record(messy_corpus: Path, sentencepiece_model: Path, tmp_path: Path, capsys,  # noqa: F811
+                                          chunking):
     prefix = tmp_path / "strict"
     code, _, err = run_main(["--input", messy_corpus / "a_mixed.jsonl", "--output-prefix", prefix,
-                             "--tokenizer-model", sentencepiece_model, "--strict"], capsys)
+                             "--tokenizer-model", sentencepiece_model, "--strict", *chunking], capsys)
     assert code != 0
     assert f"{messy_corpus / 'a_mixed.jsonl'}:2: malformed_json" in err
     assert not Path(f"{prefix}_text_document.bin").exists()
