@@ -1,6 +1,8 @@
-"""tools/preprocess_data.py: Megatron-readable output, bad input handling, resume after a kill;
-tools/build_demo_corpus.py: its shards feed the preprocessor."""
+"""tools/preprocess_data.py: Megatron-readable output, bad input handling, chunked output identical to one
+pass, resume after a kill, the .meta.json, Megatron's flag spellings; tools/build_demo_corpus.py: its shards
+feed the preprocessor."""
 import gzip
+import hashlib
 import json
 import os
 import subprocess
@@ -13,12 +15,13 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 from megatron.core.datasets.indexed_dataset import IndexedDataset
-
 from test_tokenizer import sentencepiece_model  # noqa: F401 - shared session fixture
+
+from dataprep.dataset_meta import read_dataset_meta
+from dataprep.shards import read_documents, resolve_inputs
 from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
 from tools import preprocess_data
 from tools.build_demo_corpus import DemoCorpusConfig, build_demo_corpus
-from tools.shard_reader import read_documents, resolve_inputs
 
 
 def jsonl(*texts: str) -> bytes:
@@ -46,7 +49,7 @@ def shakespeare_dataset(shakespeare: Path, sentencepiece_model: Path, tmp_path_f
         cwd=Path(preprocess_data.__file__).parents[1], capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    assert "done: shards=8" in result.stdout
+    assert "done: shards=8 chunks=8" in result.stdout
     assert not Path(f"{prefix}_text_document.parts").exists()  # cleaned up after the merge
     return f"{prefix}_text_document"
 
@@ -74,43 +77,49 @@ def messy_corpus(tmp_path: Path) -> Path:
         + b'{"text": 42}\n'                        # line 4: not a string
         + b'{"text": "bad byte \xff here"}\n'      # line 5: invalid UTF-8
         + jsonl("", "good two")                    # line 6: empty document, line 7: good
+        + b'{"text": "lone \\ud800 surrogate"}\n'   # line 8: a lone surrogate no tokenizer can encode
     )
     (corpus / "b_empty.jsonl.zst").write_bytes(b"")
-    whole = zstandard.ZstdCompressor().compress(jsonl(*(f"doc {i} " * 50 for i in range(2000))))
+    whole = zstandard.ZstdCompressor().compress(jsonl(*(f"doc {i} " * 500 for i in range(200))))
     (corpus / "c_truncated.jsonl.zstd").write_bytes(whole[: len(whole) // 2])
     (corpus / "d_good.jsonl.gz").write_bytes(gzip.compress(jsonl("gzip doc")))
     pq.write_table(pa.table({"text": ["parquet doc", None], "id": [1, 2]}), corpus / "e_good.parquet")
     return corpus
 
 
+@pytest.mark.parametrize("chunking", [[], ["--workers", "2", "--chunk-mb", "0.00002"]], ids=["per_shard", "chunk_per_line"])
 def test_bad_records_are_counted_and_good_neighbours_kept(
-    messy_corpus: Path, sentencepiece_model: Path, tmp_path: Path, capsys  # noqa: F811
+    messy_corpus: Path, sentencepiece_model: Path, tmp_path: Path, capsys, chunking  # noqa: F811
 ):
     prefix = tmp_path / "out" / "messy"
     code, out, err = run_main(
-        ["--input", messy_corpus, "--output-prefix", prefix, "--tokenizer-model", sentencepiece_model], capsys
+        ["--input", messy_corpus, "--output-prefix", prefix, "--tokenizer-model", sentencepiece_model, *chunking], capsys
     )
     assert code == 0, err
     mixed, truncated = messy_corpus / "a_mixed.jsonl", messy_corpus / "c_truncated.jsonl.zstd"
+    # Line numbers are the shard's, however it was cut into chunks.
     for report in (f"{mixed}:2: malformed_json", f"{mixed}:3: missing_key", f"{mixed}:4: non_string_text",
-                   f"{mixed}:5: invalid_utf8", f"{messy_corpus / 'b_empty.jsonl.zst'}:0: empty_shard",
+                   f"{mixed}:5: invalid_utf8", f"{mixed}:8: lone_surrogate",
+                   f"{messy_corpus / 'b_empty.jsonl.zst'}:0: empty_shard",
                    f"{truncated}:", "truncated", f"{messy_corpus / 'e_good.parquet'}:2: missing_key"):
         assert report in err
-    assert "empty_documents=1" in out and "bad_records=7" in out
+    assert "empty_documents=1" in out and "bad_records=8" in out and "lone_surrogate=1" in out
 
     dataset = IndexedDataset(f"{prefix}_text_document")
     tokenizer = SentencePieceTokenizer(sentencepiece_model)
     texts = [tokenizer.decode(dataset[i].tolist()[:-1]) for i in range(len(dataset))]
     kept_from_truncated = [text for text in texts if text.startswith("doc ")]
     assert texts[:2] == ["good one", "good two"] and texts[-2:] == ["gzip doc", "parquet doc"]
-    assert 0 < len(kept_from_truncated) < 2000
-    assert kept_from_truncated == [f"doc {i} " * 50 for i in range(len(kept_from_truncated))]
+    assert 0 < len(kept_from_truncated) < 200
+    assert kept_from_truncated == [f"doc {i} " * 500 for i in range(len(kept_from_truncated))]
 
 
-def test_strict_fails_on_first_bad_record(messy_corpus: Path, sentencepiece_model: Path, tmp_path: Path, capsys):  # noqa: F811
+@pytest.mark.parametrize("chunking", [[], ["--chunk-mb", "0.00002"]], ids=["per_shard", "chunk_per_line"])
+def test_strict_fails_on_first_bad_record(messy_corpus: Path, sentencepiece_model: Path, tmp_path: Path, capsys,  # noqa: F811
+                                          chunking):
     prefix = tmp_path / "strict"
     code, _, err = run_main(["--input", messy_corpus / "a_mixed.jsonl", "--output-prefix", prefix,
-                             "--tokenizer-model", sentencepiece_model, "--strict"], capsys)
+                             "--tokenizer-model", sentencepiece_model, "--strict", *chunking], capsys)
     assert code != 0
     assert f"{messy_corpus / 'a_mixed.jsonl'}:2: malformed_json" in err
     assert not Path(f"{prefix}_text_document.bin").exists()
@@ -121,32 +130,6 @@ def test_input_matching_nothing_is_an_error(sentencepiece_model: Path, tmp_path:
     code, _, err = run_main(["--input", pattern, "--output-prefix", tmp_path / "x",
                              "--tokenizer-model", sentencepiece_model], capsys)
     assert code != 0 and pattern in err
-
-
-def test_resume_after_kill_redoes_only_unfinished_shards(
-    shakespeare: Path, shakespeare_dataset: str, sentencepiece_model: Path, tmp_path: Path, capsys, monkeypatch  # noqa: F811
-):
-    prefix = tmp_path / "resumed"
-    args = ["--input", shakespeare / "train", "--output-prefix", prefix,
-            "--tokenizer-model", sentencepiece_model, "--workers", "1", "--keep-parts"]
-    parts = Path(f"{prefix}_text_document.parts")
-
-    monkeypatch.setenv(preprocess_data.KILL_HOOK_ENV, "3:10")  # SIGKILL the worker inside shard 3
-    code, _, err = run_main(args, capsys)
-    assert code != 0 and "worker process died" in err
-    assert not Path(f"{prefix}_text_document.bin").exists()
-    assert not Path(f"{prefix}_text_document.idx").exists()
-    finished = sorted(parts.glob("shard-*.json"))
-    assert [path.name for path in finished] == ["shard-00000.json", "shard-00001.json", "shard-00002.json"]
-    mtimes = {path: os.stat(path).st_mtime_ns for path in parts.glob("shard-0000[012].*")}
-
-    monkeypatch.delenv(preprocess_data.KILL_HOOK_ENV)
-    code, out, err = run_main(args, capsys)
-    assert code == 0, err
-    assert "resuming: 3 of 8 shards already done" in err and "(reused 3)" in out
-    assert mtimes == {path: os.stat(path).st_mtime_ns for path in mtimes}
-    for suffix in (".bin", ".idx"):
-        assert Path(f"{prefix}_text_document{suffix}").read_bytes() == Path(shakespeare_dataset + suffix).read_bytes()
 
 
 def test_changed_json_key_invalidates_parts(sentencepiece_model: Path, tmp_path: Path, capsys):  # noqa: F811
@@ -171,3 +154,153 @@ def test_demo_corpus_feeds_preprocessing(sentencepiece_model: Path, tmp_path: Pa
     assert code == 0, err
     assert "bad_records=0" in out
     assert len(IndexedDataset(str(tmp_path / "demo_tok_text_document"))) == counts["train"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunks: workers share one shard; the output does not depend on how shards are cut or who tokenizes.
+
+
+@pytest.fixture(scope="module")
+def mixed_corpus(shakespeare: Path, tmp_path_factory) -> Path:
+    """The same real text as one uncompressed JSONL, one zstd JSONL, and a parquet file of many row groups."""
+    corpus = tmp_path_factory.mktemp("mixed_corpus")
+    shards = sorted((shakespeare / "train").glob("*.jsonl.zstd"))
+    plain = b"".join(zstandard.ZstdDecompressor().decompressobj().decompress(path.read_bytes()) for path in shards[:2])
+    (corpus / "big.jsonl").write_bytes(plain)
+    (corpus / "big.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(plain))
+    rows = non_empty_documents(shards[2])
+    pq.write_table(pa.table({"text": rows}), corpus / "rows.parquet", row_group_size=16)
+    return corpus
+
+
+@pytest.fixture(scope="module")
+def one_chunk_per_shard(mixed_corpus: Path, sentencepiece_model: Path, tmp_path_factory) -> str:  # noqa: F811
+    """The reference: one worker, each shard read in one pass."""
+    prefix = tmp_path_factory.mktemp("reference") / "ref"
+    config = preprocess_data.PreprocessConfig(inputs=(str(mixed_corpus),), output_prefix=str(prefix),
+                                              tokenizer_model=sentencepiece_model, chunk_bytes=10**12)
+    summary = preprocess_data.run_preprocess(config)
+    assert summary.chunks == summary.shards == 3
+    return config.dataset_prefix
+
+
+def same_files(a: str, b: str) -> bool:
+    return all(Path(a + suffix).read_bytes() == Path(b + suffix).read_bytes() for suffix in (".bin", ".idx", ".meta.json"))
+
+
+def test_chunked_with_two_workers_is_byte_identical_to_one_pass(
+    mixed_corpus: Path, one_chunk_per_shard: str, sentencepiece_model: Path, tmp_path: Path, capsys  # noqa: F811
+):
+    code, out, err = run_main(["--input", mixed_corpus, "--output-prefix", tmp_path / "chunked", "--tokenizer-model",
+                               sentencepiece_model, "--workers", "2", "--chunk-mb", "0.1"], capsys)
+    assert code == 0, err
+    chunks = int(out.split("chunks=")[1].split()[0])
+    assert chunks > 20  # ~1.2 MB of JSONL twice over, cut into 0.1 MB chunks, plus the parquet's row groups
+    assert same_files(str(tmp_path / "chunked_text_document"), one_chunk_per_shard)
+    # ... and the one-pass output is the plain per-document encoding, in file order.
+    dataset = IndexedDataset(one_chunk_per_shard)
+    texts = non_empty_documents(mixed_corpus / "big.jsonl")
+    tokenizer = SentencePieceTokenizer(sentencepiece_model)
+    assert len(dataset) == 2 * len(texts) + len(non_empty_documents(mixed_corpus / "rows.parquet"))
+    for index in (0, len(texts) - 1, len(texts), len(dataset) - 1):
+        expected = texts[index % len(texts)] if index < 2 * len(texts) else non_empty_documents(mixed_corpus / "rows.parquet")[-1]
+        assert dataset[index].tolist() == tokenizer.encode(expected) + [tokenizer.eod_id]
+
+
+def test_resume_after_kill_redoes_only_unfinished_chunks(
+    mixed_corpus: Path, one_chunk_per_shard: str, sentencepiece_model: Path, tmp_path: Path, capsys, monkeypatch  # noqa: F811
+):
+    prefix = tmp_path / "resumed"
+    args = ["--input", mixed_corpus, "--output-prefix", prefix, "--tokenizer-model", sentencepiece_model,
+            "--workers", "1", "--chunk-mb", "0.2", "--keep-parts"]
+    parts = Path(f"{prefix}_text_document.parts")
+
+    # Shards sort as big.jsonl (0), big.jsonl.zst (1), rows.parquet (2): die in the third chunk of the zstd shard.
+    monkeypatch.setenv(preprocess_data.KILL_HOOK_ENV, "1:2:10")
+    code, _, err = run_main(args, capsys)
+    assert code != 0 and "worker process died" in err
+    for suffix in (".bin", ".idx", ".meta.json"):
+        assert not Path(f"{prefix}_text_document{suffix}").exists()
+    assert (parts / "shard-00000.json").exists()  # the plain shard: planned and finished
+    finished_zstd = sorted(path.name for path in parts.glob("shard-00001-chunk-*.json"))
+    assert finished_zstd == ["shard-00001-chunk-00000.json", "shard-00001-chunk-00001.json"]
+    done_before = sorted(parts.glob("shard-00000-chunk-*")) + sorted(parts.glob("shard-00001-chunk-0000[01].*"))
+    mtimes = {path: os.stat(path).st_mtime_ns for path in done_before}
+    first_shard_chunks = len(list(parts.glob("shard-00000-chunk-*.json")))
+
+    monkeypatch.delenv(preprocess_data.KILL_HOOK_ENV)
+    code, _, err = run_main(args, capsys)
+    assert code == 0, err
+    assert f"resuming: reused {first_shard_chunks + 2} finished chunks" in err
+    assert mtimes == {path: os.stat(path).st_mtime_ns for path in mtimes}
+    assert same_files(f"{prefix}_text_document", one_chunk_per_shard)
+
+
+# ---------------------------------------------------------------------------------------------
+# Unreadable shards, empty results, and the metadata the trainer checks.
+
+
+def test_unreadable_shards_are_reported_and_skipped(sentencepiece_model: Path, tmp_path: Path, capsys):  # noqa: F811
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a_good.jsonl").write_bytes(jsonl("kept"))
+    pq.write_table(pa.table({"body": ["no text column"]}), corpus / "b_no_text.parquet")
+    (corpus / "c_fake.parquet").write_bytes(b'{"text": "this is JSON, not parquet"}\n')
+    (corpus / "d_fake.jsonl.gz").write_bytes(b"not gzip at all\n")
+    code, out, err = run_main(["--input", corpus, "--output-prefix", tmp_path / "out",
+                               "--tokenizer-model", sentencepiece_model, "--workers", "2"], capsys)
+    assert code == 0, err
+    lines = err.splitlines()
+    for name, kind in (("b_no_text.parquet", "missing_column: no 'text' column"),
+                       ("c_fake.parquet", "unreadable_shard"), ("d_fake.jsonl.gz", "unreadable_shard")):
+        reports = [line for line in lines if str(corpus / name) in line]
+        assert len(reports) == 1 and f"{corpus / name}:0: {kind}" in reports[0], reports
+    assert "Traceback" not in err and "documents=1 " in out
+    dataset = IndexedDataset(str(tmp_path / "out_text_document"))  # must outlive its mmap'ed items
+    assert SentencePieceTokenizer(sentencepiece_model).decode(dataset[0].tolist()[:-1]) == "kept"
+
+
+def test_zero_documents_is_an_error(sentencepiece_model: Path, tmp_path: Path, capsys):  # noqa: F811
+    pq.write_table(pa.table({"body": ["no text column"]}), tmp_path / "no_text.parquet")
+    code, _, err = run_main(["--input", tmp_path / "no_text.parquet", "--output-prefix", tmp_path / "out",
+                             "--tokenizer-model", sentencepiece_model], capsys)
+    assert code != 0
+    assert f"{tmp_path / 'no_text.parquet'}:0: missing_column: no 'text' column (columns: body)" in err
+    assert "error: no document written" in err
+    assert not Path(f"{tmp_path / 'out'}_text_document.bin").exists()
+
+
+def test_meta_json_records_the_largest_token_id(shakespeare_dataset: str, sentencepiece_model: Path):  # noqa: F811
+    meta = json.loads(Path(f"{shakespeare_dataset}.meta.json").read_text())
+    tokens = np.fromfile(f"{shakespeare_dataset}.bin", dtype=np.uint16)
+    assert meta == {
+        "max_token_id": int(tokens.max()),
+        "vocab_size": SentencePieceTokenizer(sentencepiece_model).vocab_size,
+        "tokenizer_sha256": hashlib.sha256(sentencepiece_model.read_bytes()).hexdigest(),
+        "documents": len(IndexedDataset(shakespeare_dataset)),
+        "tokens": len(tokens),
+    }
+    assert read_dataset_meta(shakespeare_dataset).max_token_id == meta["max_token_id"]
+
+
+def test_megatron_flag_spellings(sentencepiece_model: Path, tmp_path: Path, capsys):  # noqa: F811
+    shard = tmp_path / "both.jsonl"
+    shard.write_text(json.dumps({"text": "alpha", "body": "beta gamma"}) + "\n")
+    common = ["--input", shard, "--tokenizer-model", sentencepiece_model]
+    tokenizer = SentencePieceTokenizer(sentencepiece_model)
+
+    code, _, err = run_main(common + ["--output-prefix", tmp_path / "megatron", "--json-keys", "body", "--append-eod",
+                                      "--tokenizer-type", "SentencePieceTokenizer"], capsys)
+    assert code == 0, err
+    megatron = IndexedDataset(str(tmp_path / "megatron_text_document"))
+    assert megatron[0].tolist() == tokenizer.encode("beta gamma") + [tokenizer.eod_id]
+    code, _, err = run_main(common + ["--output-prefix", tmp_path / "no_eod", "--no-append-eod"], capsys)
+    assert code == 0, err
+    no_eod = IndexedDataset(str(tmp_path / "no_eod_text_document"))
+    assert no_eod[0].tolist() == tokenizer.encode("alpha")
+
+    code, _, err = run_main(common + ["--output-prefix", tmp_path / "x", "--tokenizer-type", "HuggingFaceTokenizer"], capsys)
+    assert code != 0 and "is a SentencePieceTokenizer model, not a HuggingFaceTokenizer" in err
+    with pytest.raises(SystemExit):
+        preprocess_data.parse_args(["--input", "x", "--output-prefix", "y", "--tokenizer-model", "m",
+                                    "--json-keys", "text", "title"])

@@ -1,13 +1,15 @@
-"""Tokenizer: training on the sample corpus, the wrapper's contract, and the Hugging Face export."""
+"""Tokenizer: training on the sample corpus, the SentencePiece and Hugging Face `tokenizers` kinds behind one
+interface, and the Hugging Face export of both."""
 from itertools import islice
 from pathlib import Path
 
 import pytest
 
+from dataprep.shards import read_documents, resolve_inputs
 from tokenizer.hf_export import export_hf_tokenizer
+from tokenizer.interface import HUGGINGFACE, SENTENCEPIECE, load_tokenizer
 from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
 from tokenizer.train import TokenizerTrainingConfig, train_tokenizer, training_sentences
-from tools.shard_reader import read_documents, resolve_inputs
 
 VOCAB_SIZE = 4096
 
@@ -69,6 +71,14 @@ def test_training_reads_an_even_share_of_every_file(shakespeare: Path, tmp_path:
     assert 8 * 1000 < sum(map(len, sentences)) < 9000 + 8 * max(map(len, sentences))
 
 
+def test_training_drops_lone_surrogates(tmp_path: Path, capsys):
+    (tmp_path / "shard.jsonl").write_bytes(b'{"text": "kept line"}\n{"text": "lone \\udc80 surrogate"}\n')
+    config = TokenizerTrainingConfig(inputs=(str(tmp_path / "shard.jsonl"),), output_prefix=tmp_path / "unused")
+    assert list(training_sentences(config)) == ["kept line"]
+    err = capsys.readouterr().err
+    assert "skipped 1 bad records" in err and f"{tmp_path / 'shard.jsonl'}:2: lone_surrogate" in err
+
+
 def test_hf_export_loads_offline_and_matches_sentencepiece(
     sentencepiece_model: Path, shakespeare: Path, tmp_path: Path, monkeypatch
 ):
@@ -86,3 +96,83 @@ def test_hf_export_loads_offline_and_matches_sentencepiece(
         ids = tokenizer.encode(text)
         assert hf_tokenizer.encode(text, add_special_tokens=False) == ids, text[:80]
         assert hf_tokenizer.decode(ids) == text
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face `tokenizers` models behind the same interface.
+
+HF_VOCAB_SIZE = 1024
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_dir(shakespeare: Path, tmp_path_factory) -> Path:
+    """A byte-level BPE trained offline with the `tokenizers` library, saved as a folder holding a
+    tokenizer.json, the way a Llama-3 or Qwen tokenizer directory arrives (with a bos-adding post-processor)."""
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = ["<|begin_of_text|>", "<|end_of_text|>"]
+    trainer = trainers.BpeTrainer(vocab_size=HF_VOCAB_SIZE, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(sample_texts(shakespeare, 400), trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", tokenizer.token_to_id(specials[0]))])
+    folder = tmp_path_factory.mktemp("hf_tokenizer")
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_hf_tokenizer_contract(hf_tokenizer_dir: Path):
+    from tokenizers import Tokenizer
+
+    reference = Tokenizer.from_file(str(hf_tokenizer_dir / "tokenizer.json"))
+    for path in (hf_tokenizer_dir, hf_tokenizer_dir / "tokenizer.json"):
+        tokenizer = load_tokenizer(path, tokenizer_type=None if path.is_dir() else HUGGINGFACE)
+        assert tokenizer.tokenizer_type == HUGGINGFACE and tokenizer.model_file == hf_tokenizer_dir / "tokenizer.json"
+    assert tokenizer.vocab_size == HF_VOCAB_SIZE
+    assert (tokenizer.bos_id, tokenizer.eod_id) == (0, 1) == (
+        reference.token_to_id("<|begin_of_text|>"), reference.token_to_id("<|end_of_text|>"))
+    text = "To be, or not to be"
+    assert tokenizer.encode(text) == reference.encode(text, add_special_tokens=False).ids  # no bos added
+    assert tokenizer.encode_batch([text, "that is"]) == [tokenizer.encode(text), tokenizer.encode("that is")]
+    for text in EDGE_CASES:  # byte-level BPE: lossless
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+    # A document quoting the end-of-text token is text, not a document end.
+    assert tokenizer.eod_id not in tokenizer.encode("a page quoting <|end_of_text|> in its text")
+
+
+def test_tokenizer_kind_is_read_from_the_file(sentencepiece_model: Path, hf_tokenizer_dir: Path, tmp_path: Path):
+    copied = tmp_path / "tokenizer.model"  # a checkpoint copies any tokenizer under this name
+    copied.write_bytes((hf_tokenizer_dir / "tokenizer.json").read_bytes())
+    assert load_tokenizer(copied).tokenizer_type == HUGGINGFACE
+    assert load_tokenizer(sentencepiece_model, SENTENCEPIECE).tokenizer_type == SENTENCEPIECE
+    with pytest.raises(ValueError, match="is a SentencePieceTokenizer model, not a HuggingFaceTokenizer"):
+        load_tokenizer(sentencepiece_model, HUGGINGFACE)
+    (tmp_path / "empty_folder").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no tokenizer.json"):
+        load_tokenizer(tmp_path / "empty_folder")
+    without_eod = tmp_path / "no_eod.json"
+    without_eod.write_text((hf_tokenizer_dir / "tokenizer.json").read_text().replace("<|end_of_text|>", "<|other|>"))
+    with pytest.raises(ValueError, match="none of the end-of-document tokens"):
+        load_tokenizer(without_eod)
+
+
+def test_hf_export_of_a_tokenizer_json_matches_training_ids(hf_tokenizer_dir: Path, shakespeare: Path, tmp_path: Path,
+                                                            monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    tokenizer = load_tokenizer(hf_tokenizer_dir)
+    hf_tokenizer = AutoTokenizer.from_pretrained(export_hf_tokenizer(hf_tokenizer_dir, tmp_path / "hf"))
+    assert (hf_tokenizer.bos_token_id, hf_tokenizer.eos_token_id) == (tokenizer.bos_id, tokenizer.eod_id)
+    for text in sample_texts(shakespeare, 20) + EDGE_CASES + ["quoting <|end_of_text|> here"]:
+        assert hf_tokenizer.encode(text, add_special_tokens=False) == tokenizer.encode(text), text[:80]

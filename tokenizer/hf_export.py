@@ -1,26 +1,27 @@
-"""Export the SentencePiece tokenizer for Hugging Face `transformers` (a fast tokenizer).
+"""Export the training tokenizer for Hugging Face `transformers` (a fast tokenizer).
 
-python -m tokenizer.hf_export --tokenizer-model M.model --output DIR
+python -m tokenizer.hf_export --tokenizer-model M --output DIR
 
-The SentencePiece BPE model is rebuilt as a `tokenizers` BPE model: same vocabulary and ids, merges
+A Hugging Face tokenizer.json is shipped as it is, with the special tokens the training used. A SentencePiece
+BPE model is rebuilt as a `tokenizers` BPE model: same vocabulary and ids, merges
 ranked by SentencePiece's piece scores (SentencePiece merges the adjacent pair whose result scores
 highest; `tokenizers` merges the pair of lowest rank, so the two orders coincide), byte fallback,
 and the same whitespace handling (spaces become "▁", one "▁" is prepended). Control pieces
-(bos/eos/pad) are special tokens, but the tokenizer is saved with `split_special_tokens=True` so
-that a literal "</s>" in text is tokenized as characters, exactly as SentencePiece does.
+(bos/eos/pad) are special tokens. Either way the tokenizer is saved with `split_special_tokens=True` so
+that a literal "</s>" in text is tokenized as characters, exactly as the training data was.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from sentencepiece import sentencepiece_model_pb2
 from tokenizers import AddedToken, Tokenizer, decoders, normalizers
 from tokenizers.models import BPE
 
-from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
+from tokenizer.interface import SENTENCEPIECE, load_tokenizer
 
 SPACE = "▁"  # SentencePiece's visible space (U+2581)
 
@@ -89,17 +90,21 @@ def export_hf_tokenizer(model_path: str | Path, out_dir: str | Path) -> Path:
     """Write tokenizer.json, tokenizer_config.json (and special tokens) loadable by AutoTokenizer."""
     from transformers import PreTrainedTokenizerFast
 
-    spm = SentencePieceTokenizer(model_path)
+    tokenizer = load_tokenizer(model_path)
+    if tokenizer.tokenizer_type == SENTENCEPIECE:
+        fast = build_hf_tokenizer(tokenizer.model_file)
+    else:
+        fast = Tokenizer.from_file(str(tokenizer.model_file))
 
     def piece_or_none(token_id: int) -> str | None:
-        return spm.id_to_piece(token_id) if token_id >= 0 else None
+        return tokenizer.id_to_piece(token_id) if token_id >= 0 else None
 
     hf_tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=build_hf_tokenizer(model_path),
-        bos_token=piece_or_none(spm.bos_id),
-        eos_token=piece_or_none(spm.eod_id),
-        pad_token=piece_or_none(spm.pad_id),
-        unk_token=piece_or_none(spm.unk_id),
+        tokenizer_object=fast,
+        bos_token=piece_or_none(tokenizer.bos_id),
+        eos_token=piece_or_none(tokenizer.eod_id),
+        pad_token=piece_or_none(tokenizer.pad_id),
+        unk_token=piece_or_none(tokenizer.unk_id),
         split_special_tokens=True,
         add_bos_token=False,
         add_eos_token=False,
@@ -112,7 +117,7 @@ def export_hf_tokenizer(model_path: str | Path, out_dir: str | Path) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokenizer-model", type=Path, required=True, help="SentencePiece .model file")
+    parser.add_argument("--tokenizer-model", type=Path, required=True, help="SentencePiece .model, tokenizer.json, or a folder holding one")
     parser.add_argument("--output", type=Path, required=True, help="directory to write")
     args = parser.parse_args(argv)
     try:

@@ -1,21 +1,30 @@
-"""The project's tokenizer: a thin, typed wrapper over a SentencePiece model file."""
+"""The project's own tokenizer kind: a thin, typed wrapper over a SentencePiece model file."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import sentencepiece
 
+from tokenizer.interface import SENTENCEPIECE
+
 
 class SentencePieceTokenizer:
     """Encodes text to ids without adding bos/eos; documents end with `eod_id` (the eos piece)."""
+
+    tokenizer_type = SENTENCEPIECE
 
     def __init__(self, model_path: str | Path):
         self.model_path = Path(model_path)
         if not self.model_path.is_file():
             raise FileNotFoundError(f"SentencePiece model not found: {self.model_path}")
-        self._processor = sentencepiece.SentencePieceProcessor(model_file=str(self.model_path))
+        # One thread per batch: parallelism comes from preprocessing's worker processes.
+        self._processor = sentencepiece.SentencePieceProcessor(model_file=str(self.model_path), num_threads=1)
         if self._processor.eos_id() < 0:
             raise ValueError(f"{self.model_path} has no eos piece, which the data needs as end-of-document")
+
+    @property
+    def model_file(self) -> Path:
+        return self.model_path
 
     def encode(self, text: str) -> list[int]:
         return self._processor.encode(text, out_type=int)

@@ -10,14 +10,20 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import sentencepiece
 
+from dataprep.shards import (
+    SHARD_SUFFIXES,
+    BadRecord,
+    has_suffix,
+    read_documents,
+    resolve_inputs,
+)
 from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
-from tools.shard_reader import SHARD_SUFFIXES, BadRecord, has_suffix, read_documents, resolve_inputs
 
 TEXT_SUFFIXES = (".txt",)
 

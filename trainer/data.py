@@ -35,9 +35,9 @@ class TokenizerInfo:
 
 def tokenizer_info(data: DataConfig) -> TokenizerInfo:
     if data.tokenizer_model:
-        from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
+        from tokenizer.interface import load_tokenizer
 
-        tok = SentencePieceTokenizer(data.tokenizer_model)
+        tok = load_tokenizer(data.tokenizer_model)
         return TokenizerInfo(tok.vocab_size, tok.eod_id)
     if data.vocab_size:
         return TokenizerInfo(data.vocab_size, 0)
@@ -71,7 +71,7 @@ def check_data(data: DataConfig) -> None:
     _blend(data.data_path)
     if data.valid_data_path:
         _blend(data.valid_data_path)
-    if data.tokenizer_model and not Path(data.tokenizer_model).is_file():
+    if data.tokenizer_model and not Path(data.tokenizer_model).exists():  # a file, or a tokenizer.json folder
         raise FileNotFoundError(f"tokenizer model {data.tokenizer_model} not found (from --tokenizer-model)")
     if not data.tokenizer_model and not data.vocab_size:
         raise ValueError("give --tokenizer-model (or --vocab-size for pre-tokenized data without a tokenizer)")

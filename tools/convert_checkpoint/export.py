@@ -8,7 +8,7 @@ from pathlib import Path
 from transformers import GenerationConfig
 
 from tokenizer.hf_export import export_hf_tokenizer
-from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
+from tokenizer.interface import load_tokenizer
 from tools.convert_checkpoint.hf_mapping import hf_config, hf_tensors
 from tools.convert_checkpoint.merge import full_weights
 from tools.convert_checkpoint.safetensors_writer import ShardedSafetensorsWriter
@@ -29,7 +29,7 @@ class ExportResult:
 def _special_ids(reader: CheckpointReader) -> dict[str, int]:
     if reader.meta.tokenizer_model is None:
         return {}
-    tok = SentencePieceTokenizer(reader.directory / reader.meta.tokenizer_model)
+    tok = load_tokenizer(reader.directory / reader.meta.tokenizer_model)
     ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eod_id, "pad_token_id": tok.pad_id}
     return {k: v for k, v in ids.items() if v is not None and v >= 0}
 

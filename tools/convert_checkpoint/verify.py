@@ -4,7 +4,7 @@
    un-fusing, RoPE/norm convention mismatches and bad writes;
 2. that rebuilt model against the logits the tensor- and pipeline-parallel training model recorded
    when it saved the checkpoint: catches a wrong merge of the shards, or a damaged checkpoint.
-Also, when the export has a tokenizer, AutoTokenizer must give the SentencePiece ids."""
+Also, when the export has a tokenizer, AutoTokenizer must give the training tokenizer's ids."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -102,14 +102,14 @@ def verify(reader: CheckpointReader, hf_dir: str | Path) -> VerifyReport:
 
 
 def _check_tokenizer(reader: CheckpointReader, hf_dir, report: VerifyReport, fallback: torch.Tensor) -> torch.Tensor:
-    """Sample text as ids for the logits comparison; the exported tokenizer must agree with SentencePiece."""
+    """Sample text as ids for the logits comparison; the exported tokenizer must agree with the training one."""
     from transformers import AutoTokenizer
 
-    from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
+    from tokenizer.interface import load_tokenizer
 
-    expected = SentencePieceTokenizer(reader.directory / reader.meta.tokenizer_model).encode(SAMPLE_TEXT)
+    expected = load_tokenizer(reader.directory / reader.meta.tokenizer_model).encode(SAMPLE_TEXT)
     got = AutoTokenizer.from_pretrained(hf_dir)(SAMPLE_TEXT, add_special_tokens=False)["input_ids"]
     if got != expected:
-        report.problems.append(f"AutoTokenizer ids {got[:12]}... differ from SentencePiece's {expected[:12]}...")
+        report.problems.append(f"AutoTokenizer ids {got[:12]}... differ from the training tokenizer's {expected[:12]}...")
         return fallback
     return torch.tensor([expected])

@@ -15,6 +15,7 @@ from megatron.core import parallel_state as mps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 import trainer.checkpoint.state as rank_state
+from tokenizer.interface import tokenizer_file
 from trainer import comm
 from trainer.checkpoint.format import (COMPLETE, CheckpointError, CheckpointMeta, CheckpointReader, iteration_dir,
                                        publish, rank_file, remove_incomplete)
@@ -140,7 +141,7 @@ class Checkpointer:
             meta = self._meta(step)
             write_text_durably(directory / "meta.json", meta.to_json())
             if meta.tokenizer_model:
-                source = Path(self.config.data.tokenizer_model).read_bytes()
+                source = tokenizer_file(self.config.data.tokenizer_model).read_bytes()  # a folder's tokenizer.json
                 write_durably(directory / meta.tokenizer_model, lambda f: f.write(source))
         comm.barrier()  # every rank's file is durable
         if is_rank0:

@@ -1,0 +1,310 @@
+"""Streaming reader for pretraining corpus shards (Nemotron-CC layout and similar).
+
+Finds shards from globs/dirs and turns their records (JSON lines, parquet rows) into documents, never
+holding a whole shard in memory. Bad records are handed to a callback with file and line so that one
+broken line never costs its good neighbours; a shard that cannot be read at all is one bad record.
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import zstandard
+
+# Nemotron-CC v1 ships zstd JSONL, v2 parquet; the others are common in the wild.
+SHARD_SUFFIXES = (".jsonl.zstd", ".jsonl.zst", ".jsonl.gz", ".jsonl", ".parquet")
+
+_READ_CHUNK_BYTES = 1 << 20
+_PARQUET_BATCH_ROWS = 1024
+
+
+class NoInputMatchedError(ValueError):
+    """An input path, dir or glob matched no file with a supported suffix."""
+
+
+class TruncatedStreamError(EOFError):
+    """A compressed shard ends in the middle of a frame."""
+
+
+@dataclass(frozen=True)
+class BadRecord:
+    path: str
+    line: int  # 1-based line (row for parquet); 0 for problems of the whole file
+    kind: str  # short machine-readable category, e.g. "malformed_json"
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.kind}: {self.detail}"
+
+
+@dataclass(frozen=True)
+class Document:
+    line: int
+    text: str
+    nbytes: int  # uncompressed input bytes this record occupied, for throughput reporting
+
+
+OnBadRecord = Callable[[BadRecord], None]
+
+
+def has_suffix(path: Path | str, suffixes: Sequence[str]) -> bool:
+    return str(path).endswith(tuple(suffixes))
+
+
+def resolve_inputs(patterns: Iterable[str], suffixes: Sequence[str] = SHARD_SUFFIXES) -> list[Path]:
+    """Expand files, dirs (searched recursively) and globs into a sorted, de-duplicated list.
+
+    Raises NoInputMatchedError naming the first pattern that yields no usable file, so a typo
+    never silently shrinks a corpus.
+    """
+    found: set[Path] = set()
+    for pattern in patterns:
+        matches: list[Path] = []
+        for hit in sorted(glob.glob(pattern, recursive=True)) or []:
+            path = Path(hit)
+            if path.is_dir():
+                matches += [p for p in path.rglob("*") if p.is_file() and has_suffix(p, suffixes)]
+            elif path.is_file() and has_suffix(path, suffixes):
+                matches.append(path)
+        if not matches:
+            raise NoInputMatchedError(
+                f"input {pattern!r} matched no file ending in one of {', '.join(suffixes)}"
+            )
+        found.update(p.resolve() for p in matches)
+    return sorted(found)
+
+
+def is_parquet(path: Path | str) -> bool:
+    return str(path).endswith(".parquet")
+
+
+def is_compressed(path: Path | str) -> bool:
+    return str(path).endswith((".zstd", ".zst", ".gz"))
+
+
+def read_documents(path: Path, json_key: str, on_bad: OnBadRecord) -> Iterator[Document]:
+    """Yield every well-formed document of one shard; report everything else to `on_bad`."""
+    records = _parquet_documents if is_parquet(path) else _jsonl_documents
+    unreadable = False
+
+    def note(record: BadRecord) -> None:
+        nonlocal unreadable
+        unreadable |= record.line == 0
+        on_bad(record)
+
+    count = 0
+    for document in records(path, json_key, note):
+        count += 1
+        yield document
+    if count == 0 and not unreadable:
+        on_bad(BadRecord(str(path), 0, "empty_shard", "shard holds no document"))
+
+
+def _jsonl_documents(path: Path, json_key: str, on_bad: OnBadRecord) -> Iterator[Document]:
+    lines = 0
+    for block in read_line_blocks(path, _READ_CHUNK_BYTES, on_bad):
+        yield from documents_in_lines(path, block, lines + 1, json_key, on_bad)
+        lines += count_lines(block)
+
+
+def count_lines(block: bytes) -> int:
+    """Lines in a block of whole lines (the last may lack its newline)."""
+    return block.count(b"\n") + (1 if block and not block.endswith(b"\n") else 0)
+
+
+def read_line_blocks(path: Path, min_bytes: int, on_bad: OnBadRecord) -> Iterator[bytes]:
+    """The (decompressed) bytes of a JSONL shard in blocks of whole lines, each ending at the first
+    newline at or after `min_bytes` (the last block: at the end of the stream). The cut points depend
+    only on the content and `min_bytes`, so a rerun cuts the same blocks.
+
+    A damaged or truncated compressed stream ends the blocks at the last whole line before the damage
+    and is reported; a file that is not what its name says is reported as unreadable.
+    """
+    buffer = bytearray()
+    lines = produced = 0
+    try:
+        with _open_binary(path) as stream:
+            # read1: one raw read at a time, so the bytes before a truncation are not lost with it
+            while chunk := stream.read1(_READ_CHUNK_BYTES):
+                produced += len(chunk)
+                buffer += chunk
+                while len(buffer) >= min_bytes and (end := buffer.find(b"\n", min_bytes - 1)) >= 0:
+                    block = bytes(buffer[: end + 1])
+                    del buffer[: end + 1]
+                    lines += block.count(b"\n")
+                    yield block
+    except (EOFError, zstandard.ZstdError, gzip.BadGzipFile, OSError) as error:
+        # gzip raises EOFError, our zstd reader TruncatedStreamError (an EOFError), corrupt data
+        # ZstdError or BadGzipFile. The partial last line is dropped with the damage.
+        if produced == 0:
+            on_bad(BadRecord(str(path), 0, "unreadable_shard", f"cannot read the file ({error})"))
+            return
+        whole = buffer.rfind(b"\n") + 1
+        if whole:
+            lines += count_lines(bytes(buffer[:whole]))
+            yield bytes(buffer[:whole])
+        on_bad(BadRecord(str(path), lines + 1, "truncated", f"stream ends early ({error})"))
+        return
+    if buffer:
+        yield bytes(buffer)
+
+
+def documents_in_lines(
+    path: Path, block: bytes, first_line: int, json_key: str, on_bad: OnBadRecord
+) -> Iterator[Document]:
+    """The documents of a block of whole JSON lines whose first line is line `first_line` of the shard."""
+    # Lines stay bytes until each is decoded on its own: one invalid byte sequence must not poison the
+    # rest of the shard, as a TextIOWrapper would.
+    for line_number, raw in enumerate(io.BytesIO(block), start=first_line):
+        if not raw.strip():
+            continue
+        document = _parse_json_line(path, line_number, raw, json_key, on_bad)
+        if document is not None:
+            yield document
+
+
+def _parse_json_line(
+    path: Path, line_number: int, raw: bytes, json_key: str, on_bad: OnBadRecord
+) -> Document | None:
+    def bad(kind: str, detail: str) -> None:
+        on_bad(BadRecord(str(path), line_number, kind, detail))
+
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        bad("invalid_utf8", f"invalid UTF-8 at byte {error.start} of the line")
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        bad("malformed_json", error.msg + f" (column {error.colno})")
+        return None
+    if not isinstance(record, dict) or json_key not in record:
+        bad("missing_key", f"no {json_key!r} key")
+        return None
+    text = record[json_key]
+    if not isinstance(text, str):
+        bad("non_string_text", f"{json_key!r} is {type(text).__name__}, not a string")
+        return None
+    # A "\ud800" escape decodes to a lone surrogate, which no tokenizer can encode; only an escape
+    # can produce one (raw UTF-8 cannot), so the full check runs only on lines that have one.
+    if (b"\\ud" in raw or b"\\uD" in raw) and _has_lone_surrogate(text):
+        bad("lone_surrogate", f"{json_key!r} holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape)")
+        return None
+    return Document(line_number, text, len(raw))
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def open_parquet(path: Path, column: str, on_bad: OnBadRecord):
+    """The shard's pyarrow ParquetFile, or None (reported) when it is no parquet file or lacks the column."""
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pyarrow.ArrowException, OSError) as error:
+        on_bad(BadRecord(str(path), 0, "unreadable_shard", f"not a readable parquet file ({error})"))
+        return None
+    if column not in parquet.schema_arrow.names:
+        on_bad(BadRecord(str(path), 0, "missing_column",
+                         f"no {column!r} column (columns: {', '.join(parquet.schema_arrow.names)})"))
+        return None
+    return parquet
+
+
+def open_parquet_metadata(path: Path):
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path).metadata
+
+
+def parquet_row_group_documents(
+    path: Path, parquet, groups: range, first_row: int, column: str, on_bad: OnBadRecord
+) -> Iterator[Document]:
+    """The documents of row groups `groups`, whose first row is row `first_row` (1-based) of the shard."""
+    row = first_row - 1
+    for group in groups:
+        for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, row_groups=[group], columns=[column]):
+            for text in batch.column(0).to_pylist():
+                row += 1
+                if text is None:
+                    on_bad(BadRecord(str(path), row, "missing_key", f"{column!r} is null"))
+                elif not isinstance(text, str):
+                    kind = type(text).__name__
+                    on_bad(BadRecord(str(path), row, "non_string_text", f"{column!r} is {kind}"))
+                else:
+                    yield Document(row, text, len(text.encode("utf-8")))
+
+
+def _parquet_documents(path: Path, json_key: str, on_bad: OnBadRecord) -> Iterator[Document]:
+    parquet = open_parquet(path, json_key, on_bad)
+    if parquet is not None:
+        groups = range(parquet.metadata.num_row_groups)
+        yield from parquet_row_group_documents(path, parquet, groups, 1, json_key, on_bad)
+
+
+def _open_binary(path: Path) -> io.BufferedIOBase:
+    name = str(path)
+    if name.endswith((".zstd", ".zst")):
+        return io.BufferedReader(_ZstdStream(open(path, "rb")), buffer_size=_READ_CHUNK_BYTES)
+    if name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    return open(path, "rb", buffering=_READ_CHUNK_BYTES)
+
+
+class _ZstdStream(io.RawIOBase):
+    """Streaming zstd decompression that, unlike zstandard's stream_reader, reports truncation.
+
+    Supports concatenated frames (as written by parallel compressors).
+    """
+
+    def __init__(self, compressed: io.BufferedIOBase):
+        self._compressed = compressed
+        self._decompressor = zstandard.ZstdDecompressor()
+        self._frame = self._decompressor.decompressobj()
+        self._frame_started = False
+        self._pending = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._pending:
+            chunk = self._compressed.read(_READ_CHUNK_BYTES)
+            if not chunk:
+                if self._frame_started and not self._frame.eof:
+                    raise TruncatedStreamError("compressed input ends inside a zstd frame")
+                return 0
+            self._pending = memoryview(self._decompress(chunk))
+        size = min(len(buffer), len(self._pending))
+        buffer[:size] = self._pending[:size]
+        self._pending = self._pending[size:]
+        return size
+
+    def _decompress(self, chunk: bytes) -> bytes:
+        output = []
+        while chunk:
+            self._frame_started = True
+            output.append(self._frame.decompress(chunk))
+            chunk = self._frame.unused_data if self._frame.eof else b""
+            if self._frame.eof:
+                self._frame = self._decompressor.decompressobj()
+                self._frame_started = False
+        return b"".join(output)
+
+    def close(self) -> None:
+        self._compressed.close()
+        super().close()
+

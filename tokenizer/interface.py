@@ -1,0 +1,82 @@
+"""One tokenizer interface for preprocessing, training and the Hugging Face export.
+
+`load_tokenizer(path)` takes what `--tokenizer-model` names: a SentencePiece `.model` file, a Hugging Face
+`tokenizer.json`, or a folder holding one (a Llama-3 or Qwen tokenizer directory). The kind is read from
+the file's content, not its name, so a tokenizer copied into a checkpoint under any name loads the same.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Protocol
+
+SENTENCEPIECE = "SentencePieceTokenizer"
+HUGGINGFACE = "HuggingFaceTokenizer"
+TOKENIZER_TYPES = (SENTENCEPIECE, HUGGINGFACE)
+_FILE_IN_FOLDER = {HUGGINGFACE: "tokenizer.json", SENTENCEPIECE: "tokenizer.model"}
+
+
+class Tokenizer(Protocol):
+    """Encodes text without bos/eos; documents end with `eod_id`. Ids absent from a vocabulary are -1."""
+
+    model_file: Path  # the one file that defines the tokenizer (hashed, copied into checkpoints)
+    tokenizer_type: str
+
+    def encode(self, text: str) -> list[int]: ...
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def id_to_piece(self, token_id: int) -> str: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def eod_id(self) -> int: ...
+    @property
+    def bos_id(self) -> int: ...
+    @property
+    def pad_id(self) -> int: ...
+    @property
+    def unk_id(self) -> int: ...
+
+
+def tokenizer_file(path: str | Path, tokenizer_type: str | None = None) -> Path:
+    """The file that defines the tokenizer at `path` (for a folder: its tokenizer.json, or its
+    tokenizer.model when asked for SentencePiece)."""
+    path = Path(path)
+    if path.is_dir():
+        names = [_FILE_IN_FOLDER[tokenizer_type]] if tokenizer_type else [_FILE_IN_FOLDER[HUGGINGFACE]]
+        for name in names:
+            if (path / name).is_file():
+                return path / name
+        raise FileNotFoundError(f"tokenizer folder {path} holds no {' or '.join(names)}")
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer model not found: {path}")
+    return path
+
+
+def detect_tokenizer_type(file: Path) -> str:
+    """A tokenizer.json is a JSON object; a SentencePiece model is a binary protobuf."""
+    with open(file, "rb") as handle:
+        head = handle.read(64).lstrip()
+    return HUGGINGFACE if head.startswith(b"{") else SENTENCEPIECE
+
+
+def load_tokenizer(path: str | Path, tokenizer_type: str | None = None) -> Tokenizer:
+    if tokenizer_type is not None and tokenizer_type not in TOKENIZER_TYPES:
+        raise ValueError(f"unknown tokenizer type {tokenizer_type!r}; choose from {', '.join(TOKENIZER_TYPES)}")
+    file = tokenizer_file(path, tokenizer_type)
+    detected = detect_tokenizer_type(file)
+    if tokenizer_type is not None and tokenizer_type != detected:
+        raise ValueError(f"{file} is a {detected} model, not a {tokenizer_type} (from --tokenizer-type)")
+    if detected == HUGGINGFACE:
+        from tokenizer.hf_tokenizer import HuggingFaceTokenizer
+
+        return HuggingFaceTokenizer(file)
+    from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
+
+    return SentencePieceTokenizer(file)
+
+
+def tokenizer_sha256(tokenizer: Tokenizer) -> str:
+    """The hash recorded beside tokenized data: of the tokenizer's model file's bytes."""
+    return hashlib.sha256(tokenizer.model_file.read_bytes()).hexdigest()
