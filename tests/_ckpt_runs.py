@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from trainer.checkpoint.rank_file import read_rank_file, to_plain
 from trainer_harness import EXTENSIONS_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -59,12 +60,12 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def rank_files(ckpt: Path, step: int) -> list[Path]:
-    return sorted((ckpt / f"iter_{step:07d}").glob("rank_*.pt"))
+    return sorted((ckpt / f"iter_{step:07d}").glob("rank_*.safetensors"))
 
 
 def assert_same_state(a: Path, b: Path, keys=("step", "model", "optimizer", "scheduler", "engine", "extra")) -> None:
     """Bit-for-bit equality of two rank files' training state."""
-    sa, sb = (torch.load(p, weights_only=False) for p in (a, b))
+    sa, sb = (to_plain(read_rank_file(p)) for p in (a, b))
     for key in keys:
         _assert_equal(sa[key], sb[key], f"{a.name}:{key}")
 
