@@ -24,9 +24,11 @@ from trainer.model.builder import (build_model, canonical_names, count_parameter
                                    padded_vocab_size)
 from trainer.optim.inner import InnerOptimizer
 from trainer.optim.routing import route_parameters
+from trainer.preemption import Preemption
 from trainer.schedule import lr_multiplier
 from trainer.topology import ParallelSizes, build_topology
 from trainer.training import Trainer
+from trainer.watchdog import Watchdog
 
 
 def _seed_everything(seed: int) -> None:
@@ -100,8 +102,13 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     if is_logger:
         print(f"global batch {config.batch.global_batch} sequences ({config.batch.per_worker} per worker x "
               f"{config.batch.workers} workers), {config.schedule.train_iters} steps", flush=True)
-    Checkpointer(config, topology, trainer, canonical, tokenizer.vocab_size, vocab).attach()  # --load, --save
-    summary = trainer.train()
+    checkpointer = Checkpointer(config, topology, trainer, canonical, tokenizer.vocab_size, vocab)
+    checkpointer.attach()  # --load, --save
+    c = topology.coords
+    watchdog = Watchdog(config.hang_timeout_s, f"rank {topology.rank} (worker {c.worker}, data {c.data}, "
+                                               f"pipeline {c.pipeline}, tensor {c.tensor})")
+    with Preemption(config, checkpointer, is_logger).attached_to(trainer), watchdog.attached_to(trainer):
+        summary = trainer.train()
     logger.close()
     if is_logger:
         summary["parameters"] = n_params

@@ -31,6 +31,8 @@ PROBE_LENGTH = 32
 DIGEST_BYTES = 32  # SHA-256
 # Test hook: "STEP:RANK" makes that rank die after writing its temporary file, before publishing it.
 CRASH_ENV = "MULOCO_CKPT_CRASH_AT"
+# Test hook: "STEP:RANK:ERRNO" makes that rank's write fail with that OSError (a full or read-only disk).
+FAIL_ENV = "MULOCO_CKPT_FAIL_AT"
 
 
 def _errno(error: OSError) -> int:
@@ -149,8 +151,7 @@ class Checkpointer:
         try:
             directory.mkdir(parents=True, exist_ok=True)
             (directory / COMPLETE).unlink(missing_ok=True)  # re-saving a step: unpublished until done
-            digest = self._write_rank_file(rank_file(directory, self.topology.rank), saved,
-                                           before_publish=lambda: self._crash_if_requested(step))
+            digest = self._write_rank_file(rank_file(directory, self.topology.rank), saved, step)
         except OSError as err:
             error = err
             self._remove_own_temporaries(directory)
@@ -173,9 +174,14 @@ class Checkpointer:
             print(f"saved checkpoint {directory} in {time.perf_counter() - start:.2f}s", flush=True)
         return time.perf_counter() - start
 
-    def _write_rank_file(self, path: Path, state: dict, before_publish) -> str:
+    def _write_rank_file(self, path: Path, state: dict, step: int) -> str:
         digest = []
-        write_durably(path, lambda f: digest.append(write_rank_file(f, state)), before_publish=before_publish)
+
+        def write(f) -> None:
+            digest.append(write_rank_file(f, state))
+            self._fail_if_requested(step)
+
+        write_durably(path, write, before_publish=lambda: self._crash_if_requested(step))
         return digest[0]
 
     def _agree_on_files(self, error: OSError | None, digest: str) -> list[str] | str:
@@ -231,6 +237,11 @@ class Checkpointer:
     def _crash_if_requested(self, step: int) -> None:
         if os.environ.get(CRASH_ENV) == f"{step}:{self.topology.rank}":
             os._exit(17)
+
+    def _fail_if_requested(self, step: int) -> None:
+        at, _, code = os.environ.get(FAIL_ENV, "").rpartition(":")
+        if at == f"{step}:{self.topology.rank}":
+            raise OSError(int(code), os.strerror(int(code)))
 
     # -- resuming -------------------------------------------------------------------------------
 

@@ -1,0 +1,221 @@
+"""Trust under faults: a crafted rank file runs nothing, a flipped byte is caught, a full disk fails
+in one line with the previous checkpoint intact, a frozen rank ends the job with a `hang detected:`
+line, and bad data or output folders stop the run before it starts. (SIGTERM preemption with an exact
+resume is in test_checkpoint's MuLoCo test, which shares its launches.)"""
+import errno
+import hashlib
+import json
+import os
+import pickle
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from _ckpt_runs import REPO_ROOT, Launch, launch, reference_checkpoint
+from trainer.checkpoint import CheckpointError, CheckpointReader, latest_iteration
+from trainer.checkpoint.checkpointer import FAIL_ENV
+from trainer.checkpoint.format import prune, rank_file
+from trainer.checkpoint.rank_file import read_rank_file, to_plain, write_rank_file
+from trainer.config import DataConfig
+from trainer.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(900)
+HANG_TIMEOUT_S = 20
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return tmp_path_factory.getbasetemp()
+
+
+def _checkpoint_copy(base: Path, dst: Path, step: int = 6) -> Path:
+    shutil.copytree(reference_checkpoint(base) / "ckpt" / f"iter_{step:07d}", dst / f"iter_{step:07d}")
+    (dst / "latest").write_text(f"{step}\n")
+    return dst
+
+
+def _convert(ckpt: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tools.convert_checkpoint", "--load", str(ckpt), "--save", str(out),
+                           *flags], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+
+
+class _CreatesMarker:
+    """Unpickling this calls open(marker, "w"): a stand-in for os.system in a crafted checkpoint."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def test_a_crafted_pickle_in_place_of_a_rank_file_runs_nothing(base, tmp_path):
+    ckpt = _checkpoint_copy(base, tmp_path / "ckpt")
+    marker = tmp_path / "pwned"
+    victim = rank_file(ckpt / "iter_0000006", 0)
+    victim.write_bytes(pickle.dumps({"model": _CreatesMarker(marker)}))
+    with pytest.raises(CheckpointError, match=f"rank file {victim} is damaged"):
+        CheckpointReader(ckpt).rank_state(0)
+    with pytest.raises(CheckpointError, match=f"rank file {victim} is not a checkpoint rank file in safetensors"):
+        CheckpointReader(ckpt, verify_checksums=False).rank_state(0)
+    result = _convert(ckpt, tmp_path / "hf", "--no-verify-checksums")  # the exporter reads the same way
+    assert result.returncode == 2 and "is not a checkpoint rank file" in result.stderr, result.stderr[-3000:]
+    assert not marker.exists(), "reading the checkpoint ran code"
+
+    # An old-format (pickled) checkpoint is refused by its meta.json, before any rank file is opened.
+    meta = json.loads((ckpt / "iter_0000006" / "meta.json").read_text())
+    (ckpt / "iter_0000006" / "meta.json").write_text(json.dumps({**meta, "format_version": 1}))
+    with pytest.raises(CheckpointError, match="unpickling can run code"):
+        CheckpointReader(ckpt)
+    assert not marker.exists()
+
+
+def test_a_flipped_byte_inside_tensor_data_is_caught(base, tmp_path):
+    ckpt = _checkpoint_copy(base, tmp_path / "ckpt")
+    path = rank_file(ckpt / "iter_0000006", 1)
+    data = bytearray(path.read_bytes())
+    data[-1000] ^= 0x10  # inside the last tensors' bytes: the file still parses
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"rank file {path} is damaged: its SHA-256 is"):
+        CheckpointReader(ckpt).rank_state(1)
+    CheckpointReader(ckpt, verify_checksums=False).rank_state(1)  # unchecked, it loads: the damage is silent
+    result = _convert(ckpt, tmp_path / "hf")
+    assert result.returncode == 2 and f"checkpoint error: rank file {path} is damaged" in result.stderr, result.stderr
+
+
+def test_rank_files_round_trip_and_are_plain_safetensors(tmp_path):
+    from safetensors.torch import load_file
+    import numpy as np
+    import random
+
+    state = {"model": {"w": torch.randn(3, 5), "h": torch.randn(4, dtype=torch.bfloat16)},
+             "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+             "groups": [{"betas": (0.9, 0.99), "kind": "muon", "nesterov": False}], "by_index": {3: None}}
+    path = tmp_path / "r.safetensors"
+    with open(path, "wb") as f:
+        write_rank_file(f, state)
+    assert len(load_file(path)) == 4  # w, h, numpy state, torch state: safetensors itself reads them
+    back = to_plain(read_rank_file(path))
+    assert torch.equal(back["model"]["w"], state["model"]["w"]) and back["model"]["h"].dtype == torch.bfloat16
+    assert back["rng"]["python"] == state["rng"]["python"] and back["groups"] == state["groups"]
+    assert (back["rng"]["numpy"][1] == state["rng"]["numpy"][1]).all() and back["rng"]["numpy"][1].dtype == np.uint32
+    assert back["by_index"] == {3: None}
+    with pytest.raises(TypeError, match="got object"):
+        write_rank_file(open(tmp_path / "x", "wb"), {"bad": object()})
+
+
+def test_keep_last_prunes_old_complete_checkpoints_but_never_latest(tmp_path):
+    for step in (2, 4, 6, 8):
+        (tmp_path / f"iter_{step:07d}").mkdir()
+        (tmp_path / f"iter_{step:07d}" / "complete").write_text("")
+    (tmp_path / "iter_0000010").mkdir()  # a save in progress: not complete, not counted
+    (tmp_path / "latest").write_text("4\n")  # e.g. resumed from 4 while newer iterations exist
+    assert prune(tmp_path, keep_last=2) == [2]
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000004", "iter_0000006", "iter_0000008",
+                                                               "iter_0000010"]
+
+
+def test_a_full_disk_on_one_rank_fails_in_one_line_and_keeps_the_previous_checkpoint(base, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    result = launch(base, 2, tmp_path / "run", "--save", str(ckpt), "--save-interval", "2",
+                    env={FAIL_ENV: f"4:1:{errno.ENOSPC}"})
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    lines = [line for line in output.splitlines() if "checkpoint error" in line]
+    assert lines == [f"checkpoint error: could not save step 4 in {ckpt / 'iter_0000004'}: rank 1: [Errno 28] "
+                     f"No space left on device (1 of 2 ranks failed); temporary files removed, {ckpt / 'latest'} "
+                     f"still names step 2"], output[-4000:]
+    assert "Traceback" not in result.stdout + "\n".join(l for l in result.stderr.splitlines() if "[rank" in l)
+    assert latest_iteration(ckpt) == 2 and not (ckpt / "iter_0000004").exists()
+    assert not list(ckpt.glob("**/*.tmp.*"))
+    reader = CheckpointReader(ckpt)
+    assert all(reader.rank_state(r)["step"] == 2 for r in range(2))
+
+
+def test_a_frozen_rank_ends_the_job_with_a_hang_line(base, tmp_path):
+    run = Launch(base, 2, tmp_path / "run", "--hang-timeout-s", str(HANG_TIMEOUT_S), train_iters=100_000)
+    try:
+        run.wait_for("[3/")
+        os.kill(run.rank_pid(1), signal.SIGSTOP)
+        stopped = time.monotonic()
+        code = run.finish(timeout_s=HANG_TIMEOUT_S + 90)
+        elapsed = time.monotonic() - stopped
+    finally:
+        run.kill()
+    assert code not in (0, None, -signal.SIGKILL), run.output[-4000:]
+    assert elapsed < HANG_TIMEOUT_S + 60, f"the job took {elapsed:.0f} s to exit"
+    hang = [line for line in run.output.splitlines() if line.startswith("hang detected:")]
+    assert len(hang) == 1, run.output[-4000:]
+    assert hang[0].startswith("hang detected: rank 0 (worker 0, data 0, pipeline 0, tensor 0) made no progress for")
+    assert "waiting in " in hang[0] and "on ranks [0, 1]" in hang[0], hang[0]
+
+
+def test_the_watchdog_names_where_a_stuck_thread_waits(tmp_path):
+    script = ("import time\nfrom trainer.watchdog import Watchdog\n"
+              "w = Watchdog(0.5, 'rank 7', poll_s=0.05)\nw.start()\nw.pet(4)\ntime.sleep(30)\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    from trainer.watchdog import HANG_EXIT_CODE
+
+    assert result.returncode == HANG_EXIT_CODE
+    assert re.match(r"hang detected: rank 7 made no progress for \d+ s after step 4: in <string>:6 \(<module>\)$",
+                    result.stderr.strip()), result.stderr
+
+
+def _data_with_meta(tmp_path: Path, **meta) -> str:
+    prefix = tmp_path / "cc_text_document"
+    for suffix in (".bin", ".idx"):
+        prefix.with_name(prefix.name + suffix).write_bytes(b"")
+    prefix.with_name(prefix.name + ".meta.json").write_text(json.dumps(
+        {"documents": 10, "tokens": 1000, "vocab_size": 2000, "tokenizer_sha256": "0" * 64, **meta}))
+    return str(prefix)
+
+
+def test_data_that_does_not_fit_the_tokenizer_is_refused_before_start(tmp_path):
+    from tokenizer.train import TokenizerTrainingConfig, train_tokenizer
+    from trainer.data import check_data
+
+    prefix = _data_with_meta(tmp_path, max_token_id=1500)
+    check_data(DataConfig(data_path=[prefix], vocab_size=2000))
+    with pytest.raises(ConfigError, match=(rf"^{prefix}.meta.json: the data holds token id 1500, but the vocabulary "
+                                           r"of --vocab-size has only 1000 ids")):
+        check_data(DataConfig(data_path=[prefix], vocab_size=1000))
+
+    corpus = REPO_ROOT / "corpus" / "shakespeare" / "train"
+    spm = train_tokenizer(TokenizerTrainingConfig(inputs=(str(corpus),), output_prefix=tmp_path / "spm",
+                                                  vocab_size=400, max_chars=30_000, num_threads=1)).model_path
+    with pytest.raises(ConfigError, match=rf"token id 1500, but the vocabulary of --tokenizer-model {spm} has only "
+                                          r"400 ids"):
+        check_data(DataConfig(data_path=[prefix], tokenizer_model=str(spm)))
+    digest = hashlib.sha256(Path(spm).read_bytes()).hexdigest()
+    check_data(DataConfig(data_path=[_data_with_meta(tmp_path, max_token_id=399, tokenizer_sha256=digest)],
+                          tokenizer_model=str(spm)))
+    with pytest.raises(ConfigError, match=rf"tokenized with a tokenizer whose SHA-256 is {'0' * 64}, but "
+                                          rf"--tokenizer-model {spm} has {digest}"):
+        check_data(DataConfig(data_path=[_data_with_meta(tmp_path, max_token_id=399)], tokenizer_model=str(spm)))
+
+
+def test_output_folders_that_cannot_be_written_are_refused_before_start(tmp_path, monkeypatch):
+    from trainer.durable import check_writable_folder
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match=f"--save {blocker}/ckpt: {blocker} is not a folder"):
+        check_writable_folder(blocker / "ckpt", "--save")
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == read_only else real_access(p, mode))
+    with pytest.raises(ConfigError, match=f"--run-dir {read_only}/run would be created in {read_only}, which is not "
+                                          "writable"):
+        check_writable_folder(read_only / "run", "--run-dir")
+    check_writable_folder(tmp_path / "new" / "run", "--run-dir")
+    assert not (tmp_path / "new").exists()
