@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import torch
+from trainer_harness import EXTENSIONS_ENV
 
 from trainer.checkpoint.rank_file import read_rank_file, to_plain
-from trainer_harness import EXTENSIONS_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 600  # 2 shared CPU cores: four ranks start slowly

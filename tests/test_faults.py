@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _ckpt_runs import REPO_ROOT, Launch, launch, reference_checkpoint
+
 from trainer.checkpoint import CheckpointError, CheckpointReader, latest_iteration
 from trainer.checkpoint.checkpointer import FAIL_ENV
 from trainer.checkpoint.format import prune, rank_file
@@ -92,9 +92,10 @@ def test_a_flipped_byte_inside_tensor_data_is_caught(base, tmp_path):
 
 
 def test_rank_files_round_trip_and_are_plain_safetensors(tmp_path):
-    from safetensors.torch import load_file
-    import numpy as np
     import random
+
+    import numpy as np
+    from safetensors.torch import load_file
 
     state = {"model": {"w": torch.randn(3, 5), "h": torch.randn(4, dtype=torch.bfloat16)},
              "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
@@ -108,8 +109,8 @@ def test_rank_files_round_trip_and_are_plain_safetensors(tmp_path):
     assert back["rng"]["python"] == state["rng"]["python"] and back["groups"] == state["groups"]
     assert (back["rng"]["numpy"][1] == state["rng"]["numpy"][1]).all() and back["rng"]["numpy"][1].dtype == np.uint32
     assert back["by_index"] == {3: None}
-    with pytest.raises(TypeError, match="got object"):
-        write_rank_file(open(tmp_path / "x", "wb"), {"bad": object()})
+    with open(tmp_path / "x", "wb") as f, pytest.raises(TypeError, match="got object"):
+        write_rank_file(f, {"bad": object()})
 
 
 def test_keep_last_prunes_old_complete_checkpoints_but_never_latest(tmp_path):
@@ -130,9 +131,9 @@ def test_a_full_disk_on_one_rank_fails_in_one_line_and_keeps_the_previous_checkp
     output = result.stdout + result.stderr
     assert result.returncode != 0
     lines = [line for line in output.splitlines() if "checkpoint error" in line]
-    assert lines == [f"checkpoint error: could not save step 4 in {ckpt / 'iter_0000004'}: rank 1: [Errno 28] "
-                     f"No space left on device (1 of 2 ranks failed); temporary files removed, {ckpt / 'latest'} "
-                     f"still names step 2"], output[-4000:]
+    expected = (f"checkpoint error: could not save step 4 in {ckpt / 'iter_0000004'}: rank 1: [Errno 28] No space "
+                f"left on device (1 of 2 ranks failed); temporary files removed, {ckpt / 'latest'} still names step 2")
+    assert lines == [expected], output[-4000:]
     assert "Traceback" not in result.stdout + "\n".join(l for l in result.stderr.splitlines() if "[rank" in l)
     assert latest_iteration(ckpt) == 2 and not (ckpt / "iter_0000004").exists()
     assert not list(ckpt.glob("**/*.tmp.*"))
@@ -219,3 +220,23 @@ def test_output_folders_that_cannot_be_written_are_refused_before_start(tmp_path
         check_writable_folder(read_only / "run", "--run-dir")
     check_writable_folder(tmp_path / "new" / "run", "--run-dir")
     assert not (tmp_path / "new").exists()
+
+
+def test_a_planted_pickle_in_the_data_index_cache_is_refused(tmp_path):
+    import numpy as np
+
+    from trainer.data import refuse_unsafe_index_cache
+
+    cache = tmp_path / "data_cache"
+    cache.mkdir()
+    np.save(cache / "abc-GPTDataset-train-document_index.npy", np.arange(10, dtype=np.int32))
+    refuse_unsafe_index_cache(cache)  # what Megatron writes passes
+    marker = tmp_path / "pwned"
+    planted = cache / "abc-GPTDataset-train-sample_index.npy"
+    planted.write_bytes(pickle.dumps(_CreatesMarker(marker)))  # numpy.load(allow_pickle=True) would unpickle it
+    with pytest.raises(ConfigError, match=f"data index cache file {planted} is not a plain .npy array"):
+        refuse_unsafe_index_cache(cache)
+    np.save(planted, np.array([_CreatesMarker(marker)], dtype=object), allow_pickle=True)
+    with pytest.raises(ConfigError, match=f"data index cache file {planted} holds Python objects"):
+        refuse_unsafe_index_cache(cache)
+    assert not marker.exists()

@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
@@ -114,11 +115,31 @@ def _check_token_ids_fit(data: DataConfig) -> None:
                              f"but {flag} has {tokenizer_sha256}: use the tokenizer the data was made with")
 
 
+def refuse_unsafe_index_cache(cache_dir: Path) -> None:
+    """Megatron reads its index cache with numpy.load(allow_pickle=True), which unpickles any file
+    without the .npy magic, so a planted file could run code. Every cached index must be a plain
+    .npy array (numpy's header parser evaluates no code; memory-mapping refuses object dtypes)."""
+    for path in sorted(cache_dir.rglob("*.npy")) if cache_dir.is_dir() else []:
+        with open(path, "rb") as f:
+            try:
+                version = np.lib.format.read_magic(f)
+                read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                               (2, 0): np.lib.format.read_array_header_2_0}[version]
+                dtype = read_header(f)[2]
+            except (ValueError, KeyError) as err:
+                raise ConfigError(f"data index cache file {path} is not a plain .npy array ({err!r}); it would be "
+                                  f"unpickled: delete {cache_dir} and let the run rebuild it") from None
+        if dtype.hasobject:
+            raise ConfigError(f"data index cache file {path} holds Python objects; delete {cache_dir} and let the "
+                              "run rebuild it")
+
+
 def build_datasets(data: DataConfig, tokenizer: TokenizerInfo, seq_length: int, seed: int,
                    train_samples: int, valid_samples: int, cache_dir: str) -> Datasets:
     """Every rank must call this (Megatron builds on rank 0 first, then the others read its cache)."""
     if not data.data_path:
         raise ValueError("no training data: give --data-path PREFIX (the P of P.bin/P.idx)")
+    refuse_unsafe_index_cache(Path(cache_dir))
     common = dict(random_seed=seed, sequence_length=seq_length, tokenizer=tokenizer,
                   reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
                   create_attention_mask=False, path_to_cache=cache_dir)

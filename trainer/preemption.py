@@ -15,8 +15,8 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 
@@ -67,12 +67,12 @@ class Preemption:
         return {"preempted": True}
 
     @contextmanager
-    def attached_to(self, trainer) -> Iterator["Preemption"]:
+    def attached_to(self, trainer) -> Iterator[Preemption]:
         """While inside the block: the SIGTERM handler (when asked for) and the step hook."""
         if not self.enabled:
             yield self
             return
-        hook = lambda step: self.after_step(trainer, step)  # noqa: E731
+        hook = lambda step: self.after_step(trainer, step)
         trainer.step_hooks.append(hook)
         previous = signal.signal(signal.SIGTERM, self._on_sigterm) if self.config.exit_signal_handler else None
         try:

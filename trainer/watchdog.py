@@ -21,10 +21,10 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Iterator
 
 HANG_EXIT_CODE = 3
 BACKSTOP_GRACE_S = 30.0  # faulthandler fires this long after the watchdog should have
@@ -47,7 +47,7 @@ def _describe_group(frames: list[FrameType]) -> str:
         import torch.distributed as dist
 
         return f" on ranks {dist.get_process_group_ranks(group) if group is not None else 'of the world'}"
-    except Exception:  # the group may be gone or not a process group; the rest of the line still helps
+    except Exception:  # noqa: BLE001 - the group may be gone; the rest of the line still helps
         return ""
 
 
@@ -119,7 +119,7 @@ class Watchdog:
         os._exit(HANG_EXIT_CODE)
 
     @contextmanager
-    def attached_to(self, trainer) -> Iterator["Watchdog"]:
+    def attached_to(self, trainer) -> Iterator[Watchdog]:
         """Pet after every step of `trainer` while inside the block (a no-op with timeout 0)."""
         if not self.timeout_s:
             yield self

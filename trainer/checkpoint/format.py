@@ -1,24 +1,44 @@
-"""The on-disk layout: paths, meta.json, the `latest` pointer, retention, and a reader that merges
-tensor-parallel shards by canonical name. Rank files are safetensors (see trainer/checkpoint/rank_file.py):
-reading a checkpoint never unpickles, so a crafted file cannot run code.
+"""The on-disk checkpoint format: paths, meta.json, the `latest` pointer, retention, and a reader that
+merges tensor-parallel shards by canonical name.
 
-    DIR/latest                         text: the step of the newest complete checkpoint
+    DIR/latest                              text: the step of the newest complete checkpoint
     DIR/iter_{step:07d}/
-        rank_{global_rank:05d}.safetensors   one per rank (rank_file.py)
-        meta.json                      rank 0: sizes K/D/P/T, model shape, vocab (padded and not), the
-                                       rank -> (worker, data, pipeline, tensor) map, resolved config, and
-                                       the SHA-256 of every rank file (checked on load)
-        tokenizer.model                rank 0: copy of --tokenizer-model, when one was used
-        complete                       rank 0, after every rank's file is durable
+        rank_{global_rank:05d}.safetensors  one per rank: its state as tensors plus a JSON tree
+                                            (trainer/checkpoint/rank_file.py); nothing is pickled
+        meta.json                           rank 0: sizes K/D/P/T, model shape, vocab (padded and not),
+                                            the rank -> (worker, data, pipeline, tensor) map, the
+                                            resolved config, and each rank file's SHA-256
+        tokenizer.model                     rank 0: copy of --tokenizer-model, when one was used
+        complete                            rank 0, after every rank's file is durable
+
+A rank file holds, under canonical parameter names (global layer indices, same at every P): `model`
+(this rank's TP shard), `optimizer` (hyperparameters per param group and per-parameter state),
+`scheduler`, `engine` (DeepSpeed's counters), `step`, `rng` (python, numpy, torch, accelerator,
+Megatron's RNG tracker), `extra` (each `trainer.extra_state` component, e.g. the MuLoCo outer loop)
+and, on last-stage ranks, `probe`: token ids and this shard's logits, which the exporter's
+`--verify` checks the merged weights against.
+
+Saving (trainer/checkpoint/checkpointer.py): each rank writes its file under a temporary name,
+fsyncs and renames, hashing the bytes as they go; the ranks exchange their hashes (or their errors);
+rank 0 writes meta.json, then `complete`, then moves `latest` by rename, then removes leftovers of
+crashed saves and, with --keep-last N, all but the newest N complete checkpoints. A crash mid-save
+leaves the previous checkpoint and `latest` untouched. An OSError on any rank (full disk, read-only
+folder) ends every rank together with one `checkpoint error:` line: temporary files and the
+unpublished iteration are removed and `latest` still names the previous checkpoint.
+
+Loading: a rank file is checked against meta.json's SHA-256 when first opened (a damaged file is
+refused with its name; --no-verify-checksums skips the extra read at scale) and read with the
+safetensors library, tensors on lookup. Checkpoints of format version 1 (pickled rank files) are
+refused: unpickling can run code.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import shutil
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Mapping
 
 import torch
 
@@ -108,7 +128,7 @@ class CheckpointMeta:
         return json.dumps(asdict(self), indent=2, default=str)
 
     @classmethod
-    def from_json(cls, text: str) -> "CheckpointMeta":
+    def from_json(cls, text: str) -> CheckpointMeta:
         d = json.loads(text)
         if d.get("format_version") != FORMAT_VERSION:
             raise CheckpointError(f"checkpoint format version {d.get('format_version')} is not {FORMAT_VERSION}"

@@ -16,9 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -126,7 +126,7 @@ def read_rank_file(path: Path) -> StateView:
     try:
         handle = safe_open(str(path), framework="pt")
         structure = json.loads((handle.metadata() or {})[STATE_KEY])
-    except Exception as err:  # safetensors reports a malformed header as several exception types
+    except Exception as err:  # noqa: BLE001 - safetensors reports a malformed file as several exception types
         raise RankFileError(f"rank file {path} is not a checkpoint rank file in safetensors format ({err})") from None
     if not isinstance(structure, dict):
         raise RankFileError(f"rank file {path} holds no state tree")
