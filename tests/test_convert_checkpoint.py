@@ -63,8 +63,10 @@ def test_verify_fails_on_a_corrupted_checkpoint_shard(base, tmp_path):
     shard = ckpt / "iter_0000006" / "rank_00001.safetensors"  # T rank 1 of the first stage
     state = to_plain(read_rank_file(shard))
     state["model"]["decoder.layers.0.self_attention.linear_qkv.weight"][:4] += 0.05
-    with open(shard, "wb") as f:
+    rewritten = shard.with_suffix(".new")  # not in place: the state read from `shard` is memory-mapped
+    with open(rewritten, "wb") as f:
         write_rank_file(f, state)
+    rewritten.replace(shard)
     # A well-formed shard with wrong weights: past the checksum (skipped here), the logits catch it.
     result = convert(ckpt, tmp_path / "hf", "--verify", "--no-verify-checksums")
     assert result.returncode == 1, result.stdout + result.stderr

@@ -9,7 +9,9 @@ plain strings {"__items__": [[key, value], ...]}. Anything else is refused when 
 
 The file is written in one streaming pass (header, then each tensor's bytes), hashed on the way, so
 saving needs no second copy of the state in memory; it is read with the safetensors library itself,
-lazily: `read_rank_file` returns a read-only mapping whose tensors are read on lookup.
+lazily: `read_rank_file` returns a read-only mapping whose tensors are looked up on access, as views
+of the memory-mapped file. So a rank file is never rewritten in place (saves write a new file and
+rename it over the old one, which leaves existing mappings intact).
 """
 from __future__ import annotations
 
