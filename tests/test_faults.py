@@ -174,6 +174,33 @@ def test_the_watchdog_names_where_a_stuck_thread_waits(tmp_path):
                     result.stderr.strip()), result.stderr
 
 
+def test_the_hang_line_names_the_collective_past_logging_wrappers_and_its_caller():
+    import threading
+
+    from trainer.watchdog import describe_wait
+
+    # Stand-ins for torch's collective and the decorator that logs around it, in files named like torch's.
+    namespace = {"released": threading.Event()}
+    exec(compile("def all_reduce(tensor, group=None):\n    released.wait(30)\n",
+                 os.path.join("site-packages", "torch", "distributed", "distributed_c10d.py"), "exec"), namespace)
+    exec(compile("def wrapper(*args, **kwargs):\n    return all_reduce(*args, **kwargs)\n",
+                 os.path.join("site-packages", "torch", "distributed", "c10d_logger.py"), "exec"), namespace)
+
+    def reduce_loss():
+        namespace["wrapper"](torch.zeros(1))
+
+    thread = threading.Thread(target=reduce_loss)
+    thread.start()
+    try:
+        time.sleep(0.2)
+        line = describe_wait(sys._current_frames()[thread.ident])
+    finally:
+        namespace["released"].set()
+        thread.join()
+    expected_caller = f"tests/test_faults.py:{reduce_loss.__code__.co_firstlineno + 1} (reduce_loss)"
+    assert line == f"waiting in all_reduce on ranks of the world, called from {expected_caller}"
+
+
 def _data_with_meta(tmp_path: Path, **meta) -> str:
     prefix = tmp_path / "cc_text_document"
     for suffix in (".bin", ".idx"):

@@ -53,27 +53,36 @@ def _describe_group(frames: list[FrameType]) -> str:
 
 def _where(frame: FrameType) -> str:
     path = Path(frame.f_code.co_filename)
-    shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
-    return f"{shown}:{frame.f_lineno} ({frame.f_code.co_name})"
+    if path.is_relative_to(REPO_ROOT):
+        path = path.relative_to(REPO_ROOT)
+    elif "site-packages" in path.parts:
+        path = Path(*path.parts[path.parts.index("site-packages") + 1:])
+    return f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+def _is_wrapper(frame: FrameType) -> bool:
+    return frame.f_code.co_name.startswith("_") or "wrapper" in frame.f_code.co_name
 
 
 def describe_wait(frame: FrameType | None) -> str:
-    """Where a thread with innermost frame `frame` is: the collective it waits in, and who called it."""
+    """Where a thread with innermost frame `frame` is: the collective it waits in (the torch.distributed
+    function, past logging decorators), its group, and the first caller outside the communication layers."""
     stack = []
     while frame is not None:
         stack.append(frame)
         frame = frame.f_back
     if not stack:
         return "not running"
-    for i, f in enumerate(stack):
-        if "torch" + os.sep + "distributed" in f.f_code.co_filename:
-            outer = i
-            while outer + 1 < len(stack) and _is_collective_frame(stack[outer + 1]):
-                outer += 1  # the outermost frame of the collective call: the API function itself
-            api = stack[outer]
-            caller = stack[outer + 1] if outer + 1 < len(stack) else api
-            return f"waiting in {api.f_code.co_name}{_describe_group(stack[i:outer + 1])}, called from {_where(caller)}"
-    return f"in {_where(stack[0])}"
+    torch_frames = [i for i, f in enumerate(stack) if "torch" + os.sep + "distributed" in f.f_code.co_filename]
+    if not torch_frames:
+        return f"in {_where(stack[0])}"
+    named = [i for i in torch_frames if not _is_wrapper(stack[i])]
+    api = stack[named[0] if named else torch_frames[0]]
+    outer = torch_frames[0]
+    while outer + 1 < len(stack) and _is_collective_frame(stack[outer + 1]):
+        outer += 1  # past trainer.comm, deepspeed.comm and torch's own wrappers
+    caller = stack[outer + 1] if outer + 1 < len(stack) else stack[outer]
+    return f"waiting in {api.f_code.co_name}{_describe_group(stack[torch_frames[0]:outer + 1])}, called from {_where(caller)}"
 
 
 class Watchdog:
