@@ -270,3 +270,37 @@ def test_a_planted_pickle_in_the_data_index_cache_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=f"data index cache file {planted} holds Python objects"):
         refuse_unsafe_index_cache(cache)
     assert not marker.exists()
+
+
+def test_exit_interval_and_duration_stop_every_rank_after_the_same_step(monkeypatch):
+    from types import SimpleNamespace
+
+    from trainer import comm
+    from trainer.preemption import Preemption
+
+    def config(**changes):
+        return SimpleNamespace(**{"exit_signal_handler": False, "exit_interval": None, "exit_duration_in_mins": None,
+                                  "save": "ckpt", **changes})
+
+    every_third = Preemption(config(exit_interval=3), checkpointer=None, is_logging_rank=False)
+    assert [s for s in range(1, 10) if every_third.should_stop(s)] == [3, 6, 9]
+
+    # The duration is each rank's own clock: the stop is agreed by a sum over the world, here a world
+    # in which another rank already ran out of time while this one did not.
+    sums = []
+    monkeypatch.setattr(comm, "all_reduce", lambda t, **kw: sums.append(t.clone()) or t + torch.tensor([0.0, 1.0]))
+    timed = Preemption(config(exit_duration_in_mins=60), checkpointer=None, is_logging_rank=False)
+    assert timed.should_stop(5) == "--exit-duration-in-mins 60 reached"
+    assert sums[-1].tolist() == [0.0, 0.0]
+    timed.signalled = True
+    assert timed.should_stop(6) == "SIGTERM received by 1 rank(s); --exit-duration-in-mins 60 reached"
+
+
+def test_preemption_flags_need_a_save_folder():
+    from trainer.config import build_parser, resolve
+
+    args = build_parser().parse_args(["--ds_config", str(REPO_ROOT / "ds_configs" / "cpu_tiny_muon.json"),
+                                      "--exit-signal-handler", "--keep-last", "0"])
+    with pytest.raises(ConfigError, match=r"--keep-last must be >= 1, got 0; --exit-signal-handler save a checkpoint "
+                                          r"before exiting: give --save DIR"):
+        resolve(args, world_size=1)
