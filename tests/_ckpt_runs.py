@@ -3,15 +3,20 @@ launch), and their outputs: losses per step and rank files. The T=2 P=2 referenc
 per test session and shared by test_checkpoint and test_convert_checkpoint."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
-
 from trainer_harness import EXTENSIONS_ENV
+
+from trainer.checkpoint.rank_file import read_rank_file, to_plain
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 600  # 2 shared CPU cores: four ranks start slowly
@@ -28,15 +33,76 @@ def dataset(base: Path) -> str:
     return str(prefix)
 
 
+def _command(base: Path, ranks: int, run_dir: Path, flags: tuple[str, ...], ds_config: str,
+             data_flags: tuple[str, ...] | None, train_iters: int) -> list[str]:
+    data = data_flags or ("--data-path", dataset(base), "--vocab-size", "1000")
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+            "trainer/pretrain.py", "--ds_config", ds_config, "--model", "tiny", *data,
+            "--train-iters", str(train_iters), "--log-interval", "1", "--eval-interval", "0",
+            "--run-dir", str(run_dir), *flags]
+
+
+def _env(env: dict | None) -> dict:
+    return {**os.environ, **EXTENSIONS_ENV, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+
+
 def launch(base: Path, ranks: int, run_dir: Path, *flags: str, ds_config: str = "ds_configs/cpu_tiny_muon.json",
            env: dict | None = None, data_flags: tuple[str, ...] | None = None) -> subprocess.CompletedProcess:
-    data = data_flags or ("--data-path", dataset(base), "--vocab-size", "1000")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           "trainer/pretrain.py", "--ds_config", ds_config, "--model", "tiny", *data,
-           "--train-iters", str(TRAIN_ITERS), "--log-interval", "1", "--eval-interval", "0",
-           "--run-dir", str(run_dir), *flags]
-    full_env = {**os.environ, **EXTENSIONS_ENV, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    return subprocess.run(cmd, cwd=REPO_ROOT, env=full_env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    return subprocess.run(_command(base, ranks, run_dir, flags, ds_config, data_flags, TRAIN_ITERS), cwd=REPO_ROOT,
+                          env=_env(env), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+
+
+class Launch:
+    """A launch running in the background, its output read line by line (stdout and stderr together),
+    so a test can act on the ranks (signal them) when the run reaches a given point."""
+
+    def __init__(self, base: Path, ranks: int, run_dir: Path, *flags: str, train_iters: int = TRAIN_ITERS,
+                 ds_config: str = "ds_configs/cpu_tiny_muon.json"):
+        self.proc = subprocess.Popen(_command(base, ranks, run_dir, flags, ds_config, None, train_iters),
+                                     cwd=REPO_ROOT, env=_env(None), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self._reader.start()
+
+    def wait_for(self, text: str, timeout_s: float = LAUNCH_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not any(text in line for line in list(self.lines)):
+            if self.proc.poll() is not None:
+                self._reader.join(10)
+                if any(text in line for line in self.lines):
+                    return
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.kill()
+                raise AssertionError(f"{text!r} never appeared:\n{self.output[-6000:]}")
+            time.sleep(0.05)
+
+    def rank_pid(self, rank: int) -> int:
+        """The pid of the process of global rank `rank` (a child of the torchrun launcher)."""
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        for pid in children:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if f"RANK={rank}".encode() in environ:
+                return int(pid)
+        raise AssertionError(f"no process of rank {rank} among {children}")
+
+    def finish(self, timeout_s: float = LAUNCH_TIMEOUT_S) -> int:
+        """Wait for the launcher to exit (killing the whole session after `timeout_s`); its exit code."""
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self._reader.join(10)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
 
 
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -59,12 +125,12 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def rank_files(ckpt: Path, step: int) -> list[Path]:
-    return sorted((ckpt / f"iter_{step:07d}").glob("rank_*.pt"))
+    return sorted((ckpt / f"iter_{step:07d}").glob("rank_*.safetensors"))
 
 
 def assert_same_state(a: Path, b: Path, keys=("step", "model", "optimizer", "scheduler", "engine", "extra")) -> None:
     """Bit-for-bit equality of two rank files' training state."""
-    sa, sb = (torch.load(p, weights_only=False) for p in (a, b))
+    sa, sb = (to_plain(read_rank_file(p)) for p in (a, b))
     for key in keys:
         _assert_equal(sa[key], sb[key], f"{a.name}:{key}")
 

@@ -1,14 +1,17 @@
-"""Checkpoints: exact resume at T=2 P=2 and for MuLoCo K=2 with 2-bit compression and error feedback,
-a crash in the middle of a save, resharding to another T/P, and clear refusals of what cannot fit.
+"""Checkpoints: exact resume at T=2 P=2 after a crash in the middle of a save (with --keep-last), and
+for MuLoCo K=2 with 2-bit compression and error feedback after a SIGTERM preemption, resharding to
+another T/P, and clear refusals of what cannot fit.
 Multi-process runs are tiny (6 steps) and launched by tests/_ckpt_runs.py."""
 import json
+import os
 import shutil
+import signal
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from _ckpt_runs import (REPO_ROOT, TRAIN_ITERS, assert_same_state, check, launch, losses, rank_files,
+from _ckpt_runs import (REPO_ROOT, TRAIN_ITERS, Launch, assert_same_state, check, launch, losses, rank_files,
                         reference_checkpoint)
 from trainer.checkpoint import CheckpointError, CheckpointMeta, CheckpointReader, latest_iteration
 from trainer.checkpoint.checkpointer import CRASH_ENV, check_fits
@@ -46,9 +49,10 @@ def test_resume_after_a_crash_mid_save_is_exact_at_t2_p2(base, tmp_path):
     reader = CheckpointReader(ckpt)  # the previous checkpoint is intact and loadable
     assert reader.meta.step == 4 and all(reader.rank_state(r)["step"] == 4 for r in range(4))
 
-    # Resume at step 4 (not a multiple of the reference's save interval) and finish.
-    check(launch(base, 4, tmp_path / "run2", *resume))
+    # Resume at step 4 (not a multiple of the reference's save interval) and finish, keeping the last 2.
+    check(launch(base, 4, tmp_path / "run2", *resume, "--keep-last", "2"))
     assert not list(ckpt.glob("**/*.tmp.*")), "stale temporary files survived the next save"
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000005", "iter_0000006"]
     assert (ckpt / "iter_0000005" / "complete").exists()
 
     stitched = {**losses(tmp_path / "run1"), **losses(tmp_path / "run2")}
@@ -69,19 +73,31 @@ def test_resume_at_another_tensor_and_pipeline_size_reshards(base, tmp_path):
         assert resumed[step] == pytest.approx(reference[step], abs=1e-4)
 
 
-def test_muloco_k2_with_2bit_error_feedback_resumes_exactly_mid_sync_interval(base, tmp_path):
+def test_muloco_k2_with_2bit_error_feedback_preempted_by_sigterm_resumes_exactly(base, tmp_path):
     config = json.loads((REPO_ROOT / "ds_configs" / "cpu_tiny_muloco.json").read_text())
     config["muloco"].update(workers=2, sync_interval=2,
                             compression={"method": "statistical", "bits": 2, "error_feedback": True})
     ds_config = tmp_path / "muloco_k2.json"
     ds_config.write_text(json.dumps(config))
     full = tmp_path / "full"
-    check(launch(base, 2, full / "run", "--save", str(full / "ckpt"), "--save-interval", "3",
-                 ds_config=str(ds_config)))
-    ckpt = copy_iteration(full / "ckpt", 3, tmp_path / "ckpt")  # step 3: between the syncs at 2 and 4
-    check(launch(base, 2, tmp_path / "run", "--load", str(ckpt), "--save", str(ckpt), ds_config=str(ds_config)))
-    reference, resumed = losses(full / "run"), losses(tmp_path / "run")
-    assert {s: resumed[s] for s in (4, 5, 6)} == {s: reference[s] for s in (4, 5, 6)}
+    check(launch(base, 2, full / "run", "--save", str(full / "ckpt"), ds_config=str(ds_config)))
+
+    # The cluster takes worker 1's node back: SIGTERM to its rank only, mid-run. Both workers finish
+    # the same step, save, and exit 0.
+    ckpt = tmp_path / "ckpt"
+    preempted = Launch(base, 2, tmp_path / "run1", "--save", str(ckpt), "--exit-signal-handler",
+                       ds_config=str(ds_config))
+    preempted.wait_for("[2/6")
+    os.kill(preempted.rank_pid(1), signal.SIGTERM)
+    assert preempted.finish() == 0, preempted.output[-6000:]
+    stopped = latest_iteration(ckpt)
+    assert stopped is not None and 2 <= stopped < TRAIN_ITERS, preempted.output[-3000:]
+    assert f"preempted: SIGTERM received by 1 rank(s): stopping after step {stopped}" in preempted.output
+
+    check(launch(base, 2, tmp_path / "run2", "--load", str(ckpt), "--save", str(ckpt), ds_config=str(ds_config)))
+    reference, resumed = losses(full / "run"), losses(tmp_path / "run2")
+    after = range(stopped + 1, TRAIN_ITERS + 1)
+    assert {s: resumed[s] for s in after} == {s: reference[s] for s in after}
     for a, b in zip(rank_files(full / "ckpt", TRAIN_ITERS), rank_files(ckpt, TRAIN_ITERS), strict=True):
         assert_same_state(a, b)  # includes the outer weights, momentum and error-feedback buffers
 
@@ -90,7 +106,7 @@ def _meta(**changes) -> CheckpointMeta:
     from trainer.model.presets import PRESETS
 
     meta = CheckpointMeta(step=3, sizes=ParallelSizes(1, 1, 2, 2), model=PRESETS["tiny"], vocab_size=1000,
-                          padded_vocab_size=1024, ranks=[], tokenizer_model=None, extra_state=[],
+                          padded_vocab_size=1024, ranks=[], tokenizer_model=None, extra_state=[], rank_files={},
                           config={"batch": {"micro_batch_size": 4, "gradient_accumulation_steps": 1,
                                             "data_parallel": 1, "workers": 1}})
     return replace(meta, **changes)

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from _ckpt_runs import REPO_ROOT, check, dataset, launch, reference_checkpoint
 from tools.convert_checkpoint.merge import recorded_probe
 from trainer.checkpoint import CheckpointReader
+from trainer.checkpoint.rank_file import read_rank_file, to_plain, write_rank_file
 
 # Several launches per test, each bounded by its own timeout; on a shared 2-core machine the
 # default 600 s per test is too tight for three 4-rank launches.
@@ -59,11 +60,15 @@ def test_verify_fails_on_a_corrupted_checkpoint_shard(base, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(reference_checkpoint(base) / "ckpt" / "iter_0000006", ckpt / "iter_0000006")
     (ckpt / "latest").write_text("6\n")
-    shard = ckpt / "iter_0000006" / "rank_00001.pt"  # T rank 1 of the first stage
-    state = torch.load(shard, weights_only=False)
+    shard = ckpt / "iter_0000006" / "rank_00001.safetensors"  # T rank 1 of the first stage
+    state = to_plain(read_rank_file(shard))
     state["model"]["decoder.layers.0.self_attention.linear_qkv.weight"][:4] += 0.05
-    torch.save(state, shard)
-    result = convert(ckpt, tmp_path / "hf", "--verify")
+    rewritten = shard.with_suffix(".new")  # not in place: the state read from `shard` is memory-mapped
+    with open(rewritten, "wb") as f:
+        write_rank_file(f, state)
+    rewritten.replace(shard)
+    # A well-formed shard with wrong weights: past the checksum (skipped here), the logits catch it.
+    result = convert(ckpt, tmp_path / "hf", "--verify", "--no-verify-checksums")
     assert result.returncode == 1, result.stdout + result.stderr
     assert "VERIFY FAILED" in result.stderr and "FAIL trainer model (T=1 P=1) vs training model" in result.stdout
 

@@ -254,6 +254,12 @@ class RunConfig:
     save: str | None = None
     load: str | None = None
     save_interval: int | None = None
+    keep_last: int | None = None  # None: keep every checkpoint
+    verify_checksums: bool = True
+    hang_timeout_s: float = 1800.0  # 0: no hang watchdog
+    exit_signal_handler: bool = False  # SIGTERM: finish the step, save, exit 0
+    exit_interval: int | None = None
+    exit_duration_in_mins: float | None = None
     bf16: bool = False
     distributed_backend: Literal["nccl", "gloo"] | None = None  # None: the accelerator's
     deterministic: bool = False
@@ -316,6 +322,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--keep-last", type=int, default=None, help="keep only the newest N checkpoints (default: all)")
+    g.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
+                   help="skip checking rank files against meta.json's SHA-256 on --load (saves a read at scale)")
+    g = p.add_argument_group("faults and preemption")
+    g.add_argument("--hang-timeout-s", type=float, default=1800.0,
+                   help="exit non-zero with a 'hang detected:' line when a step makes no progress for this long "
+                        "(0: off); must exceed the longest step, evaluation or checkpoint save")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM finish the current step, save a checkpoint and exit 0 (needs --save)")
+    g.add_argument("--exit-interval", type=int, default=None, help="save and exit 0 after a step divisible by N")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save and exit 0 after the first step that ends this many minutes after training started")
     return p
 
 
@@ -435,9 +453,31 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
                         args.vocab_size),
         seed=args.seed, run_dir=run_dir, tensorboard_dir=args.tensorboard_dir or str(Path(run_dir) / "tensorboard"),
         log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
-        save=args.save, load=args.load, save_interval=args.save_interval,
+        save=args.save, load=args.load, save_interval=args.save_interval, **_fault_settings(args),
         bf16=bf16, distributed_backend=args.distributed_backend,
         deterministic=args.deterministic_mode, ds_config=ds, muloco=muloco)
+
+
+def _fault_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Retention, integrity, hang and preemption flags, checked here so a bad value stops the run at once."""
+    problems = []
+    for flag, value, minimum in (("keep-last", args.keep_last, 1), ("exit-interval", args.exit_interval, 1)):
+        if value is not None and value < minimum:
+            problems.append(f"--{flag} must be >= {minimum}, got {value}")
+    if args.hang_timeout_s < 0:
+        problems.append(f"--hang-timeout-s must be >= 0 (0: off), got {args.hang_timeout_s}")
+    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
+        problems.append(f"--exit-duration-in-mins must be > 0, got {args.exit_duration_in_mins}")
+    stops = [f for f, on in (("--exit-signal-handler", args.exit_signal_handler),
+                             ("--exit-interval", args.exit_interval is not None),
+                             ("--exit-duration-in-mins", args.exit_duration_in_mins is not None)) if on]
+    if stops and not args.save:
+        problems.append(f"{' and '.join(stops)} save a checkpoint before exiting: give --save DIR")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return dict(keep_last=args.keep_last, verify_checksums=args.verify_checksums, hang_timeout_s=args.hang_timeout_s,
+                exit_signal_handler=args.exit_signal_handler, exit_interval=args.exit_interval,
+                exit_duration_in_mins=args.exit_duration_in_mins)
 
 
 def _check_model(shape: ModelShape, tp: int, pp: int) -> None:

@@ -10,14 +10,18 @@ The order depends on the run length only through the number of epochs Megatron b
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from trainer.config import BatchConfig, DataConfig
+from trainer.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,59 @@ def check_data(data: DataConfig) -> None:
         raise FileNotFoundError(f"tokenizer model {data.tokenizer_model} not found (from --tokenizer-model)")
     if not data.tokenizer_model and not data.vocab_size:
         raise ValueError("give --tokenizer-model (or --vocab-size for pre-tokenized data without a tokenizer)")
+    _check_token_ids_fit(data)
+
+
+DATA_META_SUFFIX = ".meta.json"  # written by tools/preprocess_data.py beside PREFIX.bin/.idx
+
+
+def _check_token_ids_fit(data: DataConfig) -> None:
+    """The data's token ids must exist in this run's vocabulary and come from the same tokenizer, or
+    the embedding lookup fails (or, worse, silently reads the wrong rows) long after start-up. Checked
+    against PREFIX.meta.json where preprocessing wrote one; Megatron-made data without it is trusted."""
+    prefixes = _blend(data.data_path)[0] + (_blend(data.valid_data_path)[0] if data.valid_data_path else [])
+    metas = {prefix: Path(prefix + DATA_META_SUFFIX) for prefix in prefixes}
+    metas = {prefix: path for prefix, path in metas.items() if path.is_file()}
+    if not metas:
+        return
+    vocab_size, flag = data.vocab_size, "--vocab-size"
+    tokenizer_sha256 = None
+    if data.tokenizer_model:
+        vocab_size, flag = tokenizer_info(data).vocab_size, f"--tokenizer-model {data.tokenizer_model}"
+        tokenizer_sha256 = hashlib.sha256(Path(data.tokenizer_model).read_bytes()).hexdigest()
+    for prefix, path in metas.items():
+        try:
+            meta = json.loads(path.read_text())
+            max_id = int(meta["max_token_id"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise ConfigError(f"{path} is not a valid data description (needs an integer max_token_id): {err}") from None
+        if max_id >= vocab_size:
+            raise ConfigError(f"{path}: the data holds token id {max_id}, but the vocabulary of {flag} has only "
+                             f"{vocab_size} ids (0..{vocab_size - 1}): tokenize with this tokenizer, or use the one "
+                             f"the data was made with")
+        recorded = meta.get("tokenizer_sha256")
+        if tokenizer_sha256 and recorded and recorded != tokenizer_sha256:
+            raise ConfigError(f"{path}: the data was tokenized with a tokenizer whose SHA-256 is {recorded}, "
+                             f"but {flag} has {tokenizer_sha256}: use the tokenizer the data was made with")
+
+
+def refuse_unsafe_index_cache(cache_dir: Path) -> None:
+    """Megatron reads its index cache with numpy.load(allow_pickle=True), which unpickles any file
+    without the .npy magic, so a planted file could run code. Every cached index must be a plain
+    .npy array (numpy's header parser evaluates no code; memory-mapping refuses object dtypes)."""
+    for path in sorted(cache_dir.rglob("*.npy")) if cache_dir.is_dir() else []:
+        with open(path, "rb") as f:
+            try:
+                version = np.lib.format.read_magic(f)
+                read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                               (2, 0): np.lib.format.read_array_header_2_0}[version]
+                dtype = read_header(f)[2]
+            except (ValueError, KeyError) as err:
+                raise ConfigError(f"data index cache file {path} is not a plain .npy array ({err!r}); it would be "
+                                  f"unpickled: delete {cache_dir} and let the run rebuild it") from None
+        if dtype.hasobject:
+            raise ConfigError(f"data index cache file {path} holds Python objects; delete {cache_dir} and let the "
+                              "run rebuild it")
 
 
 def build_datasets(data: DataConfig, tokenizer: TokenizerInfo, seq_length: int, seed: int,
@@ -82,6 +139,7 @@ def build_datasets(data: DataConfig, tokenizer: TokenizerInfo, seq_length: int, 
     """Every rank must call this (Megatron builds on rank 0 first, then the others read its cache)."""
     if not data.data_path:
         raise ValueError("no training data: give --data-path PREFIX (the P of P.bin/P.idx)")
+    refuse_unsafe_index_cache(Path(cache_dir))
     common = dict(random_seed=seed, sequence_length=seq_length, tokenizer=tokenizer,
                   reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
                   create_attention_mask=False, path_to_cache=cache_dir)

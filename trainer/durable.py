@@ -34,3 +34,26 @@ def write_durably(path: Path, write: Callable[[Any], None], before_publish: Call
 
 def write_text_durably(path: Path, text: str) -> None:
     write_durably(path, lambda f: f.write(text.encode()))
+
+
+def check_writable_folder(folder: str | Path, flag: str) -> None:
+    """Fail at start-up, with one line naming the folder and the flag, when `folder` cannot be created
+    or written (a read-only mount, no permission, a file in the way), rather than with a traceback at
+    the first save. Creates nothing."""
+    from trainer.errors import ConfigError
+
+    path = Path(folder).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{flag} {folder}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is" if existing == path else f"would be created in {existing}, which is"
+        raise ConfigError(f"{flag} {folder} {what} not writable (read-only file system or no permission)")
+
+
+def check_output_folders(config) -> None:
+    """The run's output folders (a RunConfig's run, TensorBoard and checkpoint folders)."""
+    for flag, folder in (("--run-dir", config.run_dir), ("--tensorboard-dir", config.tensorboard_dir),
+                         ("--save", config.save)):
+        if folder:
+            check_writable_folder(folder, flag)

@@ -18,6 +18,7 @@ import torch.distributed as dist  # noqa: E402
 from trainer import comm  # noqa: E402
 from trainer.config import build_parser, resolve  # noqa: E402
 from trainer.data import check_data  # noqa: E402
+from trainer.durable import check_output_folders  # noqa: E402
 from trainer.errors import ConfigError, TopologyError  # noqa: E402
 
 
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:  # every rank resolves the same config, so every rank stops here together, before any collective
         config = resolve(args, dist.get_world_size())
         check_data(config.data)
+        check_output_folders(config)
     except (ConfigError, TopologyError, FileNotFoundError, ValueError) as err:
         if dist.get_rank() == 0:
             print(f"configuration error: {err}", file=sys.stderr, flush=True)

@@ -27,9 +27,11 @@ from trainer.model.builder import (build_model, canonical_names, count_parameter
                                    padded_vocab_size)
 from trainer.optim.inner import InnerOptimizer
 from trainer.optim.routing import route_parameters
+from trainer.preemption import Preemption
 from trainer.schedule import lr_multiplier
 from trainer.topology import ParallelSizes, build_topology
 from trainer.training import Trainer
+from trainer.watchdog import Watchdog
 
 
 def _seed_everything(seed: int) -> None:
@@ -110,11 +112,18 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     checkpointer = Checkpointer(config, topology, trainer, canonical, tokenizer.vocab_size, vocab)
     if config.load:
         checkpointer.resume(config.load)
-    with ExitStack() as hooks:  # hooks run in this order after each step: the outer sync, then a save
+    c = topology.coords
+    watchdog = Watchdog(config.hang_timeout_s, f"rank {topology.rank} (worker {c.worker}, data {c.data}, "
+                                               f"pipeline {c.pipeline}, tensor {c.tensor})")
+    # Hooks run in this order after each step: the outer sync, a save, preemption (which may save and
+    # stop), and last the watchdog's pet, so a slow sync or save counts as progress only once done.
+    with ExitStack() as hooks:
         if outer is not None:
             hooks.enter_context(outer.attached_to(trainer))
         if config.save:
             hooks.enter_context(checkpointer.attached_to(trainer))
+        hooks.enter_context(Preemption(config, checkpointer, is_logger).attached_to(trainer))
+        hooks.enter_context(watchdog.attached_to(trainer))
         summary = trainer.train()
     logger.close()
     if device.type != "cpu":

@@ -62,6 +62,7 @@ class Trainer:
         # Components with state_dict()/load_state_dict() that a checkpoint must carry besides the
         # engine (the MuLoCo outer loop registers itself here as "muloco").
         self.extra_state: dict[str, object] = {}
+        self.stop_requested = False  # a step hook (preemption) ends the loop after the current step
         self._forward_backward = get_forward_backward_func()
 
     def register_step_hook(self, hook: StepHook) -> RemovableHandle:
@@ -113,7 +114,7 @@ class Trainer:
         tokens_per_step = cfg.batch.global_batch * cfg.model.seq_length
         last_val = None
         window_start, window_steps = time.time(), 0
-        while self.step < cfg.schedule.train_iters:
+        while self.step < cfg.schedule.train_iters and not self.stop_requested:
             result = self.train_step()
             window_steps += 1
             record = None

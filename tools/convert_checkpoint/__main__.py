@@ -18,17 +18,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
     p.add_argument("--verify", action="store_true", help="compare the export's logits with the trainer's model")
     p.add_argument("--verify-only", action="store_true", help="verify an existing export in --save, write nothing")
+    p.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
+                   help="do not check rank files against the SHA-256 recorded in meta.json")
     args = p.parse_args(argv)
     try:
-        reader = CheckpointReader(args.load, args.iteration)
-    except CheckpointError as err:
+        reader = CheckpointReader(args.load, args.iteration, verify_checksums=args.verify_checksums)
+        if not args.verify_only:
+            _export(reader, args)
+        if not (args.verify or args.verify_only):
+            return 0
+        report = verify(reader, args.save)
+    except CheckpointError as err:  # a rank file is read (and checked) when first used
         print(f"checkpoint error: {err}", file=sys.stderr)
         return 2
-    if not args.verify_only:
-        _export(reader, args)
-    if not (args.verify or args.verify_only):
-        return 0
-    report = verify(reader, args.save)
     print(report)
     if not report.ok:
         print("VERIFY FAILED: the exported model does not reproduce the trainer's logits", file=sys.stderr)

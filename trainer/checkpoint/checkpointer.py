@@ -2,11 +2,13 @@
 checks and resharding described in trainer/checkpoint/__init__.py."""
 from __future__ import annotations
 
-import contextlib
+import errno
 import json
 import os
+import shutil
 import sys
 import time
+from contextlib import contextmanager, suppress
 from dataclasses import asdict
 from pathlib import Path
 
@@ -18,16 +20,24 @@ import trainer.checkpoint.state as rank_state
 from tokenizer.interface import tokenizer_file
 from trainer import comm
 from trainer.checkpoint.format import (COMPLETE, CheckpointError, CheckpointMeta, CheckpointReader, iteration_dir,
-                                       publish, rank_file, remove_incomplete)
+                                       latest_iteration, prune, publish, rank_file, remove_incomplete)
+from trainer.checkpoint.rank_file import to_plain, write_rank_file
 from trainer.config import RunConfig
-from trainer.durable import write_durably, write_text_durably
+from trainer.durable import TMP_SUFFIX, write_durably, write_text_durably
 from trainer.model.layout import layout_of, shard
 from trainer.model.presets import ModelShape
 from trainer.topology import ParallelSizes, Topology, coordinates
 
 PROBE_LENGTH = 32
+DIGEST_BYTES = 32  # SHA-256
 # Test hook: "STEP:RANK" makes that rank die after writing its temporary file, before publishing it.
 CRASH_ENV = "MULOCO_CKPT_CRASH_AT"
+# Test hook: "STEP:RANK:ERRNO" makes that rank's write fail with that OSError (a full or read-only disk).
+FAIL_ENV = "MULOCO_CKPT_FAIL_AT"
+
+
+def _errno(error: OSError) -> int:
+    return error.errno or errno.EIO
 
 
 def probe_tokens(vocab_size: int, length: int) -> torch.Tensor:
@@ -93,8 +103,9 @@ class Checkpointer:
         self.vocab_size, self.padded_vocab_size = vocab_size, padded_vocab_size
         self.param_of = {canonical[n]: p for n, p in trainer.model.named_parameters()}
         self.name_of = {p: n for n, p in self.param_of.items()}
+        self.last_saved: int | None = None
 
-    @contextlib.contextmanager
+    @contextmanager
     def attached_to(self, trainer):
         """Save at --save-interval steps and at the end while inside the block (a trainer step hook)."""
         handle = trainer.register_step_hook(self._after_step)
@@ -111,55 +122,137 @@ class Checkpointer:
             return {"checkpoint_seconds": self.save(step)}
         return None
 
-    def _meta(self, step: int) -> CheckpointMeta:
+    def save_unless_saved(self, step: int) -> None:
+        """Save at `step` unless this step is already saved (for the preemption hook)."""
+        if self.last_saved != step:
+            self.save(step)
+
+    def _meta(self, step: int, checksums: list[str]) -> CheckpointMeta:
         sizes = self.topology.sizes
         tokenizer = self.config.data.tokenizer_model
         return CheckpointMeta(
             step=step, sizes=sizes, model=self.config.model, vocab_size=self.vocab_size,
             padded_vocab_size=self.padded_vocab_size, ranks=[coordinates(r, sizes) for r in range(sizes.world)],
             tokenizer_model="tokenizer.model" if tokenizer else None, extra_state=sorted(self.trainer.extra_state),
-            config=json.loads(self.config.to_json()))
+            config=json.loads(self.config.to_json()),
+            rank_files={rank_file(Path(), r).name: digest for r, digest in enumerate(checksums)})
 
     def save(self, step: int) -> float:
+        """Every rank writes its file; rank 0 then writes meta.json (with every file's SHA-256) and
+        publishes. An OSError on any rank (full disk, read-only folder) stops every rank together after
+        one line from rank 0; temporary files are removed and `latest` is left as it was."""
         start = time.perf_counter()
         root = Path(self.config.save)
         directory = iteration_dir(root, step)
-        is_rank0 = self.topology.rank == 0
-        if is_rank0:
-            directory.mkdir(parents=True, exist_ok=True)
-            (directory / COMPLETE).unlink(missing_ok=True)  # re-saving a step: unpublished until done
-        comm.barrier()
         rng = rank_state.capture_rng()  # the probe must not move any generator the run uses
         tokens = probe_tokens(self.vocab_size, min(PROBE_LENGTH, self.config.model.seq_length))
         logits = probe_logits(self.trainer.model, tokens)
         rank_state.restore_rng(rng)
         probe = None if logits is None else {"tokens": tokens, "logits": logits}
         saved = rank_state.capture(self.trainer, self.name_of, probe)
-        write_durably(rank_file(directory, self.topology.rank), lambda f: torch.save(saved, f),
-                      before_publish=lambda: self._crash_if_requested(step))
-        if is_rank0:
-            meta = self._meta(step)
-            write_text_durably(directory / "meta.json", meta.to_json())
-            if meta.tokenizer_model:
-                source = tokenizer_file(self.config.data.tokenizer_model).read_bytes()  # a folder's tokenizer.json
-                write_durably(directory / meta.tokenizer_model, lambda f: f.write(source))
-        comm.barrier()  # every rank's file is durable
-        if is_rank0:
-            publish(root, step)
-            remove_incomplete(root, keep=step)
+
+        digest, error = "", None
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / COMPLETE).unlink(missing_ok=True)  # re-saving a step: unpublished until done
+            digest = self._write_rank_file(rank_file(directory, self.topology.rank), saved, step)
+        except OSError as err:
+            error = err
+            self._remove_own_temporaries(directory)
+        del saved
+        outcome = self._agree_on_files(error, digest)  # also: every rank's file is durable
+        if isinstance(outcome, str):
+            self._fail(step, directory, outcome)
+        error = None
+        if self.topology.rank == 0:
+            try:
+                self._publish(step, directory, outcome)
+            except OSError as err:
+                error = err
+                self._remove_own_temporaries(directory)
+        failed = comm.broadcast(torch.tensor([_errno(error) if error else 0]), src=0)
+        if failed.item():
+            self._fail(step, directory, f"rank 0: {error}" if error else "")
+        self.last_saved = step
+        if self.topology.rank == 0:
             print(f"saved checkpoint {directory} in {time.perf_counter() - start:.2f}s", flush=True)
         return time.perf_counter() - start
+
+    def _write_rank_file(self, path: Path, state: dict, step: int) -> str:
+        digest = []
+
+        def write(f) -> None:
+            digest.append(write_rank_file(f, state))
+            self._fail_if_requested(step)
+
+        write_durably(path, write, before_publish=lambda: self._crash_if_requested(step))
+        return digest[0]
+
+    def _agree_on_files(self, error: OSError | None, digest: str) -> list[str] | str:
+        """Every rank's SHA-256 when all ranks wrote their file, else a description of the first failure."""
+        mine = torch.zeros(1 + DIGEST_BYTES, dtype=torch.int64)
+        if error is not None:
+            mine[0] = _errno(error)
+        else:
+            mine[1:] = torch.tensor(list(bytes.fromhex(digest)))
+        everyone = torch.zeros(self.topology.sizes.world, 1 + DIGEST_BYTES, dtype=torch.int64)
+        comm.all_gather_into_tensor(everyone.view(-1), mine)
+        failed = [r for r in range(len(everyone)) if everyone[r, 0]]
+        if not failed:
+            return [bytes(everyone[r, 1:].tolist()).hex() for r in range(len(everyone))]
+        first = failed[0]
+        code = int(everyone[first, 0])
+        reason = str(error) if first == self.topology.rank else f"[Errno {code}] {os.strerror(code)}"
+        return f"rank {first}: {reason} ({len(failed)} of {len(everyone)} ranks failed)"
+
+    def _publish(self, step: int, directory: Path, checksums: list[str]) -> None:
+        """Rank 0, after every rank's file is durable: meta.json and the tokenizer, then `complete` and
+        `latest`; then the leftovers of crashed saves and checkpoints beyond --keep-last go."""
+        root = directory.parent
+        meta = self._meta(step, checksums)
+        write_text_durably(directory / "meta.json", meta.to_json())
+        if meta.tokenizer_model:
+            source = tokenizer_file(self.config.data.tokenizer_model).read_bytes()  # a folder's tokenizer.json
+            write_durably(directory / meta.tokenizer_model, lambda f: f.write(source))
+        publish(root, step)
+        remove_incomplete(root, keep=step)
+        if self.config.keep_last:
+            removed = prune(root, self.config.keep_last)
+            if removed:
+                print(f"removed checkpoints at steps {removed} (--keep-last {self.config.keep_last})", flush=True)
+
+    def _remove_own_temporaries(self, directory: Path) -> None:
+        with suppress(OSError):
+            for tmp in directory.glob(f"*{TMP_SUFFIX}.{os.getpid()}"):
+                tmp.unlink()
+
+    def _fail(self, step: int, directory: Path, reason: str) -> None:
+        """Every rank calls this together: rank 0 removes the unpublished iteration and says why in one
+        line; every rank exits non-zero (the scheduler restarts from `latest`)."""
+        if self.topology.rank == 0:
+            root = directory.parent
+            latest = latest_iteration(root)
+            if latest != step:
+                shutil.rmtree(directory, ignore_errors=True)
+            print(f"checkpoint error: could not save step {step} in {directory}: {reason}; temporary files removed, "
+                  f"{root / 'latest'} still names step {latest}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
     def _crash_if_requested(self, step: int) -> None:
         if os.environ.get(CRASH_ENV) == f"{step}:{self.topology.rank}":
             os._exit(17)
+
+    def _fail_if_requested(self, step: int) -> None:
+        at, _, code = os.environ.get(FAIL_ENV, "").rpartition(":")
+        if at == f"{step}:{self.topology.rank}":
+            raise OSError(int(code), os.strerror(int(code)))
 
     # -- resuming -------------------------------------------------------------------------------
 
     def resume(self, root: str) -> None:
         """Every rank stops together, with one message from rank 0, when the checkpoint does not fit."""
         try:
-            reader = CheckpointReader(root)
+            reader = CheckpointReader(root, verify_checksums=self.config.verify_checksums)
             how = self._load(reader)
         except CheckpointError as err:
             if self.topology.rank == 0:
@@ -173,7 +266,7 @@ class Checkpointer:
                       self.config.batch.global_batch, sorted(self.trainer.extra_state)):
             saved, how = self._resharded_state(reader), f"resharded from {reader.meta.describe_layout()}"
         else:
-            saved, how = reader.rank_state(self.topology.rank), "same layout"
+            saved, how = to_plain(reader.rank_state(self.topology.rank)), "same layout"
         rank_state.restore(self.trainer, saved, self.param_of)
         return how
 
@@ -200,6 +293,6 @@ class Checkpointer:
                 entries[key] = value
             if entries:
                 optimizer_state[name] = entries
-        return {"step": first["step"], "model": model, "scheduler": first["scheduler"], "engine": first["engine"],
-                "optimizer": {"param_groups": first["optimizer"]["param_groups"], "state": optimizer_state},
-                "extra": {}}
+        return to_plain({"step": first["step"], "model": model, "scheduler": first["scheduler"],
+                         "engine": first["engine"], "extra": {},
+                         "optimizer": {"param_groups": first["optimizer"]["param_groups"], "state": optimizer_state}})

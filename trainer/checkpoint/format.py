@@ -1,21 +1,54 @@
-"""The on-disk layout (see trainer/checkpoint/__init__.py): paths, meta.json, durable writes, the
-`latest` pointer, and a reader that merges tensor-parallel shards by canonical name."""
+"""The on-disk checkpoint format: paths, meta.json, the `latest` pointer, retention, and a reader that
+merges tensor-parallel shards by canonical name.
+
+    DIR/latest                              text: the step of the newest complete checkpoint
+    DIR/iter_{step:07d}/
+        rank_{global_rank:05d}.safetensors  one per rank: its state as tensors plus a JSON tree
+                                            (trainer/checkpoint/rank_file.py); nothing is pickled
+        meta.json                           rank 0: sizes K/D/P/T, model shape, vocab (padded and not),
+                                            the rank -> (worker, data, pipeline, tensor) map, the
+                                            resolved config, and each rank file's SHA-256
+        tokenizer.model                     rank 0: copy of --tokenizer-model, when one was used
+        complete                            rank 0, after every rank's file is durable
+
+A rank file holds, under canonical parameter names (global layer indices, same at every P): `model`
+(this rank's TP shard), `optimizer` (hyperparameters per param group and per-parameter state),
+`scheduler`, `engine` (DeepSpeed's counters), `step`, `rng` (python, numpy, torch, accelerator,
+Megatron's RNG tracker), `extra` (each `trainer.extra_state` component, e.g. the MuLoCo outer loop)
+and, on last-stage ranks, `probe`: token ids and this shard's logits, which the exporter's
+`--verify` checks the merged weights against.
+
+Saving (trainer/checkpoint/checkpointer.py): each rank writes its file under a temporary name,
+fsyncs and renames, hashing the bytes as they go; the ranks exchange their hashes (or their errors);
+rank 0 writes meta.json, then `complete`, then moves `latest` by rename, then removes leftovers of
+crashed saves and, with --keep-last N, all but the newest N complete checkpoints. A crash mid-save
+leaves the previous checkpoint and `latest` untouched. An OSError on any rank (full disk, read-only
+folder) ends every rank together with one `checkpoint error:` line: temporary files and the
+unpublished iteration are removed and `latest` still names the previous checkpoint.
+
+Loading: a rank file is checked against meta.json's SHA-256 when first opened (a damaged file is
+refused with its name; --no-verify-checksums skips the extra read at scale) and read with the
+safetensors library, tensors on lookup. Checkpoints of format version 1 (pickled rank files) are
+refused: unpickling can run code.
+"""
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
+from trainer.checkpoint.rank_file import RankFileError, read_rank_file
 from trainer.durable import TMP_SUFFIX, write_text_durably
 from trainer.model.layout import layout_of, unshard
 from trainer.model.presets import ModelShape
 from trainer.topology import ParallelSizes, RankCoordinates
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: pickled rank files (no longer read: unpickling can run code)
 COMPLETE = "complete"
 LATEST = "latest"
 
@@ -29,7 +62,15 @@ def iteration_dir(root: str | Path, step: int) -> Path:
 
 
 def rank_file(directory: Path, rank: int) -> Path:
-    return directory / f"rank_{rank:05d}.pt"
+    return directory / f"rank_{rank:05d}.safetensors"
+
+
+def sha256_of(path: Path, chunk_bytes: int = 1 << 24) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def latest_iteration(root: str | Path) -> int | None:
@@ -53,6 +94,22 @@ def remove_incomplete(root: Path, keep: int) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def complete_iterations(root: Path) -> list[int]:
+    return sorted(int(d.name.removeprefix("iter_")) for d in root.glob("iter_*") if (d / COMPLETE).is_file())
+
+
+def prune(root: Path, keep_last: int) -> list[int]:
+    """Delete all but the newest `keep_last` complete checkpoints (never the one `latest` names).
+    The marker goes first, so a crash mid-delete leaves an incomplete iteration the next save removes."""
+    latest = latest_iteration(root)
+    doomed = [s for s in complete_iterations(root)[:-keep_last] if s != latest]
+    for step in doomed:
+        directory = iteration_dir(root, step)
+        (directory / COMPLETE).unlink()
+        shutil.rmtree(directory)
+    return doomed
+
+
 @dataclass(frozen=True)
 class CheckpointMeta:
     step: int
@@ -64,16 +121,19 @@ class CheckpointMeta:
     tokenizer_model: str | None  # file name inside the iteration directory
     extra_state: list[str]  # names of trainer.extra_state components saved
     config: dict
+    rank_files: dict[str, str]  # file name -> SHA-256 of its bytes, index = global rank
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, default=str)
 
     @classmethod
-    def from_json(cls, text: str) -> "CheckpointMeta":
+    def from_json(cls, text: str) -> CheckpointMeta:
         d = json.loads(text)
         if d.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(f"checkpoint format version {d.get('format_version')} is not {FORMAT_VERSION}")
+            raise CheckpointError(f"checkpoint format version {d.get('format_version')} is not {FORMAT_VERSION}"
+                                  + (" (version 1 rank files are pickles, which this trainer never loads: unpickling "
+                                     "can run code)" if d.get("format_version") == 1 else ""))
         return cls(**{**d, "sizes": ParallelSizes(**d["sizes"]), "model": ModelShape(**d["model"]),
                       "ranks": [RankCoordinates(**r) for r in d["ranks"]]})
 
@@ -86,10 +146,11 @@ class CheckpointMeta:
 
 
 class CheckpointReader:
-    """One complete iteration of a checkpoint. Rank files are opened memory-mapped, so reading one
-    tensor does not read the rest of the file."""
+    """One complete iteration of a checkpoint. A rank file is checked against its SHA-256 in
+    meta.json when first opened (unless `verify_checksums` is off) and then read lazily: a tensor
+    is read from the file only when it is looked up."""
 
-    def __init__(self, root: str | Path, iteration: int | None = None):
+    def __init__(self, root: str | Path, iteration: int | None = None, verify_checksums: bool = True):
         self.root = Path(root)
         if iteration is None:
             iteration = latest_iteration(self.root)
@@ -99,12 +160,23 @@ class CheckpointReader:
         if not (self.directory / COMPLETE).is_file():
             raise CheckpointError(f"checkpoint {self.directory} is incomplete or missing (no {COMPLETE!r} marker)")
         self.meta = CheckpointMeta.from_json((self.directory / "meta.json").read_text())
+        self.verify_checksums = verify_checksums
         self._open: dict[int, dict] = {}
 
-    def rank_state(self, rank: int) -> dict:
+    def rank_state(self, rank: int) -> Mapping:
         if rank not in self._open:
-            self._open[rank] = torch.load(rank_file(self.directory, rank), map_location="cpu", mmap=True,
-                                          weights_only=False)
+            path = rank_file(self.directory, rank)
+            if not path.is_file():
+                raise CheckpointError(f"rank file {path} is missing")
+            if self.verify_checksums:
+                expected, actual = self.meta.rank_files.get(path.name), sha256_of(path)
+                if actual != expected:
+                    raise CheckpointError(f"rank file {path} is damaged: its SHA-256 is {actual}, meta.json records "
+                                          f"{expected} (--no-verify-checksums skips this check)")
+            try:
+                self._open[rank] = read_rank_file(path)
+            except RankFileError as err:
+                raise CheckpointError(str(err)) from None
         return self._open[rank]
 
     def close(self, rank: int) -> None:
