@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import ConfigError
-from trainer.model.presets import PRESETS, ModelShape
+from trainer.model.presets import ARCHITECTURES, PRESETS, ModelShape
+from trainer.model.stages import stage_layers
 
 
 @dataclass
@@ -101,6 +102,7 @@ class RunConfig:
     bf16: bool = False
     ds_config: dict[str, Any] = field(default_factory=dict)
     muloco: Any = None  # trainer.diloco.config.MuLoCoConfig, or None for the data-parallel baseline
+    recipe_table: str | None = None  # what --recipe filled in, printed at start
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, default=str)
@@ -115,7 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--num-query-groups",
                  "--ffn-hidden-size", "--kv-channels", "--seq-length"):
         g.add_argument(flag, type=int, default=None)
-    g.add_argument("--no-qk-layernorm", action="store_true", help="Llama-style attention without QK-norm")
+    g.add_argument("--arch", choices=ARCHITECTURES, default=None,
+                   help="paper (pre+post norms, QK-norm, document-masked attention, the paper's init; the paper "
+                        "presets' default), qwen3 (pre-norm, QK-norm), llama (pre-norm, no QK-norm)")
+    g.add_argument("--no-qk-layernorm", action="store_true", help="same as --arch llama")
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -135,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=None)
     g.add_argument("--clip-grad", type=float, default=None)
     g.add_argument("--optimizer", choices=["adamw", "muon"], default=None, help="override the ds_config's optimizer type")
+    g.add_argument("--recipe", choices=["paper"], default=None,
+                   help="fill what the ds_config leaves out with the paper's hyperparameter rules (trainer/recipe.py)")
     g.add_argument("--seed", type=int, default=1234)
     g = p.add_argument_group("logging and checkpoints")
     g.add_argument("--run-dir", default=None)
@@ -173,23 +180,33 @@ def _scheduler_from_ds(block: dict[str, Any] | None) -> ScheduleConfig:
 
 def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
     ds = json.loads(Path(args.ds_config).read_text())
-    muloco = ds.pop("muloco", None)
-    if muloco is not None:
-        from trainer.diloco.config import MuLoCoConfig  # the outer loop's own config module
+    ds.pop("recipe", None)  # provenance notes of the generated configs (trainer/recipe.py), not settings
+    planned_layout = ds.pop("layout", None)
+    muloco_block = ds.pop("muloco", None)
+    from trainer.diloco.config import MuLoCoConfig  # the outer loop's own config module
 
-        muloco = MuLoCoConfig.from_dict(muloco)
-    workers = muloco.workers if muloco is not None else 1
+    workers = MuLoCoConfig.from_dict(muloco_block).workers if muloco_block is not None else 1
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     from trainer.topology import ParallelSizes  # sizes are validated there, with one message
 
     sizes = ParallelSizes.from_world(world_size, workers, pp, tp)
+    check_layout(planned_layout, sizes)
 
     shape = PRESETS[args.model].with_overrides(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size,
         kv_channels=args.kv_channels, seq_length=args.seq_length,
-        qk_layernorm=False if args.no_qk_layernorm else None)
-    _check_model(shape, tp, pp)
+        arch="llama" if args.no_qk_layernorm else args.arch)
+    check_model_shape(shape, tp, pp)
+
+    batch = _resolve_batch(ds, args, sizes.data, workers)
+    recipe_table = None
+    if args.recipe is not None:
+        from trainer.recipe import fill_ds_config
+
+        recipe_table = fill_ds_config(ds, muloco_block, args.model, args.optimizer, batch.global_batch,
+                                      lr_flag=args.lr)
+    muloco = MuLoCoConfig.from_dict(muloco_block) if muloco_block is not None else None
 
     optimizer = _optimizer_from_ds(ds.pop("optimizer", None))
     for flag, attr in (("lr", "lr"), ("weight_decay", "weight_decay"), ("optimizer", "name")):
@@ -204,7 +221,6 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
         if getattr(args, flag) is not None:
             setattr(schedule, attr, getattr(args, flag))
 
-    batch = _resolve_batch(ds, args, sizes.data, workers)
     run_dir = args.run_dir or str(Path("runs") / Path(args.ds_config).stem)
     return RunConfig(
         model_preset=args.model, model=shape, tensor_parallel=tp, pipeline_parallel=pp, batch=batch,
@@ -216,10 +232,28 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
         save=args.save, load=args.load, save_interval=args.save_interval,
         # Mixed precision is Megatron's autocast over fp32 parameters (the optimizers need whole fp32
         # tensors, not DeepSpeed's flattened bf16 partitions), so DeepSpeed never sees the bf16 block.
-        bf16=bool(ds.pop("bf16", {}).get("enabled", False)), ds_config=ds, muloco=muloco)
+        bf16=bool(ds.pop("bf16", {}).get("enabled", False)), ds_config=ds, muloco=muloco, recipe_table=recipe_table)
 
 
-def _check_model(shape: ModelShape, tp: int, pp: int) -> None:
+def check_layout(layout: dict[str, Any] | None, sizes) -> None:
+    """The ds_config's "layout" block ({"tensor": T, "pipeline": P, "data": D}) is the layout its
+    batch and memory were planned for (tools/plan.py); running it with other sizes is an error."""
+    if layout is None:
+        return
+    unknown = sorted(set(layout) - {"tensor", "pipeline", "data"})
+    if unknown:
+        raise ConfigError(f'unknown ds_config layout keys {unknown}; known: ["data", "pipeline", "tensor"]')
+    actual = {"tensor": sizes.tensor, "pipeline": sizes.pipeline, "data": sizes.data}
+    wrong = [f"{k} {layout[k]} planned, {actual[k]} in this run" for k in ("tensor", "pipeline", "data")
+             if k in layout and int(layout[k]) != actual[k]]
+    if wrong:
+        raise ConfigError("the ds_config was planned for another layout: " + "; ".join(wrong)
+                          + " (set --tensor-model-parallel-size/--pipeline-model-parallel-size and the world size "
+                          "to match, or re-plan with tools/plan.py and edit its layout block)")
+
+
+def check_model_shape(shape: ModelShape, tp: int, pp: int) -> None:
+    """Model sizes Megatron can shard at T x P (the trainer and tools/plan.py share this rule)."""
     problems = []
     if shape.num_attention_heads % tp:
         problems.append(f"num-attention-heads {shape.num_attention_heads} is not divisible by tensor-model-parallel-size {tp}")
@@ -229,8 +263,10 @@ def _check_model(shape: ModelShape, tp: int, pp: int) -> None:
         problems.append(f"num-attention-heads {shape.num_attention_heads} is not divisible by num-query-groups {shape.query_groups}")
     if shape.ffn_hidden_size % tp:
         problems.append(f"ffn-hidden-size {shape.ffn_hidden_size} is not divisible by tensor-model-parallel-size {tp}")
-    if shape.num_layers % pp:
-        problems.append(f"num-layers {shape.num_layers} is not divisible by pipeline-model-parallel-size {pp}")
+    try:
+        stage_layers(shape.num_layers, pp)  # uneven stages are fine; fewer layers than stages are not
+    except ValueError as err:
+        problems.append(str(err))
     if problems:
         raise ConfigError("; ".join(problems))
 

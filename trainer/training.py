@@ -29,7 +29,8 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def _forward_step(data_iterator, model):
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    # [b, 1, s, s] boolean (True = masked) with document masking; None = plain causal attention.
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
     return output, partial(_loss_func, batch["loss_mask"])
 
 
