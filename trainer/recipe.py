@@ -44,8 +44,13 @@ PUBLISHED_INNER_LRS: dict[tuple[str, str, int, int], float] = {
     ("3.1b", "muon", 16, 2048): 0.015625,
     ("3.1b", "adamw", 16, 1024): 0.000691,
 }
-UNPUBLISHED_LR = ("the paper publishes no inner lr for this (model, optimizer, K, B); its MuLoCo K=1 sweeps found "
-                  "0.016-0.063, smaller for larger models")
+_NEAREST_PUBLISHED = {"muon": "its Muon inner lrs: 0.016-0.063 in the K=1 sweeps, smaller for larger models; "
+                              "0.015625 for 3.1B K=16 at B=2048",
+                      "adamw": "its AdamW inner lr: 0.000691 for 3.1B K=16 at B=1024"}
+
+
+def unpublished_lr(optimizer: str) -> str:
+    return f"the paper publishes no {optimizer} inner lr for this (model, K, B); {_NEAREST_PUBLISHED[optimizer]}"
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,7 @@ class Recipe:
         """(setting, value, where it comes from)."""
         b_per_worker = self.global_batch // self.workers
         return [
-            ("optimizer.params.lr", self.inner_lr, "published" if self.inner_lr is not None else UNPUBLISHED_LR),
+            ("optimizer.params.lr", self.inner_lr, "published" if self.inner_lr is not None else unpublished_lr(self.optimizer)),
             ("optimizer.params.weight_decay", self.weight_decay,
              f"{_base_weight_decay(self.preset, self.optimizer):g} x (B/K = {b_per_worker}) / {WEIGHT_DECAY_BASE_BATCH}"),
             ("optimizer.params.adamw_lr_factor", self.adamw_lr_factor, "AdamW group uses the Muon group's lr"),
@@ -129,7 +134,7 @@ def fill_ds_config(ds: dict, muloco: dict | None, preset: str, optimizer_flag: s
         if muloco.get("compression", {}).get("error_feedback"):
             blocks["muloco.compression"] = muloco["compression"]
     if lr_flag is None and "lr" not in blocks["optimizer.params"] and recipe.inner_lr is None:
-        raise ConfigError(f"--recipe paper: {UNPUBLISHED_LR} ({preset}, {optimizer}, K={workers}, B={global_batch}); "
+        raise ConfigError(f"--recipe paper: {unpublished_lr(optimizer)} ({preset}, {optimizer}, K={workers}, B={global_batch}); "
                           "give --lr or the ds_config's optimizer.params.lr")
     lines = [f"recipe paper for {preset}, {optimizer} inner, K={workers}, B={global_batch}:",
              f"  {'setting':44} {'value':>12}  source"]
@@ -200,7 +205,7 @@ def gpu_ds_config(c: ShippedConfig) -> dict:
     notes = {"model": c.preset, "inner_optimizer": c.optimizer, "global_batch": c.global_batch,
              "generated_by": "python -m trainer.recipe --write"}
     if c.unpublished_lr is not None:
-        notes["not_from_the_paper"] = {"optimizer.params.lr": f"{UNPUBLISHED_LR}; {c.unpublished_lr} is this "
+        notes["not_from_the_paper"] = {"optimizer.params.lr": f"{unpublished_lr(c.optimizer)}; {c.unpublished_lr} is this "
                                                               "trainer's choice, tune it"}
     config = {
         "recipe": {"name": "paper", **notes},
