@@ -102,7 +102,7 @@ def test_recipe_flag_fills_what_the_config_leaves_out(tmp_path):
     assert "weight_decay" in run.recipe_table and "recipe: 0.00025" in run.recipe_table
     # Where the paper publishes no lr, the run needs one from the config or the command line.
     ds["muloco"]["workers"] = 1
-    with pytest.raises(ConfigError, match="publishes no inner lr"):
+    with pytest.raises(ConfigError, match="publishes no muon inner lr"):
         _resolve(ds, tmp_path, 8, "--model", "3.1b", "--recipe", "paper")
     assert _resolve(ds, tmp_path, 8, "--model", "3.1b", "--recipe", "paper", "--lr", "0.02").optimizer.lr == 0.02
     assert math.isclose(_resolve(ds, tmp_path, 8, "--model", "3.1b", "--recipe", "paper", "--lr", "0.02")
