@@ -204,8 +204,10 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
     if args.recipe is not None:
         from trainer.recipe import fill_ds_config
 
-        recipe_table = fill_ds_config(ds, muloco_block, args.model, args.optimizer, batch.global_batch,
-                                      lr_flag=args.lr)
+        flags = {"optimizer.params.lr": args.lr, "optimizer.params.weight_decay": args.weight_decay,
+                 "scheduler.params.train_iters": args.train_iters, "scheduler.params.warmup_iters": args.lr_warmup_iters,
+                 "scheduler.params.min_lr_ratio": args.min_lr_ratio, "gradient_clipping": args.clip_grad}
+        recipe_table = fill_ds_config(ds, muloco_block, args.model, args.optimizer, batch.global_batch, flags)
     muloco = MuLoCoConfig.from_dict(muloco_block) if muloco_block is not None else None
 
     optimizer = _optimizer_from_ds(ds.pop("optimizer", None))

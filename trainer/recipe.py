@@ -119,9 +119,11 @@ def paper_recipe(preset: str, workers: int, global_batch: int, optimizer: str) -
 # -- --recipe paper: fill what the ds_config leaves out --------------------------------------------
 
 def fill_ds_config(ds: dict, muloco: dict | None, preset: str, optimizer_flag: str | None, global_batch: int,
-                   lr_flag: float | None = None) -> str:
+                   flags: dict[str, Any] | None = None) -> str:
     """Fill the recipe's settings the ds_config does not set (in place; `muloco` is the ds_config's
-    muloco block or None for a data-parallel run) and return the table of what the run uses."""
+    muloco block or None for a data-parallel run) and return the table of what the run uses.
+    `flags` maps settings to the command-line values that will override both (None = not given)."""
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
     optimizer_block = ds.setdefault("optimizer", {})
     optimizer = (optimizer_flag or optimizer_block.get("type") or "adamw").lower()
     optimizer_block.setdefault("type", optimizer)
@@ -133,9 +135,9 @@ def fill_ds_config(ds: dict, muloco: dict | None, preset: str, optimizer_flag: s
         blocks["muloco"] = muloco
         if muloco.get("compression", {}).get("error_feedback"):
             blocks["muloco.compression"] = muloco["compression"]
-    if lr_flag is None and "lr" not in blocks["optimizer.params"] and recipe.inner_lr is None:
-        raise ConfigError(f"--recipe paper: {unpublished_lr(optimizer)} ({preset}, {optimizer}, K={workers}, B={global_batch}); "
-                          "give --lr or the ds_config's optimizer.params.lr")
+    if "optimizer.params.lr" not in flags and "lr" not in blocks["optimizer.params"] and recipe.inner_lr is None:
+        raise ConfigError(f"--recipe paper: {unpublished_lr(optimizer)} ({preset}, {optimizer}, K={workers}, "
+                          f"B={global_batch}); give --lr or the ds_config's optimizer.params.lr")
     lines = [f"recipe paper for {preset}, {optimizer} inner, K={workers}, B={global_batch}:",
              f"  {'setting':44} {'value':>12}  source"]
     for setting, value, why in recipe.rows():
@@ -143,13 +145,17 @@ def fill_ds_config(ds: dict, muloco: dict | None, preset: str, optimizer_flag: s
         if block_name not in blocks or (optimizer == "adamw" and key.startswith("adamw_")):
             continue  # no outer loop, no error feedback, or no separate AdamW group
         block = blocks[block_name]
-        if key in block:
-            source = "ds_config" + ("" if block[key] == value else f" (recipe: {value}; {why})")
-        elif value is None:
-            source = f"flag (recipe: {why})"
+        if key not in block and value is not None:
+            block[key] = value
+            source = f"recipe: {why}"
         else:
-            block[key], source = value, f"recipe: {why}"
-        shown = block.get(key, lr_flag)
+            source = "ds_config"
+        if setting in flags:
+            shown, source = flags[setting], "flag"
+        else:
+            shown = block[key]
+        if shown != value and not source.startswith("recipe"):
+            source += f" (recipe: {why})" if value is None else f" (recipe: {value}; {why})"
         lines.append(f"  {setting:44} {shown!s:>12}  {source}")
     return "\n".join(lines)
 
