@@ -104,6 +104,8 @@ def test_recipe_flag_fills_what_the_config_leaves_out(tmp_path):
     ds["muloco"]["workers"] = 1
     with pytest.raises(ConfigError, match="publishes no muon inner lr"):
         _resolve(ds, tmp_path, 8, "--model", "3.1b", "--recipe", "paper")
-    assert _resolve(ds, tmp_path, 8, "--model", "3.1b", "--recipe", "paper", "--lr", "0.02").optimizer.lr == 0.02
+    run = _resolve(ds, tmp_path, 8, "--model", "3.1b", "--recipe", "paper", "--lr", "0.02", "--train-iters", "5")
+    assert (run.optimizer.lr, run.schedule.train_iters) == (0.02, 5)
+    assert any(line.split()[:3] == ["scheduler.params.train_iters", "5", "flag"] for line in run.recipe_table.splitlines())
     assert math.isclose(_resolve(ds, tmp_path, 8, "--model", "3.1b", "--recipe", "paper", "--lr", "0.02")
                         .muloco.outer_lr, 0.7)
