@@ -88,6 +88,13 @@ def test_layout_mismatch_is_a_configuration_error(tmp_path):
         _resolve(ds, tmp_path, 16 * 4, "--model", "3.1b", "--tensor-model-parallel-size", "2")
 
 
+def test_config_made_for_another_model_is_a_configuration_error(tmp_path):
+    ds = json.loads((DS_CONFIGS / "gpu_15b_muloco_k16.json").read_text())
+    with pytest.raises(ConfigError, match="made for --model 15b .* not 3.1b"):
+        _resolve(ds, tmp_path, 512, "--model", "3.1b", "--tensor-model-parallel-size", "4",
+                 "--pipeline-model-parallel-size", "2")
+
+
 def test_recipe_flag_fills_what_the_config_leaves_out(tmp_path):
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 8,
           "optimizer": {"type": "muon", "params": {"weight_decay": 0.1}},

@@ -180,7 +180,10 @@ def _scheduler_from_ds(block: dict[str, Any] | None) -> ScheduleConfig:
 
 def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
     ds = json.loads(Path(args.ds_config).read_text())
-    ds.pop("recipe", None)  # provenance notes of the generated configs (trainer/recipe.py), not settings
+    provenance = ds.pop("recipe", {})  # notes of the generated configs (trainer/recipe.py), not settings
+    if provenance.get("model", args.model) != args.model:
+        raise ConfigError(f"the ds_config's batch, weight decay and steps were made for --model {provenance['model']} "
+                          f"(its recipe block), not {args.model}")
     planned_layout = ds.pop("layout", None)
     muloco_block = ds.pop("muloco", None)
     from trainer.diloco.config import MuLoCoConfig  # the outer loop's own config module
