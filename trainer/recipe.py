@@ -104,8 +104,8 @@ def paper_recipe(preset: str, workers: int, global_batch: int, optimizer: str) -
         raise ConfigError(f'inner optimizer must be "muon" or "adamw", got {optimizer!r}')
     if workers < 1 or global_batch % workers:
         raise ConfigError(f"global batch {global_batch} is not divisible by K = {workers} workers")
-    parameters = parameter_count(PRESETS[preset], PAPER_VOCAB) if preset in PRESETS else 0
     weight_decay = _base_weight_decay(preset, optimizer) * (global_batch / workers) / WEIGHT_DECAY_BASE_BATCH
+    parameters = parameter_count(PRESETS[preset], PAPER_VOCAB)
     return Recipe(
         preset=preset, workers=workers, global_batch=global_batch, optimizer=optimizer,
         inner_lr=PUBLISHED_INNER_LRS.get((preset, optimizer, workers, global_batch)),
