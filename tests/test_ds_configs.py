@@ -19,15 +19,21 @@ def _resolve(path: Path, world: int, extra=()):
 def test_config_resolves(path):
     raw = json.loads(path.read_text())
     workers = raw.get("muloco", {}).get("workers", 1)
-    config = _resolve(path, world=2 * workers)
+    # GPU configs state the layout they were planned for (and their model); CPU ones run at any D.
+    layout = raw.get("layout", {"tensor": 1, "pipeline": 1, "data": 2})
+    model = raw.get("recipe", {}).get("model", "tiny")
+    config = _resolve(path, world=workers * layout["data"] * layout["pipeline"] * layout["tensor"],
+                      extra=["--model", model, "--tensor-model-parallel-size", str(layout["tensor"]),
+                             "--pipeline-model-parallel-size", str(layout["pipeline"])])
     assert config.batch.workers == workers
-    assert config.batch.data_parallel == 2
+    assert config.batch.data_parallel == layout["data"]
     # DeepSpeed's own batch check holds for one worker's ranks.
     ds = deepspeed_config(config.ds_config, config.batch)
-    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 2
+    assert ds["train_batch_size"] == (ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
+                                      * layout["data"])
     assert config.batch.global_batch == workers * ds["train_batch_size"]
     # Blocks the trainer owns never reach DeepSpeed.
-    assert not {"muloco", "optimizer", "scheduler", "bf16"} & set(ds)
+    assert not {"muloco", "optimizer", "scheduler", "bf16", "layout", "recipe"} & set(ds)
     assert config.optimizer.name == raw["optimizer"]["type"]
     assert config.bf16 == path.stem.startswith("gpu_")
     if config.muloco is not None:

@@ -1,5 +1,5 @@
 """Tensor, pipeline and inner-data parallelism change nothing but speed: the tiny model trained on the
-same global batch at T=2, P=2 or D=2 starts from the same full weights as at T=1, computes the same
+same global batch at T=2, P=2, P=3 (uneven stages) or D=2 starts from the same full weights as at T=1, computes the same
 loss and gradient norm, and after one and two optimizer steps (Muon, and AdamW) holds the same full
 weights, compared logical matrix by logical matrix (Q, K, V, gate, up separately).
 
@@ -23,6 +23,7 @@ LAYOUTS = {
     "T1": (1, []),
     "T2": (2, ["--tensor-model-parallel-size", "2"]),
     "P2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "P3": (3, ["--pipeline-model-parallel-size", "3"]),  # uneven stages: 1 + 2 + 1 of the 4 layers
     "D2": (2, []),
 }
 PARALLEL = [name for name in LAYOUTS if name != "T1"]

@@ -8,7 +8,7 @@ import torch
 from tools import plan as planner
 from trainer_harness import PRETRAIN, TINY_VOCAB, deepspeed_launch, megatron_world_of_one, read_metrics
 from synthetic_data import write_markov_dataset
-from trainer.model.presets import PRESETS
+from trainer.model.presets import PRESETS, parameter_count
 
 PRESETS_UP_TO_1_76B = ["tiny", "150m", "416m", "914m", "1.76b"]
 
@@ -27,12 +27,12 @@ def _built_parameter_count(preset: str, vocab: int) -> int:
 
 
 def _paper_formula(preset: str, vocab: int) -> int:
-    """Per layer: QKV, output projection, SwiGLU (gate, up, down), two RMSNorms and the QK-norms;
-    untied embedding and head; the final norm."""
+    """Per layer: QKV, output projection, SwiGLU (gate, up, down), two RMSNorms (four with the
+    paper's post-norms) and the QK-norms; untied embedding and head; the final norm."""
     s = PRESETS[preset]
     h, f, d = s.hidden_size, s.ffn_hidden_size, s.kv_channels
     attention = h * d * (s.num_attention_heads + 2 * s.query_groups) + s.num_attention_heads * d * h
-    layer = attention + 3 * h * f + 2 * h + 2 * d
+    layer = attention + 3 * h * f + (4 if s.arch == "paper" else 2) * h + 2 * d
     return s.num_layers * layer + 2 * vocab * h + h
 
 
@@ -40,7 +40,7 @@ def _paper_formula(preset: str, vocab: int) -> int:
 def test_parameter_count_equals_the_built_model(preset):
     vocab = 1024 if preset == "tiny" else planner.PAPER_VOCAB
     built = _built_parameter_count(preset, vocab)
-    assert built == _paper_formula(preset, vocab)
+    assert built == _paper_formula(preset, vocab) == parameter_count(PRESETS[preset], vocab)
     for tensor, pipeline in ((1, 1), (2, 2)):
         stages = planner.build_stage_shards(PRESETS[preset], vocab, tensor, pipeline)
         assert len(stages) == pipeline
@@ -76,12 +76,29 @@ def test_memory_adds_up(ds_config):
     assert 12 * n / 2 <= plan.memory[0].host_outer_state <= 12 * n + 4 * n
 
 
-def test_15b_k16_config_fits_an_80gb_gpu():
-    plan = planner.make_plan(_inputs("--model", "15b", "--tensor", "4", "--pipeline", "2", "--data", "4",
-                                     "--ds-config", "ds_configs/gpu_15b_muloco_k16.json"))
-    assert plan.inputs.workers == 16 and plan.inputs.micro_batch == 1
+def test_15b_k16_config_fits_an_80gb_gpu_at_its_own_layout():
+    plan = planner.make_plan(_inputs("--model", "15b", "--ds-config", "ds_configs/gpu_15b_muloco_k16.json"))
+    sizes = plan.inputs.sizes
+    assert (sizes.workers, sizes.data, sizes.pipeline, sizes.tensor) == (16, 4, 2, 4)  # the config's layout block
+    assert plan.inputs.micro_batch == 1 and plan.inputs.global_batch == 4096
     assert plan.fits
     assert plan.memory[0].device_total < 70 * planner.GIB
+
+
+def test_uneven_15b_layouts_on_8_gpu_nodes():
+    """36 heads and 54 layers: T=8 cannot split the heads, P=4 splits the layers 13 + 14 + 14 + 13."""
+    inputs = _inputs("--model", "15b", "--ds-config", "ds_configs/gpu_15b_muloco_k16.json")
+    stages = planner.build_stage_shards(PRESETS["15b"], planner.PAPER_VOCAB, 2, 4)
+    layers = [len({n.split(".")[2] for n in (p.name for p in stage) if n.startswith("decoder.layers.")})
+              for stage in stages]
+    assert layers == [13, 14, 14, 13]
+    assert planner.parameter_count(stages, 2) == parameter_count(PRESETS["15b"], planner.PAPER_VOCAB)
+    fits = {(f.tensor, f.pipeline): f.fits for f in planner.layouts_that_fit(inputs, max_pipeline=4)}
+    assert not any(t == 8 for t, _ in fits)
+    assert fits[(4, 2)] and fits[(2, 4)] and not fits[(1, 1)]
+    # The CLI refuses a layout that does not fit.
+    assert planner.main(["--model", "15b", "--ds-config", "ds_configs/gpu_15b_muloco_k16.json",
+                         "--tensor", "2", "--pipeline", "1"]) == 1
 
 
 @pytest.mark.parametrize("setup", [

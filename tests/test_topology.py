@@ -89,6 +89,12 @@ def test_resolve_accepts_a_good_layout(tmp_path):
     assert deepspeed_config(config.ds_config, config.batch)["train_batch_size"] == 4  # micro 2 x D 2: what DeepSpeed checks
 
 
+def test_resolve_accepts_uneven_pipeline_stages(tmp_path):
+    # 4 layers over 3 stages: Megatron's uneven split, 1 + 2 + 1 (trainer.model.stages).
+    config = _resolve(tmp_path, 3, "--pipeline-model-parallel-size", "3")
+    assert config.pipeline_parallel == 3
+
+
 @pytest.mark.parametrize("world, flags, workers, message", [
     (6, ["--tensor-model-parallel-size", "4"], None,
      r"world size 6 is not divisible by workers x pipeline x tensor = 1 x 1 x 4 = 4"),
@@ -101,8 +107,8 @@ def test_resolve_accepts_a_good_layout(tmp_path):
      r"num-query-groups 6 is not divisible by tensor-model-parallel-size 4$"),
     (4, ["--tensor-model-parallel-size", "4"], None,
      r"^num-query-groups 2 is not divisible by tensor-model-parallel-size 4$"),
-    (3, ["--pipeline-model-parallel-size", "3"], None,
-     r"^num-layers 4 is not divisible by pipeline-model-parallel-size 3$"),
+    (5, ["--pipeline-model-parallel-size", "5"], None,
+     r"^num-layers 4 cannot be split over pipeline-model-parallel-size 5 \(every stage needs at least one layer\)$"),
     (2, ["--tensor-model-parallel-size", "2", "--ffn-hidden-size", "351"], None,
      r"^ffn-hidden-size 351 is not divisible by tensor-model-parallel-size 2$"),
 ])

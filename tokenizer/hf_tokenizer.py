@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from tokenizer.interface import HUGGINGFACE
+from tokenizer.kinds import HUGGINGFACE
 
 # tokenizer.json names no end-of-document token; these are the ones models use, in order of preference.
 # The choice depends on the tokenizer.json alone, so the copy inside a checkpoint resolves the same.

@@ -10,9 +10,9 @@ import hashlib
 from pathlib import Path
 from typing import Protocol
 
-SENTENCEPIECE = "SentencePieceTokenizer"
-HUGGINGFACE = "HuggingFaceTokenizer"
-TOKENIZER_TYPES = (SENTENCEPIECE, HUGGINGFACE)
+from tokenizer.hf_tokenizer import HuggingFaceTokenizer
+from tokenizer.kinds import HUGGINGFACE, SENTENCEPIECE, TOKENIZER_TYPES
+from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
 _FILE_IN_FOLDER = {HUGGINGFACE: "tokenizer.json", SENTENCEPIECE: "tokenizer.model"}
 
 
@@ -68,13 +68,7 @@ def load_tokenizer(path: str | Path, tokenizer_type: str | None = None) -> Token
     detected = detect_tokenizer_type(file)
     if tokenizer_type is not None and tokenizer_type != detected:
         raise ValueError(f"{file} is a {detected} model, not a {tokenizer_type} (from --tokenizer-type)")
-    if detected == HUGGINGFACE:
-        from tokenizer.hf_tokenizer import HuggingFaceTokenizer
-
-        return HuggingFaceTokenizer(file)
-    from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
-
-    return SentencePieceTokenizer(file)
+    return HuggingFaceTokenizer(file) if detected == HUGGINGFACE else SentencePieceTokenizer(file)
 
 
 def tokenizer_sha256(tokenizer: Tokenizer) -> str:

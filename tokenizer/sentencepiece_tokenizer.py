@@ -5,7 +5,7 @@ from pathlib import Path
 
 import sentencepiece
 
-from tokenizer.interface import SENTENCEPIECE
+from tokenizer.kinds import SENTENCEPIECE
 
 
 class SentencePieceTokenizer:

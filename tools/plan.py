@@ -48,11 +48,10 @@ model does not price in.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -60,14 +59,18 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.config import ConfigError, _check_model  # noqa: E402
+from trainer.config import check_model_shape  # noqa: E402
 from trainer.diloco.collectives import row_split  # noqa: E402
 from trainer.diloco.compression import Compressor, CompressionConfig, rows_shape  # noqa: E402
+from trainer.errors import ConfigError, TopologyError  # noqa: E402
 from trainer.model.layout import layout_of  # noqa: E402
 from trainer.model.presets import PRESETS, ModelShape  # noqa: E402
+from trainer.model.stages import stage_layers  # noqa: E402
+from trainer.optim.distributed_muon import DEFAULT_BUCKET_NUMEL  # noqa: E402
 from trainer.optim.ownership import assign_owners  # noqa: E402
+from trainer.recipe import PAPER_VOCAB  # noqa: E402  the paper presets' counts match a Llama-3 vocabulary
+from trainer.topology import ParallelSizes  # noqa: E402
 
-PAPER_VOCAB = 128_256  # the paper's presets' parameter counts match a Llama-3-sized vocabulary
 GIB = 1024 ** 3
 MUON_WORKSPACE_BUFFERS = 4
 
@@ -102,7 +105,7 @@ def build_stage_shards(shape: ModelShape, vocab_size: int, tensor: int, pipeline
     from megatron_patches import apply_cpu_shims_if_needed
     from trainer.model.builder import build_model, padded_vocab_size
 
-    _check_model(shape, tensor, pipeline)
+    check_model_shape(shape, tensor, pipeline)
     vocab = padded_vocab_size(vocab_size, tensor)
     apply_cpu_shims_if_needed()
     stages = []
@@ -133,10 +136,7 @@ def parameter_count(stages: list[list[ShardParam]], tensor: int) -> int:
 @dataclass
 class PlanInputs:
     model: str
-    tensor: int
-    pipeline: int
-    data: int
-    workers: int
+    sizes: ParallelSizes  # K x D x P x T
     sync_interval: int
     compression: CompressionConfig
     collective: str
@@ -156,20 +156,12 @@ class PlanInputs:
     gpu_memory_gib: float
 
     @property
-    def gpus(self) -> int:
-        return self.workers * self.data * self.pipeline * self.tensor
-
-    @property
-    def ranks_per_worker(self) -> int:
-        return self.data * self.pipeline * self.tensor
-
-    @property
     def micro_batches(self) -> int:
         """Micro-batches per rank per step (gradient accumulation), from B split over K workers x D."""
-        per_step = self.micro_batch * self.data * self.workers
+        per_step = self.micro_batch * self.sizes.data * self.sizes.workers
         if self.global_batch % per_step:
             raise ConfigError(f"global batch {self.global_batch} is not divisible by micro-batch x D x K = "
-                              f"{self.micro_batch} x {self.data} x {self.workers}")
+                              f"{self.micro_batch} x {self.sizes.data} x {self.sizes.workers}")
         return self.global_batch // per_step
 
 
@@ -204,25 +196,16 @@ class Memory:
                 + self.muon_workspace + self.activations + self.logits)
 
 
-def _muon_bucket_numel() -> int | None:
-    from trainer.optim.distributed_muon import DistributedMuon
-
-    default = inspect.signature(DistributedMuon.__init__).parameters.get("bucket_numel")
-    return None if default is None else int(default.default)
-
-
 def stage_memory(stage_index: int, stage: list[ShardParam], inputs: PlanInputs, optimizer: str) -> Memory:
     shape = PRESETS[inputs.model].with_overrides(seq_length=inputs.seq_length)
-    T, P = inputs.tensor, inputs.pipeline
+    T, P = inputs.sizes.tensor, inputs.sizes.pipeline
     n = sum(p.numel for p in stage)
     n_muon = sum(p.numel for p in stage if p.muon) if optimizer == "muon" else 0
     gathered = n_muon * T if T > 1 else 0  # T = 1 orthogonalizes in place, nothing is gathered
-    bucket = _muon_bucket_numel()
-    if bucket is not None:
-        gathered = min(gathered, bucket)
+    gathered = min(gathered, DEFAULT_BUCKET_NUMEL)
     s, b, h, a = inputs.seq_length, inputs.micro_batch, shape.hidden_size, shape.num_attention_heads
     per_layer = s * b * h * (10 + 24 / T + 5 * a * s / (h * T))
-    layers = shape.num_layers // P
+    layers = stage_layers(shape.num_layers, P)[stage_index]
     in_flight = min(P - stage_index, inputs.micro_batches)  # 1F1B: stage i holds P - i micro-batches
     vocab_local = sum(p.shape[0] for p in stage if p.name.endswith("output_layer.weight"))
     return Memory(
@@ -246,13 +229,16 @@ def _owned(stage: list[ShardParam], data: int, replica: int) -> list[ShardParam]
 
 
 def _sent_uncompressed(p: ShardParam, compression: CompressionConfig) -> bool:
+    """THE ONE PLACE the planner decides which tensors go uncompressed. It copies the outer loop's
+    rule (embeddings, head and 1-D tensors in fp32 with `uncompressed_small`); at merge it is to call
+    trainer/diloco/compression.py's public per-tensor compression-group function instead."""
     return compression.method == "none" or (compression.uncompressed_small and (len(p.shape) == 1 or p.embedding_or_output))
 
 
 def host_outer_state(stage: list[ShardParam], inputs: PlanInputs) -> float:
     ef = inputs.compression.error_feedback
     return max(sum(p.numel * (12 + (4 if ef and not _sent_uncompressed(p, inputs.compression) else 0))
-                   for p in _owned(stage, inputs.data, d)) for d in range(inputs.data))
+                   for p in _owned(stage, inputs.sizes.data, d)) for d in range(inputs.sizes.data))
 
 
 # -- bytes ----------------------------------------------------------------------------------------
@@ -296,13 +282,14 @@ class SyncBytes:
 def outer_sync_bytes(stages: list[list[ShardParam]], inputs: PlanInputs) -> SyncBytes:
     def per_rank(compression: CompressionConfig) -> list[int]:
         # TP ranks of a stage hold identically shaped shards, so stage 0's TP rank 0 stands for all T.
-        return [sync_bytes_sent(_owned(stage, inputs.data, d), compression, inputs.collective, inputs.workers, k)
-                for k in range(inputs.workers) for stage in stages for d in range(inputs.data)]
+        K, D = inputs.sizes.workers, inputs.sizes.data
+        return [sync_bytes_sent(_owned(stage, D, d), compression, inputs.collective, K, k)
+                for k in range(K) for stage in stages for d in range(D)]
 
     sent = per_rank(inputs.compression)
     raw = per_rank(CompressionConfig("none"))
-    total = sum(sent) * inputs.tensor  # over every rank of the world
-    return SyncBytes(max(sent), total / inputs.gpus, round(total / inputs.workers), max(raw))
+    total = sum(sent) * inputs.sizes.tensor  # over every rank of the world
+    return SyncBytes(max(sent), total / inputs.sizes.world, round(total / inputs.sizes.workers), max(raw))
 
 
 # -- wall-clock -----------------------------------------------------------------------------------
@@ -327,12 +314,12 @@ def wall_clock(params: int, stages: list[list[ShardParam]], sync: SyncBytes, inp
     tokens_per_step = inputs.global_batch * inputs.seq_length
     steps = math.ceil(inputs.tokens / tokens_per_step)
     M = inputs.micro_batches
-    bubble = (M + inputs.pipeline - 1) / M
-    compute = 6 * params * tokens_per_step / (inputs.gpus * inputs.gpu_tflops * 1e12 * inputs.mfu) * bubble
+    bubble = (M + inputs.sizes.pipeline - 1) / M
+    compute = 6 * params * tokens_per_step / (inputs.sizes.world * inputs.gpu_tflops * 1e12 * inputs.mfu) * bubble
     shard = max(sum(p.numel for p in stage) for stage in stages)
-    K = inputs.workers
-    dp_bytes = 2 * (K - 1) / K * shard / inputs.data * inputs.dp_grad_bytes
-    dp_comm = _link_seconds(dp_bytes, dp_bytes * inputs.ranks_per_worker, inputs)
+    K = inputs.sizes.workers
+    dp_bytes = 2 * (K - 1) / K * shard / inputs.sizes.data * inputs.dp_grad_bytes
+    dp_comm = _link_seconds(dp_bytes, dp_bytes * inputs.sizes.ranks_per_worker, inputs)
     times = [MethodTime(name, steps, compute, dp_comm, steps * max(compute, dp_comm) / 3600, steps * dp_bytes)
              for name in ("DP AdamW", "DP Muon")]
     sync_s = _link_seconds(sync.per_rank_max, sync.per_worker, inputs)
@@ -358,8 +345,8 @@ class Plan:
 
 def make_plan(inputs: PlanInputs) -> Plan:
     shape = PRESETS[inputs.model].with_overrides(seq_length=inputs.seq_length)
-    stages = build_stage_shards(shape, inputs.vocab_size, inputs.tensor, inputs.pipeline)
-    params = parameter_count(stages, inputs.tensor)
+    stages = build_stage_shards(shape, inputs.vocab_size, inputs.sizes.tensor, inputs.sizes.pipeline)
+    params = parameter_count(stages, inputs.sizes.tensor)
     memory = [max((stage_memory(i, stage, inputs, opt) for i, stage in enumerate(stages)),
                   key=lambda m: m.device_total) for opt in (inputs.optimizer, "adamw")]
     sync = outer_sync_bytes(stages, inputs)
@@ -373,10 +360,12 @@ def _gib(x: float) -> str:
 
 def render(plan: Plan) -> str:
     i = plan.inputs
-    lines = [f"# plan: {i.model}, K={i.workers} x D={i.data} x P={i.pipeline} x T={i.tensor} = {i.gpus} GPUs",
+    z = i.sizes
+    lines = [f"# plan: {i.model}, K={z.workers} x D={z.data} x P={z.pipeline} x T={z.tensor} = {z.world} GPUs",
              f"parameters: {plan.parameters:,} (vocab {i.vocab_size}, seq {i.seq_length})",
-             f"batch: B={i.global_batch} sequences/step = {i.global_batch // i.workers} per worker = "
-             f"micro {i.micro_batch} x accumulation {i.micro_batches} x D {i.data}",
+             f"pipeline stages: {' + '.join(map(str, stage_layers(PRESETS[i.model].num_layers, z.pipeline)))} layers",
+             f"batch: B={i.global_batch} sequences/step = {i.global_batch // z.workers} per worker = "
+             f"micro {i.micro_batch} x accumulation {i.micro_batches} x D {z.data}",
              "", f"## memory per rank (worst pipeline stage; {'bf16 autocast' if i.bf16 else 'fp32'})",
              f"| | {i.optimizer} inner (stage {plan.memory[0].stage}) | adamw (stage {plan.memory[1].stage}) |",
              "|---|---|---|"]
@@ -407,20 +396,24 @@ def render(plan: Plan) -> str:
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     ds = json.loads(Path(args.ds_config).read_text()) if args.ds_config else {}
     muloco = ds.get("muloco", {})
+    layout = ds.get("layout", {})  # the layout the ds_config was planned for
     pick = lambda flag, default: default if flag is None else flag  # noqa: E731
-    workers = pick(args.workers, muloco.get("workers", 1))
-    data = args.data
+    sizes = ParallelSizes(workers=pick(args.workers, muloco.get("workers", 1)), data=pick(args.data, layout.get("data", 1)),
+                          pipeline=pick(args.pipeline, layout.get("pipeline", 1)),
+                          tensor=pick(args.tensor, layout.get("tensor", 1)))
+    if min(sizes.workers, sizes.data, sizes.pipeline, sizes.tensor) < 1:
+        raise TopologyError(f"every size must be >= 1, got {sizes}")
     micro = pick(args.micro_batch, ds.get("train_micro_batch_size_per_gpu", 1))
     if args.global_batch is not None:
         global_batch = args.global_batch
     else:
-        global_batch = micro * ds.get("gradient_accumulation_steps", 1) * data * workers
+        global_batch = micro * ds.get("gradient_accumulation_steps", 1) * sizes.data * sizes.workers
     if args.compression is not None:
         compression = parse_compression(args.compression, args.error_feedback)
     else:
         compression = CompressionConfig(**muloco.get("compression", {}))
     return PlanInputs(
-        model=args.model, tensor=args.tensor, pipeline=args.pipeline, data=data, workers=workers,
+        model=args.model, sizes=sizes,
         sync_interval=pick(args.sync_interval, muloco.get("sync_interval", 30)), compression=compression,
         collective=pick(args.collective, muloco.get("collective", "all_gather")),
         optimizer=str(ds.get("optimizer", {}).get("type", "muon")), seq_length=args.seq_length,
@@ -432,12 +425,56 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         gpu_memory_gib=args.gpu_memory_gib)
 
 
+# -- which layouts fit a node ---------------------------------------------------------------------
+
+NODE_GPUS = 8
+
+
+@dataclass
+class LayoutFit:
+    tensor: int
+    pipeline: int
+    device_gib: float  # the MuLoCo run's worst stage
+    fits: bool
+
+
+def layouts_that_fit(inputs: PlanInputs, max_pipeline: int = 8) -> list[LayoutFit]:
+    """Every T (within one node of NODE_GPUS) x P the model can be split into, at the inputs' D, K,
+    micro-batch and batch, with its per-GPU memory: what a user of NODE_GPUS-GPU nodes can run."""
+    shape = PRESETS[inputs.model].with_overrides(seq_length=inputs.seq_length)
+    fits = []
+    for tensor in (t for t in range(1, NODE_GPUS + 1) if NODE_GPUS % t == 0):
+        for pipeline in range(1, max_pipeline + 1):
+            try:
+                check_model_shape(shape, tensor, pipeline)
+            except ConfigError:
+                continue
+            candidate = replace(inputs, sizes=replace(inputs.sizes, tensor=tensor, pipeline=pipeline))
+            stages = build_stage_shards(shape, inputs.vocab_size, tensor, pipeline)
+            worst = max(stage_memory(i, stage, candidate, inputs.optimizer).device_total
+                        for i, stage in enumerate(stages))
+            fits.append(LayoutFit(tensor, pipeline, worst / GIB, worst * 1.1 <= inputs.gpu_memory_gib * GIB))
+    return fits
+
+
+def render_layouts(inputs: PlanInputs, fits: list[LayoutFit]) -> str:
+    shape = PRESETS[inputs.model]
+    lines = [f"## layouts of {inputs.model} on {NODE_GPUS}-GPU nodes of {inputs.gpu_memory_gib:g} GiB "
+             f"(D={inputs.sizes.data}, micro-batch {inputs.micro_batch}, {inputs.optimizer} inner)",
+             "| T | P | stage layers | GiB per GPU (worst stage) | fits |", "|---|---|---|---|---|"]
+    for f in fits:
+        layers = " + ".join(map(str, stage_layers(shape.num_layers, f.pipeline)))
+        lines.append(f"| {f.tensor} | {f.pipeline} | {layers} | {f.device_gib:.1f} | {'yes' if f.fits else 'no'} |")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, choices=sorted(PRESETS))
-    p.add_argument("--tensor", type=int, default=1)
-    p.add_argument("--pipeline", type=int, default=1)
-    p.add_argument("--data", type=int, default=1, help="D, inner data-parallel replicas per worker")
+    p.add_argument("--tensor", type=int, default=None, help="T (default: the ds_config's layout block, else 1)")
+    p.add_argument("--pipeline", type=int, default=None, help="P (default: the ds_config's layout block, else 1)")
+    p.add_argument("--data", type=int, default=None,
+                   help="D, inner data-parallel replicas per worker (default: the ds_config's layout block, else 1)")
     p.add_argument("--workers", type=int, default=None, help="K (default: the ds_config's, else 1)")
     p.add_argument("--sync-interval", type=int, default=None, help="H (default: the ds_config's, else 30)")
     p.add_argument("--compression", default=None, help="none | statistical:BITS | linear:BITS | topk:FRACTION")
@@ -456,20 +493,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-gib", type=float, default=80.0)
     p.add_argument("--ds-config", default=None, help="take K, H, compression, collective, optimizer, batch from it")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of markdown")
+    p.add_argument("--list-layouts", action="store_true",
+                   help=f"also list every T x P that fits {NODE_GPUS}-GPU nodes of --gpu-memory-gib")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit status 0 when the asked-for layout fits the GPU memory, 1 when it does not, 2 on bad input."""
     args = build_parser().parse_args(argv)
     try:
-        plan = make_plan(inputs_from_args(args))
-    except (ConfigError, ValueError) as err:
+        inputs = inputs_from_args(args)
+        plan = make_plan(inputs)
+        fits = layouts_that_fit(inputs) if args.list_layouts else None
+    except (ConfigError, TopologyError, ValueError) as err:
         print(f"plan error: {err}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(asdict(plan), default=str))
+        print(json.dumps({**asdict(plan), **({"layouts": [asdict(f) for f in fits]} if fits is not None else {})},
+                         default=str))
     else:
         print(render(plan))
+        if fits is not None:
+            print("\n" + render_layouts(inputs, fits))
+    if not plan.fits:
+        print(f"plan error: T={inputs.sizes.tensor} P={inputs.sizes.pipeline} needs "
+              f"{plan.memory[0].device_total / GIB:.1f} GiB per GPU, more than {args.gpu_memory_gib:g} GiB with 10% "
+              "headroom (--list-layouts shows the layouts that fit)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -27,8 +27,10 @@ from typing import Any, Literal
 
 from trainer.diloco.config import MuLoCoConfig
 from trainer.errors import ConfigError, TopologyError
-from trainer.model.presets import PRESETS, ModelShape
+from trainer.model.presets import ARCHITECTURES, PRESETS, ModelShape
+from trainer.model.stages import stage_layers
 from trainer.optim.muon import MuonConfig
+from trainer.recipe import fill_ds_config
 from trainer.topology import ParallelSizes
 
 OptimizerName = Literal["adamw", "muon"]
@@ -265,6 +267,7 @@ class RunConfig:
     deterministic: bool = False
     ds_config: dict[str, Any] = field(default_factory=dict)  # the keys DeepSpeed itself reads
     muloco: MuLoCoConfig | None = None  # None: the data-parallel baseline
+    recipe_table: str | None = None  # what --recipe filled in, printed at start
 
     def __post_init__(self):
         _at_least("seed", self.seed, 0)
@@ -287,7 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--num-query-groups",
                  "--ffn-hidden-size", "--kv-channels", "--seq-length"):
         g.add_argument(flag, type=int, default=None)
-    g.add_argument("--no-qk-layernorm", action="store_true", help="Llama-style attention without QK-norm")
+    g.add_argument("--arch", choices=ARCHITECTURES, default=None,
+                   help="paper (pre+post norms, QK-norm, document-masked attention, the paper's init; the paper "
+                        "presets' default), qwen3 (pre-norm, QK-norm), llama (pre-norm, no QK-norm)")
+    g.add_argument("--no-qk-layernorm", action="store_true", help="same as --arch llama")
     g = p.add_argument_group("parallelism")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="the default process group's backend (default: the accelerator's, NCCL on GPUs); gloo lets "
@@ -310,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=None)
     g.add_argument("--clip-grad", type=float, default=None)
     g.add_argument("--optimizer", choices=["adamw", "muon"], default=None, help="override the ds_config's optimizer type")
+    g.add_argument("--recipe", choices=["paper"], default=None,
+                   help="fill what the ds_config leaves out with the paper's hyperparameter rules (trainer/recipe.py)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--deterministic-mode", action="store_true",
                    help="deterministic kernels (torch.use_deterministic_algorithms), for bit-exact resumes on GPUs")
@@ -409,7 +417,13 @@ def _bf16_from_ds(block: Any) -> bool:
 
 def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
     ds = _read_ds_config(args.ds_config)
-    muloco = _muloco_from_ds(ds.pop("muloco", None))
+    provenance = ds.pop("recipe", {})  # notes of the generated configs (trainer/recipe.py), not settings
+    if provenance.get("model", args.model) != args.model:
+        raise ConfigError(f"the ds_config's batch, weight decay and steps were made for --model {provenance['model']} "
+                          f"(its recipe block), not {args.model}")
+    planned_layout = ds.pop("layout", None)
+    muloco_block = ds.pop("muloco", None)
+    muloco = _muloco_from_ds(muloco_block)
     workers = muloco.workers if muloco is not None else 1
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     try:
@@ -417,14 +431,25 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
     except TopologyError as err:
         raise ConfigError(str(err)) from err
 
+    check_layout(planned_layout, sizes)
+
     overrides = dict(num_layers=args.num_layers, hidden_size=args.hidden_size,
                      num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
                      ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels, seq_length=args.seq_length)
     for name, value in overrides.items():
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    shape = PRESETS[args.model].with_overrides(**overrides, qk_layernorm=False if args.no_qk_layernorm else None)
-    _check_model(shape, tp, pp)
+    shape = PRESETS[args.model].with_overrides(**overrides, arch="llama" if args.no_qk_layernorm else args.arch)
+    check_model_shape(shape, tp, pp)
+
+    batch = _resolve_batch(ds, args, sizes.data, workers)
+    recipe_table = None
+    if args.recipe is not None:  # fills what the ds_config leaves out, before the blocks are parsed
+        flags = {"optimizer.params.lr": args.lr, "optimizer.params.weight_decay": args.weight_decay,
+                 "scheduler.params.train_iters": args.train_iters, "scheduler.params.warmup_iters": args.lr_warmup_iters,
+                 "scheduler.params.min_lr_ratio": args.min_lr_ratio, "gradient_clipping": args.clip_grad}
+        recipe_table = fill_ds_config(ds, muloco_block, args.model, args.optimizer, batch.global_batch, flags)
+        muloco = _muloco_from_ds(muloco_block)
 
     optimizer = _optimizer_from_ds(ds.pop("optimizer", None)).with_peak(
         lr=args.lr, weight_decay=args.weight_decay, name=args.optimizer)
@@ -441,7 +466,6 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
             schedule_values[key] = getattr(args, flag)
     schedule = ScheduleConfig(**schedule_values)
 
-    batch = _resolve_batch(ds, args, sizes.data, workers)
     run_dir = args.run_dir or str(Path("runs") / Path(args.ds_config).stem)
     # Mixed precision is Megatron's autocast over fp32 parameters (the optimizers need whole fp32
     # tensors, not DeepSpeed's flattened bf16 partitions), so DeepSpeed never sees the bf16 block.
@@ -455,7 +479,7 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
         log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         save=args.save, load=args.load, save_interval=args.save_interval, **_fault_settings(args),
         bf16=bf16, distributed_backend=args.distributed_backend,
-        deterministic=args.deterministic_mode, ds_config=ds, muloco=muloco)
+        deterministic=args.deterministic_mode, ds_config=ds, muloco=muloco, recipe_table=recipe_table)
 
 
 def _fault_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -480,7 +504,25 @@ def _fault_settings(args: argparse.Namespace) -> dict[str, Any]:
                 exit_duration_in_mins=args.exit_duration_in_mins)
 
 
-def _check_model(shape: ModelShape, tp: int, pp: int) -> None:
+def check_layout(layout: dict[str, Any] | None, sizes) -> None:
+    """The ds_config's "layout" block ({"tensor": T, "pipeline": P, "data": D}) is the layout its
+    batch and memory were planned for (tools/plan.py); running it with other sizes is an error."""
+    if layout is None:
+        return
+    unknown = sorted(set(layout) - {"tensor", "pipeline", "data"})
+    if unknown:
+        raise ConfigError(f'unknown ds_config layout keys {unknown}; known: ["data", "pipeline", "tensor"]')
+    actual = {"tensor": sizes.tensor, "pipeline": sizes.pipeline, "data": sizes.data}
+    wrong = [f"{k} {layout[k]} planned, {actual[k]} in this run" for k in ("tensor", "pipeline", "data")
+             if k in layout and int(layout[k]) != actual[k]]
+    if wrong:
+        raise ConfigError("the ds_config was planned for another layout: " + "; ".join(wrong)
+                          + " (set --tensor-model-parallel-size/--pipeline-model-parallel-size and the world size "
+                          "to match, or re-plan with tools/plan.py and edit its layout block)")
+
+
+def check_model_shape(shape: ModelShape, tp: int, pp: int) -> None:
+    """Model sizes Megatron can shard at T x P (the trainer and tools/plan.py share this rule)."""
     problems = []
     if shape.num_attention_heads % tp:
         problems.append(f"num-attention-heads {shape.num_attention_heads} is not divisible by tensor-model-parallel-size {tp}")
@@ -490,8 +532,10 @@ def _check_model(shape: ModelShape, tp: int, pp: int) -> None:
         problems.append(f"num-attention-heads {shape.num_attention_heads} is not divisible by num-query-groups {shape.query_groups}")
     if shape.ffn_hidden_size % tp:
         problems.append(f"ffn-hidden-size {shape.ffn_hidden_size} is not divisible by tensor-model-parallel-size {tp}")
-    if shape.num_layers % pp:
-        problems.append(f"num-layers {shape.num_layers} is not divisible by pipeline-model-parallel-size {pp}")
+    try:
+        stage_layers(shape.num_layers, pp)  # uneven stages are fine; fewer layers than stages are not
+    except ValueError as err:
+        problems.append(str(err))
     if problems:
         raise ConfigError("; ".join(problems))
 

@@ -135,14 +135,17 @@ def refuse_unsafe_index_cache(cache_dir: Path) -> None:
 
 
 def build_datasets(data: DataConfig, tokenizer: TokenizerInfo, seq_length: int, seed: int,
-                   train_samples: int, valid_samples: int, cache_dir: str) -> Datasets:
-    """Every rank must call this (Megatron builds on rank 0 first, then the others read its cache)."""
+                   train_samples: int, valid_samples: int, cache_dir: str,
+                   document_masking: bool = False) -> Datasets:
+    """Every rank must call this (Megatron builds on rank 0 first, then the others read its cache).
+    With `document_masking` each sample carries Megatron's block-causal attention mask (no token
+    attends across an end-of-document token) and positions restart at each document."""
     if not data.data_path:
         raise ValueError("no training data: give --data-path PREFIX (the P of P.bin/P.idx)")
     refuse_unsafe_index_cache(Path(cache_dir))
     common = dict(random_seed=seed, sequence_length=seq_length, tokenizer=tokenizer,
-                  reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-                  create_attention_mask=False, path_to_cache=cache_dir)
+                  reset_position_ids=document_masking, reset_attention_mask=document_masking, eod_mask_loss=False,
+                  create_attention_mask=document_masking, path_to_cache=cache_dir)
     if data.valid_data_path:
         config = GPTDatasetConfig(blend_per_split=[_blend(data.data_path), _blend(data.valid_data_path), None],
                                   **common)
@@ -185,7 +188,8 @@ def collate(dataset, indices: range) -> dict[str, torch.Tensor]:
                          f"the datasets are built for train-iters x global batch samples (and eval-iters x "
                          f"per-worker batch for validation), so the same settings must be used when reading")
     samples = [dataset[i] for i in indices]
-    return {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels", "loss_mask", "position_ids")}
+    keys = ("tokens", "labels", "loss_mask", "position_ids") + (("attention_mask",) if "attention_mask" in samples[0] else ())
+    return {key: torch.stack([s[key] for s in samples]) for key in keys}
 
 
 def micro_batches(dataset, position: StreamPosition, step: int):

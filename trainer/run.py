@@ -69,6 +69,8 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
         Path(config.run_dir).mkdir(parents=True, exist_ok=True)
         (Path(config.run_dir) / "config.json").write_text(config.to_json())
         print(topology.describe(), flush=True)
+        if config.recipe_table:
+            print(config.recipe_table, flush=True)
 
     tokenizer = tokenizer_info(config.data)
     vocab = padded_vocab_size(tokenizer.vocab_size, sizes.tensor)
@@ -95,7 +97,8 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     datasets = build_datasets(config.data, tokenizer, config.model.seq_length, config.seed,
                               train_samples=config.schedule.train_iters * samples_per_step,
                               valid_samples=max(eval_samples, 1),
-                              cache_dir=str(Path(config.run_dir) / "data_cache"))
+                              cache_dir=str(Path(config.run_dir) / "data_cache"),
+                              document_masking=config.model.document_masking)
     identical = config.muloco is not None and config.muloco.identical_worker_data
     position = StreamPosition(topology.coords.worker, topology.coords.data, config.batch, identical)
     logger = MetricsLogger(config.run_dir, config.tensorboard_dir, config.schedule.train_iters, is_logger)

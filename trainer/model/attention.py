@@ -31,10 +31,13 @@ class SDPAttention(MegatronModule):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                 attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> torch.Tensor:
-        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("SDPAttention takes no explicit mask, bias or packed sequences (causal only)")
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("SDPAttention takes no attention bias or packed sequences")
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, head_dim]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+        # Document masking hands Megatron's [b, 1, s, s] boolean mask (True = masked, causal part
+        # included); SDPA's boolean mask means the opposite. Without one: the fused causal kernels.
+        masking = {"is_causal": True} if attention_mask is None else {"attn_mask": ~attention_mask}
+        out = F.scaled_dot_product_attention(q, k, v, **masking, scale=self.scale,
                                              dropout_p=self.dropout if self.training else 0.0,
                                              enable_gqa=q.shape[1] != k.shape[1])
         s, b = query.shape[0], query.shape[1]

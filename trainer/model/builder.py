@@ -1,5 +1,6 @@
-"""Builds the Megatron-core GPTModel (Llama/Qwen3 style) for this rank's TP/PP shard, with initial
-weights that are identical, as full tensors, at every TP and PP size for a given seed."""
+"""Builds the Megatron-core GPTModel (the paper's blocks, or Qwen3/Llama style; see
+trainer.model.presets) for this rank's TP/PP shard, with initial weights that are identical, as full
+tensors, at every TP and PP size for a given seed."""
 from __future__ import annotations
 
 import math
@@ -10,13 +11,14 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as mps
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer import TransformerConfig
 
 from trainer.model.attention import SDPAttention
-from trainer.model.layout import full_shape, layout_of, shard
+from trainer.model.layout import from_logical_matrices, full_shape, layout_of, logical_matrices, shard
+from trainer.model.paper_spec import layer_spec
 from trainer.model.presets import ModelShape
+from trainer.model.stages import uneven_stage_sizes
 
 VOCAB_PADDING = 128  # padded vocab must not depend on T, so that weights match across TP degrees
 
@@ -29,8 +31,11 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
 
 
 def transformer_config(shape: ModelShape, tensor: int, pipeline: int, bf16_autocast: bool) -> TransformerConfig:
+    first_stage_layers, last_stage_layers = uneven_stage_sizes(shape.num_layers, pipeline)
     return TransformerConfig(
         num_layers=shape.num_layers,
+        num_layers_in_first_pipeline_stage=first_stage_layers,
+        num_layers_in_last_pipeline_stage=last_stage_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_attention_heads,
         num_query_groups=shape.query_groups,
@@ -66,8 +71,8 @@ def transformer_config(shape: ModelShape, tensor: int, pipeline: int, bf16_autoc
 
 
 def _layer_spec(shape: ModelShape):
-    """Megatron's local spec with fused attention (PyTorch SDPA) as its core attention."""
-    spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization="RMSNorm")
+    """The local layer spec of `shape.arch` with fused attention (PyTorch SDPA) as its core attention."""
+    spec = layer_spec(shape)
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec
 
@@ -120,12 +125,42 @@ def _init_std(canonical: str, shape: ModelShape) -> float:
     return shape.init_std
 
 
+def _generator(seed: int, key: str) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(f"{seed}:{key}".encode()))
+
+
+def _paper_initial_tensor(canonical: str, full: tuple[int, ...], shape: ModelShape, seed: int) -> torch.Tensor:
+    """The paper's initialisation (its torchtitan Llama-3 code with depth-scaled init): embedding
+    N(0, 1); Q, K, V and the gate (w1) truncated-normal std 0.02; the attention output (wo), the up
+    (w3) and down (w2) projections std 0.02 / sqrt(2 (layer + 1)); the head std hidden^-0.5 cut at
+    +-3 std. Fused weights get one draw per logical matrix, so the value does not depend on how
+    the fused rows are laid out."""
+    if canonical.endswith("word_embeddings.weight"):
+        return torch.empty(full).normal_(0.0, 1.0, generator=_generator(seed, canonical))
+    if canonical.endswith("output_layer.weight"):
+        std = shape.hidden_size ** -0.5
+        return torch.nn.init.trunc_normal_(torch.empty(full), 0.0, std, -3 * std, 3 * std,
+                                           generator=_generator(seed, canonical))
+    layer = int(re.search(r"layers\.(\d+)\.", canonical).group(1))
+    depth_std = shape.init_std / math.sqrt(2.0 * (layer + 1))
+    parts = {}
+    for part, meta in logical_matrices(canonical, torch.empty(full, device="meta"), shape).items():
+        depth_scaled = (canonical.endswith(("linear_proj.weight", "linear_fc2.weight"))
+                        or (canonical.endswith("linear_fc1.weight") and part == "up"))
+        std = depth_std if depth_scaled else shape.init_std
+        # torchtitan's trunc_normal_ bounds are absolute (+-2), i.e. no truncation at std 0.02.
+        parts[part] = torch.nn.init.trunc_normal_(torch.empty(meta.shape), 0.0, std, -2.0, 2.0,
+                                                  generator=_generator(seed, f"{canonical}:{part}"))
+    return from_logical_matrices(canonical, parts, shape)
+
+
 def full_initial_tensor(canonical: str, full: tuple[int, ...], shape: ModelShape, seed: int) -> torch.Tensor:
     """The T=1 initial value of one parameter, from (seed, global name) only."""
     if canonical.endswith("norm.weight"):
         return torch.ones(full)
-    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{canonical}".encode()))
-    return torch.empty(full).normal_(0.0, _init_std(canonical, shape), generator=generator)
+    if shape.arch == "paper":
+        return _paper_initial_tensor(canonical, full, shape, seed)
+    return torch.empty(full).normal_(0.0, _init_std(canonical, shape), generator=_generator(seed, canonical))
 
 
 def tag_parameters(model: torch.nn.Module) -> None:

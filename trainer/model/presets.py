@@ -1,7 +1,18 @@
-"""Model shapes: a CPU-sized `tiny` and the paper's presets (arXiv 2505.23725)."""
+"""Model shapes and architectures: a CPU-sized `tiny` and the paper's presets (arXiv 2505.23725).
+
+An architecture is the block's form around the same Megatron layers (SwiGLU MLP, RoPE, RMSNorm,
+untied embeddings, head dim from the shape):
+- `paper`: the MuLoCo paper's model (its torchtitan code): pre- *and* post-norm blocks
+  (h = x + norm(attn(norm(x))), out = h + norm(mlp(norm(h)))), QK-norm, attention masked at
+  end-of-document tokens, and its initialisation (trainer.model.builder);
+- `qwen3`: pre-norm with QK-norm, causal across documents, std-0.02 init;
+- `llama`: `qwen3` without QK-norm.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+ARCHITECTURES = ("paper", "qwen3", "llama")
 
 
 @dataclass(frozen=True)
@@ -12,15 +23,33 @@ class ModelShape:
     ffn_hidden_size: int
     kv_channels: int = 128  # head dim
     num_query_groups: int | None = None  # None = one group per head (no GQA)
-    qk_layernorm: bool = True
+    arch: str = "paper"  # one of ARCHITECTURES
     rotary_base: int = 500_000
     seq_length: int = 2048
     init_std: float = 0.02
     norm_epsilon: float = 1e-6
 
+    def __post_init__(self):
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"unknown architecture {self.arch!r}; known: {', '.join(ARCHITECTURES)}")
+
     @property
     def query_groups(self) -> int:
         return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def qk_layernorm(self) -> bool:
+        return self.arch != "llama"
+
+    @property
+    def post_norms(self) -> bool:
+        """A norm on each residual branch's output, before the residual add (the paper's blocks)."""
+        return self.arch == "paper"
+
+    @property
+    def document_masking(self) -> bool:
+        """Tokens attend only within their document (block-causal at end-of-document tokens)."""
+        return self.arch == "paper"
 
     def with_overrides(self, **overrides) -> "ModelShape":
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
@@ -28,8 +57,10 @@ class ModelShape:
 
 PRESETS: dict[str, ModelShape] = {
     # Seconds per step on a CPU core; GQA (2 query groups) so the fused-QKV layout is exercised.
+    # Qwen3-style by default so the checkpoint tests keep covering the stock-architecture exports;
+    # `--arch paper` selects the paper's blocks (tests/test_paper_arch.py).
     "tiny": ModelShape(num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=352,
-                       kv_channels=32, num_query_groups=2, seq_length=128),
+                       kv_channels=32, num_query_groups=2, arch="qwen3", seq_length=128),
     "150m": ModelShape(6, 512, 4, 1408),
     "416m": ModelShape(12, 1024, 8, 2816),
     "914m": ModelShape(18, 1536, 12, 4224),
@@ -37,3 +68,13 @@ PRESETS: dict[str, ModelShape] = {
     "3.1b": ModelShape(30, 2560, 20, 7040),
     "15b": ModelShape(54, 4608, 36, 12672),
 }
+
+
+def parameter_count(shape: ModelShape, vocab_size: int) -> int:
+    """Parameters of the whole model: per layer Q, K, V and output projections, SwiGLU (gate, up,
+    down), the pre-norms (and the paper's post-norms) and QK-norms; untied embedding and head; the
+    final norm. tests/test_plan.py checks it against the built Megatron model."""
+    h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.kv_channels
+    attention = h * d * (shape.num_attention_heads + 2 * shape.query_groups) + shape.num_attention_heads * d * h
+    norms = 2 * h * (2 if shape.post_norms else 1) + (2 * d if shape.qk_layernorm else 0)
+    return shape.num_layers * (attention + 3 * h * f + norms) + 2 * vocab_size * h + h

@@ -27,6 +27,9 @@ from trainer.optim.newton_schulz import newton_schulz_flops
 from trainer.optim.ownership import OwnershipPlan
 
 
+DEFAULT_BUCKET_NUMEL = 1 << 28  # full-layout elements gathered at once (tools/plan.py prices this workspace)
+
+
 @dataclass(frozen=True)
 class LogicalMatrix:
     param_index: int
@@ -54,7 +57,7 @@ class DistributedMuon:
     ownership plan is global, so each bucket's work is spread over all owners too."""
 
     def __init__(self, names: list[str], params: list[torch.nn.Parameter], model_shape: ModelShape,
-                 tp: ShardGroup, dp: ShardGroup, bucket_numel: int = 1 << 28):
+                 tp: ShardGroup, dp: ShardGroup, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
         self.names, self.params, self.model_shape, self.tp, self.dp = names, params, model_shape, tp, dp
         self.layouts: list[ParamLayout] = [layout_of(n) for n in names]
         self.full_shapes = [full_shape(tuple(p.shape), lay, tp.size) for p, lay in zip(params, self.layouts)]
