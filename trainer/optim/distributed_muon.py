@@ -8,7 +8,7 @@ the T x D ranks that hold identical gradients, and each rank receives back only 
    matrix's owner in its replica; the next bucket's all-to-all runs while this one's
    Newton-Schulz does;
 3. owners orthogonalize their matrices and all-to-all over TP returns piece r to TP rank r;
-4. an all-gather over inner DP of those pieces delivers every replica's results to every replica;
+4. an all-to-all over inner DP of those pieces delivers every replica's results to every replica;
 5. decoupled weight decay and the update, lr-scaled per logical matrix, on the local shard.
 Pieces travel in bf16 when Newton-Schulz runs in bf16 (the values it would compute on anyway), else
 in fp32; either way the update equals single-process Muon on the whole matrices.
@@ -24,7 +24,7 @@ from trainer import comm
 from trainer.model.layout import from_logical_matrices, full_shape, layout_of, logical_matrices
 from trainer.model.presets import ModelShape
 from trainer.optim.muon import MuonConfig, apply_update, lr_scale, orthogonalize_direction, update_momentum
-from trainer.optim.muon_comm_model import MuonExchange, comm_dtype, local_model_shape
+from trainer.optim.muon_comm_model import DEFAULT_BUCKET_NUMEL, MuonExchange, comm_dtype, local_model_shape
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class DistributedMuon:
     T x D owners."""
 
     def __init__(self, names: list[str], params: list[torch.nn.Parameter], model_shape: ModelShape,
-                 tp: ShardGroup, dp: ShardGroup, bucket_numel: int = 1 << 28):
+                 tp: ShardGroup, dp: ShardGroup, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
         self.names, self.params, self.model_shape, self.tp, self.dp = names, params, model_shape, tp, dp
         self.bucket_numel = bucket_numel
         self.full_shapes = [full_shape(tuple(p.shape), layout_of(n), tp.size) for n, p in zip(names, params)]
@@ -114,12 +114,11 @@ class DistributedMuon:
     # -- 3, 4. orthogonalize and return pieces -----------------------------------------------------
 
     def _orthogonalize_and_return(self, x: MuonExchange, b: int, wholes, config: MuonConfig,
-                                  dtype) -> torch.Tensor:
-        """Every replica's pieces for this TP rank, slot d' holding those owned in replica d'."""
+                                  dtype) -> list[torch.Tensor]:
+        """Slot d' for every replica d': this TP rank's pieces of the matrices owned in replica d'."""
         d, t, T, D = self.dp.rank, self.tp.rank, self.tp.size, self.dp.size
-        slot = x.padded_slot_numel(b)
-        gathered = torch.empty(D * slot, dtype=dtype, device=self.device)
-        own_slot = gathered[d * slot:(d + 1) * slot]
+        slot_numels = [x.slot_numel(b, replica) for replica in range(D)]
+        own_slot = torch.empty(slot_numels[d], dtype=dtype, device=self.device)
         mine = x.pieces_numel(x.owned(b, d, t))
         # The scatter's send buffer: piece `dest` of every owned result, grouped by destination.
         send = own_slot if T == 1 else torch.empty(T * mine, dtype=dtype, device=self.device)
@@ -133,29 +132,36 @@ class DistributedMuon:
             for dest, piece in enumerate(ortho.chunk(T, dim=lm.split_dim)):
                 per_dest[dest, offset:offset + n].view(lm.piece_shape(T)).copy_(piece)
             offset += n
-        if T > 1:
+        if T > 1 and slot_numels[d]:
             sources = [x.pieces_numel(x.owned(b, d, src)) for src in range(T)]
-            if sum(sources) or mine:
-                comm.all_to_all_single(own_slot[:sum(sources)], send, sources, [mine] * T, group=self.tp.group)
-        if D > 1 and slot:
-            comm.all_gather_into_tensor(gathered, own_slot, group=self.dp.group)
-        return gathered
+            comm.all_to_all_single(own_slot, send, sources, [mine] * T, group=self.tp.group)
+        del send, per_dest
+        if D == 1:
+            return [own_slot]
+        # Every replica's slot to every other replica (sizes differ, so not an all-gather).
+        others = [n if r != d else 0 for r, n in enumerate(slot_numels)]
+        received = torch.empty(sum(others), dtype=dtype, device=self.device)
+        if sum(slot_numels):
+            comm.all_to_all_single(received, own_slot.repeat(D - 1), others,
+                                   [slot_numels[d] if r != d else 0 for r in range(D)], group=self.dp.group)
+        slots = list(received.split(others))
+        slots[d] = own_slot
+        return slots
 
     # -- 5. apply --------------------------------------------------------------------------------
 
-    def _apply(self, x: MuonExchange, b: int, gathered: torch.Tensor, config: MuonConfig) -> None:
-        T, D = self.tp.size, self.dp.size
-        slot = x.padded_slot_numel(b)
+    def _apply(self, x: MuonExchange, b: int, slots: list[torch.Tensor], config: MuonConfig) -> None:
+        T = self.tp.size
         pieces: dict[int, dict[str, torch.Tensor]] = {i: {} for i in x.buckets[b]}
-        for replica in range(D):
-            offset = replica * slot
+        for replica, slot in enumerate(slots):
+            offset = 0
             for owner_tp in range(T):
                 for m in x.owned(b, replica, owner_tp):
                     lm = x.matrices[m]
                     n = lm.piece_numel(T)
                     # The lr scale belongs to the logical matrix (Q, K, V differ in shape); applied in
                     # fp32, as on one rank.
-                    pieces[lm.param_index][lm.part] = (gathered[offset:offset + n].view(lm.piece_shape(T)).float()
+                    pieces[lm.param_index][lm.part] = (slot[offset:offset + n].view(lm.piece_shape(T)).float()
                                                        * lr_scale(lm.shape, config.lr_scaling))
                     offset += n
         for i, parts in pieces.items():
@@ -175,5 +181,4 @@ class DistributedMuon:
             del recv, pending
             pending = (self._start_gather(x, b + 1, momentum_buffers, config, dtype)
                        if b + 1 < len(x.buckets) else None)
-            gathered = self._orthogonalize_and_return(x, b, wholes, config, dtype)
-            self._apply(x, b, gathered, config)
+            self._apply(x, b, self._orthogonalize_and_return(x, b, wholes, config, dtype), config)

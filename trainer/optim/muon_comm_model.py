@@ -10,8 +10,9 @@ replicas); owner id `d*T + t` is the rank with TP rank t in inner-DP replica d. 
 2. the owner orthogonalizes the whole matrix;
 3. scatter (all-to-all over TP): the owner sends piece r of the result to TP rank r of its replica;
    TP rank t of replica d then holds its pieces of every matrix owned in replica d, its "slot";
-4. all-gather of the slots over inner DP (the ranks with the same TP rank), padded to the largest
-   slot: every rank ends with its pieces of every matrix of the bucket.
+4. all-to-all over inner DP (the ranks with the same TP rank): each rank sends its slot to the
+   others (slots differ in size, so no padded all-gather), and ends with its pieces of every matrix
+   of the bucket.
 Elements travel in the communication dtype (`comm_dtype`): bf16 when Newton-Schulz runs in bf16
 (it would round its input to bf16 first anyway, and its output is bf16), else fp32.
 """
@@ -24,10 +25,14 @@ from functools import cached_property
 
 import torch
 
-from trainer.model.layout import Split, layout_of, logical_shapes
+from trainer.model.layout import Split, full_shape, layout_of, logical_shapes
 from trainer.model.presets import ModelShape
 from trainer.optim.newton_schulz import NS_DTYPES, newton_schulz_flops
 from trainer.optim.ownership import assign_owners
+
+
+# Full-layout elements exchanged per bucket: one 15B layer (T=4: ~130 MB of bf16 pieces per rank).
+DEFAULT_BUCKET_NUMEL = 1 << 28
 
 
 def comm_dtype(ns_dtype: str) -> torch.dtype:
@@ -111,13 +116,24 @@ class MuonExchange:
         after the other, so a bucket's slowest owner is what the step waits for."""
         matrices = logical_matrices_of(names, full_shapes, model_shape)
         buckets = param_buckets([math.prod(s) for s in full_shapes], bucket_numel)
-        owners = [0] * len(matrices)
+        owners, totals = [0] * len(matrices), [0.0] * (tp * dp)
         for bucket in buckets:
             members = [m for m, lm in enumerate(matrices) if lm.param_index in bucket]
             costs = [newton_schulz_flops(matrices[m].shape, ns_steps) for m in members]
-            for m, owner in zip(members, assign_owners(costs, tp * dp)):
+            # Ties (a bucket with fewer big matrices than owners) go to the owners with the least
+            # work so far, which also spreads each rank's bytes over the step.
+            for m, cost, owner in zip(members, costs, assign_owners(costs, tp * dp, totals)):
                 owners[m] = owner
+                totals[owner] += cost
         return cls(tuple(matrices), tuple(owners), tuple(tuple(b) for b in buckets), tp, dp)
+
+    @classmethod
+    def for_local_shards(cls, names: Sequence[str], local_shapes: Sequence[tuple[int, ...]],
+                         model_shape: ModelShape, tp: int, dp: int, ns_steps: int = 5,
+                         bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> MuonExchange:
+        """The plan from one TP rank's shard shapes (what tools/plan.py reads off the model)."""
+        full = [full_shape(tuple(s), layout_of(n), tp) for n, s in zip(names, local_shapes)]
+        return cls.build(names, full, model_shape, tp, dp, ns_steps, bucket_numel)
 
     @cached_property
     def _bucket_matrices(self) -> list[list[int]]:
@@ -143,17 +159,13 @@ class MuonExchange:
         same at every TP rank, since pieces are 1/T of a matrix."""
         return sum(self.pieces_numel(self.owned(bucket, data_rank, t)) for t in range(self.tp))
 
-    def padded_slot_numel(self, bucket: int) -> int:
-        return max(self.slot_numel(bucket, d) for d in range(self.dp))
-
     def bytes_sent(self, data_rank: int, tp_rank: int, element_size: int) -> BytesSent:
         """Bytes rank (data_rank, tp_rank) sends in one step (definitions: trainer.comm.bytes_sent)."""
         gather = scatter = dp = 0
         for b in range(len(self.buckets)):
             gather += sum(self.pieces_numel(self.owned(b, data_rank, t)) for t in range(self.tp) if t != tp_rank)
             scatter += (self.tp - 1) * self.pieces_numel(self.owned(b, data_rank, tp_rank))
-            if self.dp > 1:
-                dp += (self.dp - 1) * self.padded_slot_numel(b)
+            dp += (self.dp - 1) * self.slot_numel(b, data_rank)
         return BytesSent(gather * element_size, scatter * element_size, dp * element_size)
 
     def max_bytes_sent(self, element_size: int) -> BytesSent:
@@ -169,8 +181,9 @@ class MuonExchange:
         gather of b+1:
           orthogonalize: the owned whole matrices, the scatter buffer, Newton-Schulz's workspace for
             the largest owned matrix (X, its normalized copy, the iterate: 3 m n; A, B: 2 m^2);
-          exchange: the scatter buffer and the D-slot all-gather buffer;
-          apply: the all-gather buffer and two fp32 copies of the largest local parameter (the
+          exchange: the scatter buffer, the own slot, its D-1 copies sent over DP and the D-1 slots
+            received;
+          apply: the slots and two fp32 copies of the largest local parameter (the
             update assembled from its pieces, the pieces scaled).
         Packing bucket b's gather happens while bucket b-1's whole matrices are held, plus one
         parameter's fp32 direction (Nesterov) and its pieces."""
@@ -191,13 +204,14 @@ class MuonExchange:
             owned_full = owned_full_bytes(b)
             ns = max((3 * math.prod(self.matrices[m].shape) + 2 * min(self.matrices[m].shape) ** 2
                       for m in owned), default=0) * ns_element_size
-            all_gather = self.dp * self.padded_slot_numel(b) * c
+            dp_exchange = (self.dp * self.slot_numel(b, data_rank)
+                          + sum(self.slot_numel(b, d) for d in range(self.dp) if d != data_rank)) * c
             largest_local = max(local_numels[i] for i in bucket) * 4
             packing = largest_local * (2 if nesterov else 1) + gather_bytes(b) + (owned_full_bytes(b - 1) if b else 0)
             peak = max(peak, packing,
                        in_flight + 2 * owned_full + ns,
-                       in_flight + owned_full + all_gather,
-                       in_flight + all_gather + 2 * largest_local)
+                       in_flight + owned_full + dp_exchange,
+                       in_flight + dp_exchange + 2 * largest_local)
         return peak
 
     def max_transient_bytes(self, element_size: int, ns_element_size: int, local_numels: Sequence[int],
