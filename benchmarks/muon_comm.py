@@ -16,7 +16,10 @@ gpu_150m_dp_muon.json and 15B: gpu_15b_muloco_k16.json, bf16). The gradient all-
 DeepSpeed's over inner DP of every local parameter's fp32 gradient (the trainer never hands DeepSpeed
 its bf16 block, so DeepSpeed communicates in the parameters' fp32). Each row is the rank with the
 largest Muon / gradient ratio; `peak_transient_bytes` is the model's peak of the step's buffers beyond
-parameters, gradients and optimizer state (muon_comm_model.MuonExchange.transient_bytes).
+parameters, gradients and optimizer state (muon_comm_model.MuonExchange.transient_bytes), and
+`previous_design_bytes` what the replaced exchange sent (fp32: all-gather of every TP shard over TP,
+all-reduce over DP of a T x local buffer, reduce-scatter over TP: (T-1) L + 2(D-1)/D T L + (T-1) L
+elements for L local Muon elements) — the baseline.
 
 The last line printed is JSON: {"rows": [...]}.
 """
@@ -83,8 +86,15 @@ def row(preset: str, tensor: int, pipeline: int, data: int, measured: bool, per_
             "muon_bytes": worst["muon_bytes"], "grad_allreduce_bytes": worst["grad_allreduce_bytes"],
             "muon_over_grad_allreduce": round(worst["muon_bytes"] / worst["grad_allreduce_bytes"], 4),
             "muon_over_muon_matrices_grad_allreduce": round(worst["muon_bytes"] / worst["muon_grad_bytes"], 4),
+            "previous_design_bytes": worst["previous"],
             "muon_dtype": comm_bytes, "grad_dtype": "float32",
             "peak_transient_bytes": max(r.get("transient", 0) for r in per_rank) or None}
+
+
+def previous_design_bytes(local_muon_numel: int, tensor: int, data: int) -> int:
+    """Per rank per step of the replaced exchange (fp32 throughout)."""
+    L = local_muon_numel
+    return 4 * ((tensor - 1) * L + 2 * (data - 1) * tensor * L // data + (tensor - 1) * L)
 
 
 def measure_tiny(steps: int) -> dict:
@@ -104,7 +114,8 @@ def measure_tiny(steps: int) -> dict:
             raise SystemExit(f"rank {r}: counted {seen['steps']} bytes per step, the formula says {seen['predicted']}")
         per_rank.append({"muon_bytes": seen["predicted"],
                          "grad_allreduce_bytes": grad_allreduce_bytes(seen["local_numel"], seen["data"]),
-                         "muon_grad_bytes": grad_allreduce_bytes(seen["muon_numel"], seen["data"])})
+                         "muon_grad_bytes": grad_allreduce_bytes(seen["muon_numel"], seen["data"]),
+                         "previous": previous_design_bytes(seen["muon_numel"], seen["tensor"], seen["data"])})
     print(f"tiny T=2 D=2: counted bytes per step equal the formula on all 4 ranks, {steps} steps "
           f"({ranks[0]['ns_dtype']} pieces)")
     return row("tiny", 2, 1, 2, True, per_rank, ranks[0]["ns_dtype"])
@@ -128,6 +139,7 @@ def evaluate(preset: str, tensor: int, pipeline: int, data: int, ds_config: str,
                     "muon_bytes": exchange.bytes_sent(d, t, element_size).total,
                     "grad_allreduce_bytes": grad_allreduce_bytes(local, data),
                     "muon_grad_bytes": grad_allreduce_bytes(muon_local, data),
+                    "previous": previous_design_bytes(muon_local, tensor, data),
                     "transient": exchange.transient_bytes(d, t, element_size, element_size,
                                                           [p.numel for p in muon], nesterov)})
     return row(preset, tensor, pipeline, data, False, per_rank, ns_dtype)
@@ -144,13 +156,14 @@ def main() -> int:
     args = parser.parse_args()
     rows = [measure_tiny(args.steps)] + [evaluate(*shaped, args.vocab_size) for shaped in SHAPED]
     print(f"{'preset':>6} {'T':>2} {'P':>2} {'D':>2} {'measured':>8} {'muon MB':>10} {'grad AR MB':>10} "
-          f"{'ratio':>7} {'vs Muon-matrix grads':>20} {'peak transient':>14}")
+          f"{'ratio':>7} {'vs Muon-matrix grads':>20} {'peak transient':>14} {'previous MB':>12} {'gain':>6}")
     for r in rows:
         transient = f"{r['peak_transient_bytes'] / GIB:.3f} GiB" if r["peak_transient_bytes"] else "-"
         print(f"{r['preset']:>6} {r['tensor']:>2} {r['pipeline']:>2} {r['data']:>2} {str(r['measured']):>8} "
               f"{r['muon_bytes'] / 1e6:>10.2f} {r['grad_allreduce_bytes'] / 1e6:>10.2f} "
               f"{r['muon_over_grad_allreduce']:>7.3f} {r['muon_over_muon_matrices_grad_allreduce']:>20.3f} "
-              f"{transient:>14}")
+              f"{transient:>14} {r['previous_design_bytes'] / 1e6:>12.2f} "
+              f"{r['previous_design_bytes'] / r['muon_bytes']:>5.1f}x")
     print(f"(Muon pieces in each row's muon_dtype, gradients in fp32; vocabulary {args.vocab_size} for 150m/15B)")
     print(json.dumps({"rows": rows}))
     return 0

@@ -71,8 +71,8 @@ def run_case(T: int, D: int, config: MuonConfig, tp_group, dp_group, tp_rank: in
             muon.step(buffers, config)
     gaps = []  # ||w - w_ref|| / ||w_ref - w_0|| on this rank's piece of each logical matrix
     for n, p, p0, ref_parts in zip(NAMES, params, full_params(), reference(config)):
-        def piece(whole: torch.Tensor) -> torch.Tensor:  # this TP rank's piece of a logical matrix
-            return whole.chunk(T, dim=layout_of(n).partition_dim)[tp_rank]
+        def piece(whole: torch.Tensor, dim: int = layout_of(n).partition_dim) -> torch.Tensor:
+            return whole.chunk(T, dim=dim)[tp_rank]  # this TP rank's piece of a logical matrix
 
         local = logical_matrices(n, p.detach(), muon.local_shape)
         start = logical_matrices(n, p0, SHAPE)

@@ -172,13 +172,13 @@ class DistributedMuon:
     def step(self, momentum_buffers: list[torch.Tensor], config: MuonConfig) -> None:
         x = self._exchange(config.ns_steps)
         dtype = comm_dtype(config.ns_dtype)
-        pending = self._start_gather(x, 0, momentum_buffers, config, dtype) if x.buckets else None
+        in_flight = self._start_gather(x, 0, momentum_buffers, config, dtype) if x.buckets else None
         for b in range(len(x.buckets)):
-            recv, handle = pending
+            (recv, handle), in_flight = in_flight, None
             if handle is not None:
                 handle.wait()
             wholes = self._whole_matrices(x, b, recv)
-            del recv, pending
-            pending = (self._start_gather(x, b + 1, momentum_buffers, config, dtype)
-                       if b + 1 < len(x.buckets) else None)
+            del recv  # at T > 1 the whole matrices are copies; free the pieces before the next gather
+            if b + 1 < len(x.buckets):
+                in_flight = self._start_gather(x, b + 1, momentum_buffers, config, dtype)
             self._apply(x, b, self._orthogonalize_and_return(x, b, wholes, config, dtype), config)
