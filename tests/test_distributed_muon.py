@@ -24,6 +24,15 @@ LAUNCH_TIMEOUT_S = 180
 RTOL = {"float32": 1e-6, "bfloat16": 2 ** -8}
 
 
+def _hidden_matrices(shape) -> tuple[list[str], list[tuple[int, int]]]:
+    """Names and full shapes of a preset's fused QKV, O, fused gate-up and down matrices (MHA)."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    per_layer = (("self_attention.linear_qkv.weight", (3 * h, h)), ("self_attention.linear_proj.weight", (h, h)),
+                 ("mlp.linear_fc1.weight", (2 * f, h)), ("mlp.linear_fc2.weight", (h, f)))
+    return ([f"decoder.layers.{layer}.{name}" for layer in range(shape.num_layers) for name, _ in per_layer],
+            [s for _ in range(shape.num_layers) for _, s in per_layer])
+
+
 @cache
 def _launch(out_dir: Path) -> list[list[dict]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
@@ -63,15 +72,28 @@ def test_no_rank_sends_more_than_the_gradient_all_reduce_at_t2_d2():
     """At 150m shapes (hidden matrices only), bf16 Muon traffic is half of the fp32 ring all-reduce
     of the same matrices' gradients, and fp32 equal to it: 2(T-1)/(TD) + (D-1)/D of the local size."""
     shape = PRESETS["150m"]
-    h, f, rows = shape.hidden_size, shape.ffn_hidden_size, 3 * shape.hidden_size
-    names, shapes = [], []
-    for layer in range(shape.num_layers):
-        for name, s in (("self_attention.linear_qkv.weight", (rows, h)), ("self_attention.linear_proj.weight", (h, h)),
-                        ("mlp.linear_fc1.weight", (2 * f, h)), ("mlp.linear_fc2.weight", (h, f))):
-            names.append(f"decoder.layers.{layer}.{name}")
-            shapes.append(s)
+    names, shapes = _hidden_matrices(shape)
     exchange = MuonExchange.build(names, shapes, shape, tp=2, dp=2, ns_steps=5, bucket_numel=1 << 28)
     local = sum(torch.Size(s).numel() for s in shapes) // 2
     grads = grad_allreduce_bytes(local, dp=2)
     assert exchange.max_bytes_sent(element_size=2).total <= 0.55 * grads
     assert exchange.max_bytes_sent(element_size=4).total <= 1.1 * grads
+
+
+def test_exchange_plan_is_complete_and_balanced_per_bucket():
+    """Every matrix has one owner among the T x D ranks; within a bucket no owner gets a second
+    matrix while another owner has none; slots add up to every matrix's pieces exactly once."""
+    shape = PRESETS["150m"]
+    names, shapes = _hidden_matrices(shape)
+    x = MuonExchange.build(names, shapes, shape, tp=2, dp=2, ns_steps=5, bucket_numel=4 * 1024 * 1024)
+    assert len(x.buckets) > 1 and sorted(i for b in x.buckets for i in b) == list(range(len(names)))
+    assert set(x.owners) == set(range(4))
+    for b in range(len(x.buckets)):
+        owned = [len(x.owned(b, d, t)) for d in range(2) for t in range(2)]
+        assert sum(owned) == len(x.matrices_in(b))
+        assert max(owned) <= 1 or min(owned) >= 1
+        assert sum(x.slot_numel(b, d) for d in range(2)) == x.pieces_numel(x.matrices_in(b))
+    local = [torch.Size(s).numel() // 2 for s in shapes]
+    assert x.for_local_shards(names, [(s[0] // 2, s[1]) if "fc2" not in n and "proj" not in n else (s[0], s[1] // 2)
+                                      for n, s in zip(names, shapes)], shape, 2, 2, 5, 4 * 1024 * 1024) == x
+    assert 0 < x.max_transient_bytes(2, 2, local, nesterov=True)
