@@ -56,6 +56,7 @@ class DistributedMuon:
         group = tp.group if tp.group is not None else dp.group
         self.device = comm.group_device(group) if group is not None else params[0].device
         self.exchange: MuonExchange | None = None
+        self._ns_steps: int | None = None
 
     def _exchange(self, ns_steps: int) -> MuonExchange:
         if self.exchange is None or self._ns_steps != ns_steps:
@@ -73,21 +74,21 @@ class DistributedMuon:
         """Pack this rank's pieces by destination owner and start the all-to-all; returns
         (receive buffer, handle or None)."""
         d, t, T = self.dp.rank, self.tp.rank, self.tp.size
-        by_param: dict[int, dict[str, torch.Tensor]] = {}
-        for i in x.buckets[b]:
-            p = self.params[i]
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            by_param[i] = self._local_pieces(i, update_momentum(momentum_buffers[i], grad, config.momentum,
-                                                                config.nesterov))
         send_splits = [x.pieces_numel(x.owned(b, d, dest)) for dest in range(T)]
         send = torch.empty(sum(send_splits), dtype=dtype, device=self.device)
-        offset = 0
+        place, offset = {}, 0  # (param, part) -> offset in `send`: grouped by owner, in matrix order
         for dest in range(T):
             for m in x.owned(b, d, dest):
-                lm = x.matrices[m]
-                n = lm.piece_numel(T)
-                send[offset:offset + n].view(lm.piece_shape(T)).copy_(by_param[lm.param_index][lm.part])
-                offset += n
+                place[(x.matrices[m].param_index, x.matrices[m].part)] = offset
+                offset += x.matrices[m].piece_numel(T)
+        for i in x.buckets[b]:  # one parameter's direction at a time
+            p = self.params[i]
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            direction = update_momentum(momentum_buffers[i], grad, config.momentum, config.nesterov)
+            for part, piece in self._local_pieces(i, direction).items():
+                start = place.get((i, part))
+                if start is not None:  # None: owned in another replica, which gathers it there
+                    send[start:start + piece.numel()].view_as(piece).copy_(piece)
         if T == 1:
             return send, None
         mine = x.pieces_numel(x.owned(b, d, t))
