@@ -76,17 +76,17 @@ class DistributedMuon:
         d, t, T = self.dp.rank, self.tp.rank, self.tp.size
         send_splits = [x.pieces_numel(x.owned(b, d, dest)) for dest in range(T)]
         send = torch.empty(sum(send_splits), dtype=dtype, device=self.device)
-        place, offset = {}, 0  # (param, part) -> offset in `send`: grouped by owner, in matrix order
+        place, offset = {}, 0  # matrix -> offset in `send`: grouped by owner, in matrix order
         for dest in range(T):
             for m in x.owned(b, d, dest):
-                place[(x.matrices[m].param_index, x.matrices[m].part)] = offset
+                place[m] = offset
                 offset += x.matrices[m].piece_numel(T)
         for i in x.buckets[b]:  # one parameter's direction at a time
             p = self.params[i]
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             direction = update_momentum(momentum_buffers[i], grad, config.momentum, config.nesterov)
             for part, piece in self._local_pieces(i, direction).items():
-                start = place.get((i, part))
+                start = place.get(x.index(i, part))
                 if start is not None:  # None: owned in another replica, which gathers it there
                     send[start:start + piece.numel()].view_as(piece).copy_(piece)
         if T == 1:
@@ -153,19 +153,20 @@ class DistributedMuon:
 
     def _apply(self, x: MuonExchange, b: int, slots: list[torch.Tensor], config: MuonConfig) -> None:
         T = self.tp.size
-        pieces: dict[int, dict[str, torch.Tensor]] = {i: {} for i in x.buckets[b]}
+        received: dict[int, dict[str, torch.Tensor]] = {i: {} for i in x.buckets[b]}  # views into slots
         for replica, slot in enumerate(slots):
             offset = 0
             for owner_tp in range(T):
                 for m in x.owned(b, replica, owner_tp):
                     lm = x.matrices[m]
                     n = lm.piece_numel(T)
-                    # The lr scale belongs to the logical matrix (Q, K, V differ in shape); applied in
-                    # fp32, as on one rank.
-                    pieces[lm.param_index][lm.part] = (slot[offset:offset + n].view(lm.piece_shape(T)).float()
-                                                       * lr_scale(lm.shape, config.lr_scaling))
+                    received[lm.param_index][lm.part] = slot[offset:offset + n].view(lm.piece_shape(T))
                     offset += n
-        for i, parts in pieces.items():
+        for i, views in received.items():  # one parameter's fp32 update at a time
+            # The lr scale belongs to the logical matrix (Q, K, V differ in shape); applied in fp32,
+            # as on one rank.
+            parts = {part: view.float() * lr_scale(x.matrices[x.index(i, part)].shape, config.lr_scaling)
+                     for part, view in views.items()}
             update = from_logical_matrices(self.names[i], parts, self.local_shape).to(self.params[i].device)
             apply_update(self.params[i], update.view_as(self.params[i]), config.lr, config.weight_decay, scale=1.0)
 

@@ -143,6 +143,14 @@ class MuonExchange:
             out[bucket_of[lm.param_index]].append(m)
         return out
 
+    @cached_property
+    def _index(self) -> dict[tuple[int, str], int]:
+        return {(lm.param_index, lm.part): m for m, lm in enumerate(self.matrices)}
+
+    def index(self, param_index: int, part: str) -> int:
+        """The matrix index of a parameter's logical part."""
+        return self._index[(param_index, part)]
+
     def matrices_in(self, bucket: int) -> list[int]:
         return self._bucket_matrices[bucket]
 
