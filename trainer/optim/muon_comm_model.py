@@ -184,42 +184,41 @@ class MuonExchange:
     def transient_bytes(self, data_rank: int, tp_rank: int, element_size: int, ns_element_size: int,
                         local_numels: Sequence[int], nesterov: bool) -> int:
         """Peak bytes of the buffers one step allocates beyond parameters, gradients and momentum,
-        following `DistributedMuon.step`: while bucket b is orthogonalized, bucket b+1's gather
-        (send and receive buffers) is in flight. Phases of bucket b, each holding the in-flight
-        gather of b+1:
-          orthogonalize: the owned whole matrices, the scatter buffer, Newton-Schulz's workspace for
-            the largest owned matrix (X, its normalized copy, the iterate: 3 m n; A, B: 2 m^2);
-          exchange: the scatter buffer, the own slot, its D-1 copies sent over DP and the D-1 slots
-            received;
-          apply: the slots and two fp32 copies of the largest local parameter (the
-            update assembled from its pieces, the pieces scaled).
-        Packing bucket b's gather happens while bucket b-1's whole matrices are held, plus one
-        parameter's fp32 direction (Nesterov) and its pieces."""
-        tp, c = self.tp, element_size
+        following `DistributedMuon.step`: while bucket b is orthogonalized and exchanged, bucket
+        b+1's gather (its send buffer, this rank's replica's slot, and its receive buffer, the whole
+        matrices it owns) is in flight. Phases of bucket b:
+          pack: bucket b-1's whole matrices are held while one parameter's fp32 direction (Nesterov)
+            and a copy of its pieces are packed into bucket b's gather;
+          orthogonalize: the owned whole matrices, the scatter's send buffer, this rank's slot and
+            Newton-Schulz's workspace for the largest owned matrix (X, its normalized copy and the
+            next iterate: 3 m n; A and B: 2 m^2, m the short side);
+          DP exchange: the own slot, its D-1 copies being sent and the D-1 slots received;
+          apply: the D slots and two fp32 copies of the largest local parameter (its scaled pieces
+            and the update assembled from them).
+        Each buffer is counted at its allocated size, in the communication dtype unless noted."""
+        c = element_size
 
-        def gather_bytes(b: int) -> int:
-            local = sum(local_numels[i] for i in self.buckets[b])
-            owned_full = tp * self.pieces_numel(self.owned(b, data_rank, tp_rank))
-            return (local + owned_full) * c
+        def slot(b: int, d: int) -> int:
+            return self.slot_numel(b, d) * c
 
-        def owned_full_bytes(b: int) -> int:
-            return tp * self.pieces_numel(self.owned(b, data_rank, tp_rank)) * c
+        def owned_whole(b: int) -> int:
+            return self.tp * self.pieces_numel(self.owned(b, data_rank, tp_rank)) * c
+
+        def gather(b: int) -> int:
+            return slot(b, data_rank) + owned_whole(b) if b < len(self.buckets) else 0
 
         peak = 0
         for b, bucket in enumerate(self.buckets):
-            in_flight = gather_bytes(b + 1) if b + 1 < len(self.buckets) else 0
-            owned = self.owned(b, data_rank, tp_rank)
-            owned_full = owned_full_bytes(b)
+            in_flight = gather(b + 1)
             ns = max((3 * math.prod(self.matrices[m].shape) + 2 * min(self.matrices[m].shape) ** 2
-                      for m in owned), default=0) * ns_element_size
-            dp_exchange = (self.dp * self.slot_numel(b, data_rank)
-                          + sum(self.slot_numel(b, d) for d in range(self.dp) if d != data_rank)) * c
+                      for m in self.owned(b, data_rank, tp_rank)), default=0) * ns_element_size
+            slots = sum(slot(b, d) for d in range(self.dp))
             largest_local = max(local_numels[i] for i in bucket) * 4
-            packing = largest_local * (2 if nesterov else 1) + gather_bytes(b) + (owned_full_bytes(b - 1) if b else 0)
-            peak = max(peak, packing,
-                       in_flight + 2 * owned_full + ns,
-                       in_flight + owned_full + dp_exchange,
-                       in_flight + dp_exchange + 2 * largest_local)
+            pack = (owned_whole(b - 1) if b else 0) + gather(b) + largest_local * (2 if nesterov else 1)
+            peak = max(peak, pack,
+                       in_flight + 2 * owned_whole(b) + slot(b, data_rank) + ns,
+                       in_flight + slots + (self.dp - 1) * slot(b, data_rank),
+                       in_flight + slots + 2 * largest_local)
         return peak
 
     def max_transient_bytes(self, element_size: int, ns_element_size: int, local_numels: Sequence[int],
