@@ -12,6 +12,14 @@ the T x D ranks that hold identical gradients, and each rank receives back only 
 5. decoupled weight decay and the update, lr-scaled per logical matrix, on the local shard.
 Pieces travel in bf16 when Newton-Schulz runs in bf16 (the values it would compute on anyway), else
 in fp32; either way the update equals single-process Muon on the whole matrices.
+
+Against the documented designs (not run here): Megatron-core's TensorParallelMuon in "duplicated"
+mode all-gathers every matrix to every TP rank and each runs Newton-Schulz on all of them (T-fold
+redundant work, (T-1) x local bytes sent per rank), "distributed" mode all-reduces Gram matrices at
+every Newton-Schulz iteration, and "blockwise" orthogonalizes shards (a different update). Its
+layer-sharded Muon and Dion's Muon route each whole matrix to one rank with all-to-alls and back, as
+steps 2-3 do here over TP; this exchange also spreads owners over the D inner-DP replicas, which
+hold identical gradients, and returns their results with one all-to-all over DP (step 4).
 """
 from __future__ import annotations
 
