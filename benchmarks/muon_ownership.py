@@ -1,11 +1,13 @@
 """Newton-Schulz time with matrix ownership versus one rank orthogonalizing every matrix.
 
-For the logical Muon matrices of a preset (per layer: Q, K, V, O, gate, up, down), plans
-ownership over N owners (the T*D ranks that share the work) by Newton-Schulz FLOPs. Each matrix's
+For the logical Muon matrices of a preset (per layer: Q, K, V, O, gate, up, down), takes the
+ownership DistributedMuon uses over N owners (the T*D ranks that share the work: balanced by
+Newton-Schulz FLOPs within each bucket, trainer.optim.muon_comm_model.MuonExchange). Each matrix's
 orthogonalization is timed in this one process (the minimum of --repeats runs, which filters out
 noise from other work on the machine); one rank doing every matrix (the no-ownership baseline)
-takes the sum of all of them, an owner the sum of its own. The slowest owner bounds the step, so
-speedup = baseline / slowest owner (ideal: N / FLOP imbalance).
+takes the sum of all of them. Buckets run one after the other, so the step takes the sum over
+buckets of the slowest owner's time in that bucket: speedup = baseline / that sum (ideal: N / FLOP
+imbalance).
 
     python benchmarks/muon_ownership.py [--preset 150m 1.76b] [--layers L] [--owners 2 4 8]
 
@@ -26,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.model.presets import PRESETS, ModelShape  # noqa: E402
 from trainer.optim.newton_schulz import NAMED_SCHEDULES, NS_DTYPES, newton_schulz_flops, orthogonalize  # noqa: E402
-from trainer.optim.ownership import OwnershipPlan  # noqa: E402
+from trainer.optim.muon_comm_model import DEFAULT_BUCKET_NUMEL, MuonExchange  # noqa: E402
 
 # A 1.76b layer takes about a minute of Newton-Schulz on 2 CPU cores, so by default presets wider
 # than this are cut to one layer.
@@ -39,21 +41,23 @@ class OwnershipTiming:
     layers: int
     owners: int
     matrices: int
-    slowest_owner_matrices: int
-    imbalance: float  # busiest owner's FLOPs / mean FLOPs
+    buckets: int
+    slowest_owner_matrices: int  # summed over buckets
+    imbalance: float  # FLOP critical path (busiest owner per bucket, summed) x owners / all FLOPs
     baseline_s: float  # one rank, every matrix
-    slowest_owner_s: float
+    slowest_owner_s: float  # sum over buckets of the bucket's slowest owner
     speedup: float
     ideal_speedup: float  # owners / imbalance
 
 
-def logical_matrix_shapes(shape: ModelShape, layers: int) -> list[tuple[int, int]]:
-    """(rows, cols) of every Muon matrix: Q, K, V, O, gate, up, down per layer, as separate matrices."""
-    q_rows = shape.num_attention_heads * shape.kv_channels
-    kv_rows = shape.query_groups * shape.kv_channels
-    h, f = shape.hidden_size, shape.ffn_hidden_size
-    per_layer = [(q_rows, h), (kv_rows, h), (kv_rows, h), (h, q_rows), (f, h), (f, h), (h, f)]
-    return per_layer * layers
+def muon_parameters(shape: ModelShape, layers: int) -> tuple[list[str], list[tuple[int, int]]]:
+    """Names and full (T=1) shapes of the hidden matrices: fused QKV, O, fused gate-up, down per layer."""
+    qkv_rows = (shape.num_attention_heads + 2 * shape.query_groups) * shape.kv_channels
+    h, f, o_cols = shape.hidden_size, shape.ffn_hidden_size, shape.num_attention_heads * shape.kv_channels
+    per_layer = [("self_attention.linear_qkv.weight", (qkv_rows, h)), ("self_attention.linear_proj.weight", (h, o_cols)),
+                 ("mlp.linear_fc1.weight", (2 * f, h)), ("mlp.linear_fc2.weight", (h, f))]
+    names = [f"decoder.layers.{layer}.{name}" for layer in range(layers) for name, _ in per_layer]
+    return names, [s for _ in range(layers) for _, s in per_layer]
 
 
 def default_layers(shape: ModelShape) -> int:
@@ -77,25 +81,35 @@ def time_each_matrix(
 
 def benchmark_preset(
     preset: str, layers: int, owner_counts: list[int], schedule: str, steps: int, dtype: torch.dtype,
-    repeats: int, device: torch.device,
+    repeats: int, device: torch.device, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
 ) -> list[OwnershipTiming]:
-    shapes = logical_matrix_shapes(PRESETS[preset], layers)
+    names, full_shapes = muon_parameters(PRESETS[preset], layers)
+    exchanges = [MuonExchange.build(names, full_shapes, PRESETS[preset], 1, owners, steps, bucket_numel)
+                 for owners in owner_counts]
+    shapes = [m.shape for m in exchanges[0].matrices]
     generator = torch.Generator().manual_seed(0)
     matrices = [torch.randn(s, generator=generator).to(device) for s in shapes]
     seconds = time_each_matrix(matrices, schedule, steps, dtype, repeats)
     baseline_s = sum(seconds)
-    plans = [OwnershipPlan.build([newton_schulz_flops(s, steps) for s in shapes], owners) for owners in owner_counts]
     results = []
-    for plan in plans:
-        owner_seconds = [sum(seconds[i] for i in plan.items_of(rank)) for rank in range(plan.num_owners)]
-        slowest = max(range(plan.num_owners), key=lambda rank: owner_seconds[rank])
+    for x in exchanges:
+        flops = [newton_schulz_flops(s, steps) for s in shapes]
+        # Buckets run in turn: the step's FLOP critical path is each bucket's busiest owner.
+        critical = sum(max(sum(flops[m] for m in x.owned(b, r, 0)) for r in range(x.dp)) for b in range(len(x.buckets)))
+        imbalance = critical * x.dp / sum(flops)
+        step_s, slowest_matrices = 0.0, 0
+        for b in range(len(x.buckets)):
+            per_owner = [sum(seconds[m] for m in x.owned(b, r, 0)) for r in range(x.dp)]
+            slowest = max(range(x.dp), key=lambda r: per_owner[r])
+            step_s += per_owner[slowest]
+            slowest_matrices += len(x.owned(b, slowest, 0))
         results.append(
             OwnershipTiming(
-                preset=preset, layers=layers, owners=plan.num_owners, matrices=len(matrices),
-                slowest_owner_matrices=len(plan.items_of(slowest)), imbalance=round(plan.imbalance, 4),
-                baseline_s=round(baseline_s, 4), slowest_owner_s=round(owner_seconds[slowest], 4),
-                speedup=round(baseline_s / owner_seconds[slowest], 3),
-                ideal_speedup=round(plan.num_owners / plan.imbalance, 3),
+                preset=preset, layers=layers, owners=x.dp, matrices=len(matrices), buckets=len(x.buckets),
+                slowest_owner_matrices=slowest_matrices, imbalance=round(imbalance, 4),
+                baseline_s=round(baseline_s, 4), slowest_owner_s=round(step_s, 4),
+                speedup=round(baseline_s / step_s, 3),
+                ideal_speedup=round(x.dp / imbalance, 3),
             )
         )
     return results

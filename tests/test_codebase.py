@@ -129,10 +129,7 @@ def test_ruff_finds_nothing():
 
 # Modules allowed to call torch.distributed's collectives directly: the group module, and the outer
 # exchange (which takes its buffers' device from it).
-COLLECTIVE_MODULES = {"trainer/comm.py", "trainer/diloco/collectives.py", "trainer/diloco/outer_loop.py",
-                      "trainer/diloco/exchange.py"}
-# Being rewritten on its own branch to call trainer.comm; at merge this set must become empty.
-PENDING_REWRITE = {"trainer/optim/distributed_muon.py"}
+COLLECTIVE_MODULES = {"trainer/comm.py", "trainer/diloco/collectives.py"}
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "barrier", "send", "recv",
                "isend", "irecv", "gather", "scatter", "reduce", "all_gather_object", "broadcast_object_list",
@@ -144,7 +141,7 @@ def test_collectives_are_called_only_through_the_group_module():
     for package in ("trainer", "tools", "megatron_patches"):
         for path in (ROOT / package).rglob("*.py"):
             relative = path.relative_to(ROOT).as_posix()
-            if relative in COLLECTIVE_MODULES | PENDING_REWRITE:
+            if relative in COLLECTIVE_MODULES:
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
                 if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)

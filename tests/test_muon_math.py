@@ -336,6 +336,11 @@ def test_assign_owners_known_answers():
     assert assign_owners([1.0] * 6, 3) == [0, 1, 2, 0, 1, 2]  # equal costs: round robin by index
     assert assign_owners([], 4) == []
     assert assign_owners([2.0, 1.0], 4) == [0, 1]
+    # Ties in this round go to the owner that carries least from earlier rounds, then the lowest rank.
+    assert assign_owners([2.0, 1.0], 4, tie_loads=[5.0, 0.0, 3.0, 0.0]) == [1, 3]
+    assert assign_owners([5, 4, 3, 3, 3], 2, tie_loads=[1.0, 1.0]) == [0, 1, 1, 0, 1]
+    with pytest.raises(ValueError, match="tie_loads"):
+        assign_owners([1.0], 2, tie_loads=[0.0])
 
 
 @pytest.mark.parametrize("num_owners", [1, 2, 3, 8])

@@ -15,9 +15,9 @@ runs bf16 as Megatron autocast over them):
   weights 4/param; bf16 weight copies autocast keeps for the backward 2/param (bf16 only);
   gradients 4/param (DeepSpeed without ZeRO keeps them in the parameter dtype);
   Muon momentum 4 per Muon parameter; AdamW moments 8 per AdamW parameter;
-  Muon step workspace: 4 fp32 buffers of one gathered bucket (DistributedMuon gathers TP shards of a
-  bucket of at most `bucket_numel` full-layout elements: local flat, gathered, full-layout copies,
-  scatter buffer);
+  Muon step workspace: the peak of the step's transient buffers on the busiest rank, and Muon's bytes
+  sent per rank per inner step (intra-worker, reported next to the gradient all-reduce, not in the
+  wall-clock), both from trainer/optim/muon_comm_model.py, the formulas DistributedMuon executes;
   activations (Korthikanti et al. 2022, no sequence parallelism, no recomputation, Megatron's local
   attention that materialises the scores): s*b*h*(10 + 24/T + 5*a*s/(h*T)) bytes per layer and
   micro-batch of b sequences, min(P, M) micro-batches in flight on the first stage (1F1B);
@@ -66,13 +66,12 @@ from trainer.errors import ConfigError, TopologyError  # noqa: E402
 from trainer.model.layout import layout_of  # noqa: E402
 from trainer.model.presets import PRESETS, ModelShape  # noqa: E402
 from trainer.model.stages import stage_layers  # noqa: E402
-from trainer.optim.distributed_muon import DEFAULT_BUCKET_NUMEL  # noqa: E402
+from trainer.optim.muon_comm_model import MuonExchange, comm_dtype, grad_allreduce_bytes  # noqa: E402
 from trainer.optim.ownership import assign_owners  # noqa: E402
 from trainer.recipe import PAPER_VOCAB  # noqa: E402  the paper presets' counts match a Llama-3 vocabulary
 from trainer.topology import ParallelSizes  # noqa: E402
 
 GIB = 1024 ** 3
-MUON_WORKSPACE_BUFFERS = 4
 
 
 @dataclass(frozen=True)
@@ -154,6 +153,8 @@ class PlanInputs:
     overlap_steps: int
     vocab_size: int
     gpu_memory_gib: float
+    muon_ns_dtype: str = "float32"  # Muon's pieces travel in the Newton-Schulz dtype
+    muon_nesterov: bool = False
 
     @property
     def micro_batches(self) -> int:
@@ -189,6 +190,8 @@ class Memory:
     activations: float
     logits: float
     host_outer_state: float  # host memory, per rank
+    muon_bytes_per_step: int = 0  # sent per rank per inner step by Muon's exchange (busiest rank)
+    grad_allreduce_bytes_per_step: int = 0  # DeepSpeed's inner-DP fp32 gradient all-reduce, per rank
 
     @property
     def device_total(self) -> float:
@@ -200,9 +203,16 @@ def stage_memory(stage_index: int, stage: list[ShardParam], inputs: PlanInputs, 
     shape = PRESETS[inputs.model].with_overrides(seq_length=inputs.seq_length)
     T, P = inputs.sizes.tensor, inputs.sizes.pipeline
     n = sum(p.numel for p in stage)
-    n_muon = sum(p.numel for p in stage if p.muon) if optimizer == "muon" else 0
-    gathered = n_muon * T if T > 1 else 0  # T = 1 orthogonalizes in place, nothing is gathered
-    gathered = min(gathered, DEFAULT_BUCKET_NUMEL)
+    muon = [p for p in stage if p.muon] if optimizer == "muon" else []
+    n_muon = sum(p.numel for p in muon)
+    workspace = muon_bytes = 0
+    if muon:
+        exchange = MuonExchange.for_local_shards([p.name for p in muon], [p.shape for p in muon], shape, T,
+                                                 inputs.sizes.data)
+        element_size = comm_dtype(inputs.muon_ns_dtype).itemsize
+        workspace = exchange.max_transient_bytes(element_size, element_size, [p.numel for p in muon],
+                                                 inputs.muon_nesterov)
+        muon_bytes = exchange.max_bytes_sent(element_size).total
     s, b, h, a = inputs.seq_length, inputs.micro_batch, shape.hidden_size, shape.num_attention_heads
     per_layer = s * b * h * (10 + 24 / T + 5 * a * s / (h * T))
     layers = stage_layers(shape.num_layers, P)[stage_index]
@@ -215,10 +225,12 @@ def stage_memory(stage_index: int, stage: list[ShardParam], inputs: PlanInputs, 
         gradients=4 * n,
         muon_momentum=4 * n_muon,
         adamw_moments=8 * (n - n_muon),
-        muon_workspace=MUON_WORKSPACE_BUFFERS * 4 * gathered,
+        muon_workspace=workspace,
         activations=per_layer * layers * in_flight,
         logits=8 * s * b * vocab_local,
         host_outer_state=host_outer_state(stage, inputs),
+        muon_bytes_per_step=muon_bytes,
+        grad_allreduce_bytes_per_step=grad_allreduce_bytes(n, inputs.sizes.data),
     )
 
 
@@ -375,6 +387,9 @@ def render(plan: Plan) -> str:
     lines += [f"| **device total** | **{_gib(plan.memory[0].device_total)}** | {_gib(plan.memory[1].device_total)} |",
               f"| host outer state | {_gib(plan.memory[0].host_outer_state)} | |",
               f"fits a {i.gpu_memory_gib:g} GiB GPU with 10% headroom: {'yes' if plan.fits else 'NO'}",
+              f"Muon exchange per inner step ({i.muon_ns_dtype}, intra-worker): "
+              f"{plan.memory[0].muon_bytes_per_step:,} B per rank vs the fp32 gradient all-reduce's "
+              f"{plan.memory[0].grad_allreduce_bytes_per_step:,} B",
               "", f"## bytes per outer sync ({i.compression.method}"
               f"{'' if i.compression.method == 'none' else ':' + str(i.compression.bits)}"
               f"{'+EF' if i.compression.error_feedback else ''}, {i.collective})",
@@ -422,7 +437,9 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         bandwidth_gbit=args.bandwidth_gbit, bandwidth_scope=args.bandwidth_scope, tokens=args.tokens,
         gpu_tflops=args.gpu_tflops, mfu=args.mfu, dp_grad_bytes=args.dp_grad_bytes,
         overlap_steps=muloco.get("streaming", {}).get("overlap_steps", 0), vocab_size=args.vocab_size,
-        gpu_memory_gib=args.gpu_memory_gib)
+        gpu_memory_gib=args.gpu_memory_gib,
+        muon_ns_dtype=ds.get("optimizer", {}).get("params", {}).get("ns_dtype", "float32"),
+        muon_nesterov=bool(ds.get("optimizer", {}).get("params", {}).get("nesterov", False)))
 
 
 # -- which layouts fit a node ---------------------------------------------------------------------

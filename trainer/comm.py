@@ -11,7 +11,10 @@ The compute device is chosen once per process, after the launcher's local rank i
 """
 from __future__ import annotations
 
+import inspect
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -78,14 +81,32 @@ def to_compute_device(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.device == device else tensor.to(device, non_blocking=True)
 
 
-def _run_on_group_device(group, tensors: list[torch.Tensor], collective) -> None:
-    """Run `collective(*device_tensors)`; results are copied back into tensors living elsewhere."""
+class Pending:
+    """The handle of an async collective: `wait()` blocks until it is done and then copies results
+    back into caller tensors that live off the group's device."""
+
+    def __init__(self, work, copies: list[tuple[torch.Tensor, torch.Tensor]]):
+        self._work, self._copies = work, copies
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+        for original, on_device in self._copies:
+            original.copy_(on_device)
+
+
+def _run_on_group_device(group, tensors: list[torch.Tensor], collective, async_op: bool = False) -> Pending | None:
+    """Run `collective(*device_tensors)` (which returns a work handle when `async_op`); results are
+    copied back into tensors living elsewhere, at once or when the returned handle is waited on."""
     device = group_device(group)
     moved = [t if t.device == device else t.to(device) for t in tensors]
-    collective(*moved)
-    for original, on_device in zip(tensors, moved):
-        if on_device is not original:
-            original.copy_(on_device)
+    work = collective(*moved)
+    pending = Pending(work if async_op else None,
+                      [(o, d) for o, d in zip(tensors, moved) if d is not o])
+    if async_op:
+        return pending
+    pending.wait()
+    return None
 
 
 def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM) -> torch.Tensor:
@@ -93,9 +114,13 @@ def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM) -> torch.Tenso
     return tensor
 
 
-def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
-    _run_on_group_device(group, [output, input], lambda o, i: dist.all_gather_into_tensor(o, i, group=group))
-    return output
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
+                           async_op: bool = False) -> torch.Tensor | Pending:
+    """`input` may be this rank's slot of `output` (in place). With `async_op`, returns a Pending."""
+    pending = _run_on_group_device(
+        group, [output, input], lambda o, i: dist.all_gather_into_tensor(o, i, group=group, async_op=async_op),
+        async_op)
+    return pending if async_op else output
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None, op=ReduceOp.SUM) -> torch.Tensor:
@@ -105,10 +130,13 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
-                      input_split_sizes: list[int] | None = None, group=None) -> torch.Tensor:
-    _run_on_group_device(group, [output, input], lambda o, i: dist.all_to_all_single(
-        o, i, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes, group=group))
-    return output
+                      input_split_sizes: list[int] | None = None, group=None,
+                      async_op: bool = False) -> torch.Tensor | Pending:
+    """Uneven splits allowed (element counts along dim 0). With `async_op`, returns a Pending."""
+    pending = _run_on_group_device(group, [output, input], lambda o, i: dist.all_to_all_single(
+        o, i, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes, group=group,
+        async_op=async_op), async_op)
+    return pending if async_op else output
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
@@ -121,3 +149,58 @@ def barrier(group=None) -> None:
     device = group_device(group)
     # NCCL's barrier is an all-reduce on a device buffer: name ours, so it is not guessed from the rank.
     dist.barrier(group=group, device_ids=[device.index]) if device.type == "cuda" else dist.barrier(group=group)
+
+
+# -- counting bytes (benchmarks and tests only: nothing is counted outside this context) ----------
+
+def bytes_sent(collective: str, arguments: dict) -> int:
+    """Bytes that leave this rank in one call of `collective` with these (bound) arguments, for the
+    bandwidth-optimal algorithms over g ranks: ring all-reduce 2(g-1)/g n; all-gather (g-1) n_input;
+    reduce-scatter (g-1)/g n_input; all-to-all what the rank addresses to the others; broadcast n
+    from the source."""
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    group = arguments.get("group")
+    g = dist.get_world_size(group)
+    if collective == "all_reduce":
+        return 2 * (g - 1) * nbytes(arguments["tensor"]) // g
+    if collective == "all_gather_into_tensor":
+        return (g - 1) * nbytes(arguments["input"])
+    if collective == "reduce_scatter_tensor":
+        return (g - 1) * nbytes(arguments["input"]) // g
+    if collective == "all_to_all_single":
+        sent = arguments["input"]
+        splits = arguments["input_split_sizes"] or [sent.shape[0] // g] * g
+        row = nbytes(sent) // sent.shape[0] if sent.shape[0] else 0
+        return (sum(splits) - splits[dist.get_rank(group)]) * row
+    if collective == "broadcast":
+        return nbytes(arguments["tensor"]) if dist.get_rank() == arguments["src"] else 0
+    raise ValueError(f"no byte count defined for {collective!r}")
+
+
+@contextmanager
+def counting_bytes_sent() -> Iterator[dict[str, int]]:
+    """While active, every collective called through this module adds the bytes it sends from this
+    rank (`bytes_sent`) to the yielded dict, keyed by collective name. Callers must look functions
+    up on the module at call time (`comm.all_reduce(...)`) to be counted."""
+    counts: dict[str, int] = {}
+    module = globals()
+    originals = {name: module[name] for name in
+                 ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast")}
+
+    def counted(name: str, original):
+        signature = inspect.signature(original)
+
+        def wrapper(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            counts[name] = counts.get(name, 0) + bytes_sent(name, bound.arguments)
+            return original(*args, **kwargs)
+        return wrapper
+
+    module.update({name: counted(name, fn) for name, fn in originals.items()})
+    try:
+        yield counts
+    finally:
+        module.update(originals)

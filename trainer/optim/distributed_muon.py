@@ -1,16 +1,25 @@
-"""Muon over Megatron tensor-parallel shards, exactly Muon on the logical matrices at every T.
+"""Muon over Megatron tensor-parallel shards, exactly Muon on the logical matrices at every T and D.
 
-Each step:
+Every logical matrix (Q, K, V; gate, up; the rest whole) is orthogonalized whole by one owner among
+the T x D ranks that hold identical gradients, and each rank receives back only its own pieces
+(the plan and its byte and memory counts: trainer/optim/muon_comm_model.py). Each step:
 1. momentum on the local shard (elementwise, so sharding does not change it);
-2. all-gather the momentum directions over the TP group into full-layout tensors;
-3. split them into logical matrices (Q, K, V; gate, up; the rest whole) with the shared layout
-   mapping, and orthogonalize only the matrices this rank owns: ownership is balanced by
-   Newton-Schulz FLOPs over the T x D ranks that hold identical gradients (the TP group of each of
-   the D inner-DP replicas), so each rank does about 1/(T*D) of the work;
-4. owners write their results into a zero buffer laid out as [shard for TP rank 0 | ... | T-1];
-   a sum over the inner-DP group and a reduce-scatter over the TP group deliver to every rank its
-   slice. Every element has exactly one non-zero contributor, so the sums are exact;
-5. decoupled weight decay and the scaled update on the local shard.
+2. per bucket of parameters: all-to-all over TP sends each rank's piece of every matrix to that
+   matrix's owner in its replica; the next bucket's all-to-all runs while this one's
+   Newton-Schulz does;
+3. owners orthogonalize their matrices and all-to-all over TP returns piece r to TP rank r;
+4. an all-to-all over inner DP of those pieces delivers every replica's results to every replica;
+5. decoupled weight decay and the update, lr-scaled per logical matrix, on the local shard.
+Pieces travel in bf16 when Newton-Schulz runs in bf16 (the values it would compute on anyway), else
+in fp32; either way the update equals single-process Muon on the whole matrices.
+
+Against the documented designs (not run here): Megatron-core's TensorParallelMuon in "duplicated"
+mode all-gathers every matrix to every TP rank and each runs Newton-Schulz on all of them (T-fold
+redundant work, (T-1) x local bytes sent per rank), "distributed" mode all-reduces Gram matrices at
+every Newton-Schulz iteration, and "blockwise" orthogonalizes shards (a different update). Its
+layer-sharded Muon and Dion's Muon route each whole matrix to one rank with all-to-alls and back, as
+steps 2-3 do here over TP; this exchange also spreads owners over the D inner-DP replicas, which
+hold identical gradients, and returns their results with one all-to-all over DP (step 4).
 """
 from __future__ import annotations
 
@@ -19,22 +28,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trainer.model.layout import (ParamLayout, from_logical_matrices, full_shape, layout_of,
-                                  logical_matrices, logical_shapes, shard, unshard)
+from trainer import comm
+from trainer.model.layout import from_logical_matrices, full_shape, layout_of, logical_matrices
 from trainer.model.presets import ModelShape
 from trainer.optim.muon import MuonConfig, apply_update, lr_scale, orthogonalize_direction, update_momentum
-from trainer.optim.newton_schulz import newton_schulz_flops
-from trainer.optim.ownership import OwnershipPlan
-
-
-DEFAULT_BUCKET_NUMEL = 1 << 28  # full-layout elements gathered at once (tools/plan.py prices this workspace)
-
-
-@dataclass(frozen=True)
-class LogicalMatrix:
-    param_index: int
-    part: str  # "q", "k", "v", "gate", "up", or "" for a whole matrix
-    shape: tuple[int, int]
+from trainer.optim.muon_comm_model import DEFAULT_BUCKET_NUMEL, MuonExchange, comm_dtype, local_model_shape
 
 
 @dataclass(frozen=True)
@@ -53,107 +51,144 @@ class ShardGroup:
 
 
 class DistributedMuon:
-    """`bucket_numel` bounds the full-layout elements gathered at once (memory at 15B scale); the
-    ownership plan is global, so each bucket's work is spread over all owners too."""
+    """`bucket_numel` bounds the full-layout elements exchanged at once (transient memory at 15B
+    scale); ownership is balanced within each bucket, so every bucket's work is spread over all
+    T x D owners."""
 
     def __init__(self, names: list[str], params: list[torch.nn.Parameter], model_shape: ModelShape,
                  tp: ShardGroup, dp: ShardGroup, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
         self.names, self.params, self.model_shape, self.tp, self.dp = names, params, model_shape, tp, dp
-        self.layouts: list[ParamLayout] = [layout_of(n) for n in names]
-        self.full_shapes = [full_shape(tuple(p.shape), lay, tp.size) for p, lay in zip(params, self.layouts)]
-        self.matrices = [LogicalMatrix(i, part, shp)
-                         for i, (n, fs) in enumerate(zip(names, self.full_shapes))
-                         for part, shp in logical_shapes(n, fs, model_shape).items()]
-        self.buckets = self._buckets(bucket_numel)
-        self.plan: OwnershipPlan | None = None
+        self.bucket_numel = bucket_numel
+        self.full_shapes = [full_shape(tuple(p.shape), layout_of(n), tp.size) for n, p in zip(names, params)]
+        self.local_shape = local_model_shape(model_shape, tp.size)
+        group = tp.group if tp.group is not None else dp.group
+        self.device = comm.group_device(group) if group is not None else params[0].device
+        self.exchange: MuonExchange | None = None
         self._ns_steps: int | None = None
 
-    def _buckets(self, bucket_numel: int) -> list[list[int]]:
-        buckets, current, size = [], [], 0
-        for i, p in enumerate(self.params):
-            n = p.numel() * self.tp.size
-            if current and size + n > bucket_numel:
-                buckets.append(current)
-                current, size = [], 0
-            current.append(i)
-            size += n
-        return buckets + ([current] if current else [])
-
-    def _ownership(self, ns_steps: int) -> OwnershipPlan:
-        if self.plan is None or self._ns_steps != ns_steps:
-            costs = [newton_schulz_flops(m.shape, ns_steps) for m in self.matrices]
-            self.plan = OwnershipPlan.build(costs, self.tp.size * self.dp.size)
+    def _exchange(self, ns_steps: int) -> MuonExchange:
+        if self.exchange is None or self._ns_steps != ns_steps:
+            self.exchange = MuonExchange.build(self.names, self.full_shapes, self.model_shape, self.tp.size,
+                                               self.dp.size, ns_steps, self.bucket_numel)
             self._ns_steps = ns_steps
-        return self.plan
+        return self.exchange
 
-    @property
-    def owner_id(self) -> int:
-        return self.dp.rank * self.tp.size + self.tp.rank
+    def _local_pieces(self, i: int, local: torch.Tensor) -> dict[str, torch.Tensor]:
+        return logical_matrices(self.names[i], local, self.local_shape)
 
-    def _gather_full(self, bucket: list[int], directions: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-        if self.tp.size == 1:
-            return {i: directions[i] for i in bucket}
-        flat = torch.cat([directions[i].reshape(-1) for i in bucket])
-        gathered = torch.empty(self.tp.size * flat.numel(), dtype=flat.dtype, device=flat.device)
-        dist.all_gather_into_tensor(gathered, flat, group=self.tp.group)
-        per_rank = gathered.view(self.tp.size, -1)
-        fulls, offset = {}, 0
-        for i in bucket:
-            d, n = directions[i], directions[i].numel()
-            fulls[i] = unshard([per_rank[r, offset:offset + n].view_as(d) for r in range(self.tp.size)],
-                               self.layouts[i])
-            offset += n
-        return fulls
+    # -- 2. gather to owners ------------------------------------------------------------------------
 
-    def _orthogonalized_updates(self, fulls: dict[int, torch.Tensor], config: MuonConfig) -> dict[int, torch.Tensor]:
-        """Full-layout, lr-scaled updates of the bucket's parameters holding a matrix this rank owns."""
-        mine: dict[int, dict[str, torch.Tensor]] = {}
-        for item in self._ownership(config.ns_steps).items_of(self.owner_id):
-            m = self.matrices[item]
-            if m.param_index not in fulls:
-                continue
-            direction = logical_matrices(self.names[m.param_index], fulls[m.param_index], self.model_shape)[m.part]
-            ortho = orthogonalize_direction(direction, config) * lr_scale(m.shape, config.lr_scaling)
-            mine.setdefault(m.param_index, {})[m.part] = ortho
-        updates = {}
-        for i, parts in mine.items():
-            for part, tensor in logical_matrices(self.names[i], fulls[i], self.model_shape).items():
-                parts.setdefault(part, torch.zeros_like(tensor))
-            updates[i] = from_logical_matrices(self.names[i], parts, self.model_shape)
-        return updates
+    def _start_gather(self, x: MuonExchange, b: int, momentum_buffers, config: MuonConfig, dtype):
+        """Pack this rank's pieces by destination owner and start the all-to-all; returns
+        (receive buffer, handle or None)."""
+        d, t, T = self.dp.rank, self.tp.rank, self.tp.size
+        send_splits = [x.pieces_numel(x.owned(b, d, dest)) for dest in range(T)]
+        send = torch.empty(sum(send_splits), dtype=dtype, device=self.device)
+        place, offset = {}, 0  # matrix -> offset in `send`: grouped by owner, in matrix order
+        for dest in range(T):
+            for m in x.owned(b, d, dest):
+                place[m] = offset
+                offset += x.matrices[m].piece_numel(T)
+        for i in x.buckets[b]:  # one parameter's direction at a time
+            p = self.params[i]
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            direction = update_momentum(momentum_buffers[i], grad, config.momentum, config.nesterov)
+            for part, piece in self._local_pieces(i, direction).items():
+                start = place.get(x.index(i, part))
+                if start is not None:  # None: owned in another replica, which gathers it there
+                    send[start:start + piece.numel()].view_as(piece).copy_(piece)
+        if T == 1:
+            return send, None
+        mine = x.pieces_numel(x.owned(b, d, t))
+        recv = torch.empty(T * mine, dtype=dtype, device=self.device)
+        if mine == 0 and sum(send_splits) == 0:
+            return recv, None
+        handle = comm.all_to_all_single(recv, send, [mine] * T, send_splits, group=self.tp.group, async_op=True)
+        return recv, handle
 
-    def _scatter_local(self, bucket: list[int], updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Every rank's local slice of the bucket's updates, from the owners' full-layout results."""
-        if self.tp.size == 1 and self.dp.size == 1:
-            return updates  # this rank owns everything
-        sizes = [self.params[i].numel() for i in bucket]
-        buffer = torch.zeros(self.tp.size, sum(sizes), dtype=self.params[bucket[0]].dtype)
-        offset = 0
-        for i, n in zip(bucket, sizes):
-            if i in updates:
-                for r in range(self.tp.size):
-                    buffer[r, offset:offset + n] = shard(updates[i], self.layouts[i], r, self.tp.size).reshape(-1)
-            offset += n
-        if self.dp.size > 1:
-            dist.all_reduce(buffer, group=self.dp.group)
-        if self.tp.size > 1:
-            local = torch.empty(buffer.shape[1], dtype=buffer.dtype)
-            dist.reduce_scatter_tensor(local, buffer.reshape(-1), group=self.tp.group)
-        else:
-            local = buffer[0]
-        out, offset = {}, 0
-        for i, n in zip(bucket, sizes):
-            out[i] = local[offset:offset + n].view_as(self.params[i])
+    def _whole_matrices(self, x: MuonExchange, b: int, recv: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """(matrix index, whole matrix) of each matrix this rank owns, from every TP rank's piece."""
+        T = self.tp.size
+        owned = x.owned(b, self.dp.rank, self.tp.rank)
+        per_source = recv.view(T, -1)
+        out, offset = [], 0
+        for m in owned:
+            lm = x.matrices[m]
+            n = lm.piece_numel(T)
+            pieces = [per_source[src, offset:offset + n].view(lm.piece_shape(T)) for src in range(T)]
+            out.append((m, torch.cat(pieces, dim=lm.split_dim) if T > 1 else pieces[0]))
             offset += n
         return out
 
+    # -- 3, 4. orthogonalize and return pieces -----------------------------------------------------
+
+    def _orthogonalize_and_return(self, x: MuonExchange, b: int, wholes, config: MuonConfig,
+                                  dtype) -> list[torch.Tensor]:
+        """Slot d' for every replica d': this TP rank's pieces of the matrices owned in replica d'."""
+        d, t, T, D = self.dp.rank, self.tp.rank, self.tp.size, self.dp.size
+        slot_numels = [x.slot_numel(b, replica) for replica in range(D)]
+        own_slot = torch.empty(slot_numels[d], dtype=dtype, device=self.device)
+        mine = x.pieces_numel(x.owned(b, d, t))
+        # The scatter's send buffer: piece `dest` of every owned result, grouped by destination.
+        send = own_slot if T == 1 else torch.empty(T * mine, dtype=dtype, device=self.device)
+        per_dest = send[:T * mine].view(T, mine)
+        offset = 0
+        while wholes:
+            m, whole = wholes.pop(0)  # drop each whole matrix as soon as it is orthogonalized
+            lm = x.matrices[m]
+            ortho = orthogonalize_direction(whole, config)
+            n = lm.piece_numel(T)
+            for dest, piece in enumerate(ortho.chunk(T, dim=lm.split_dim)):
+                per_dest[dest, offset:offset + n].view(lm.piece_shape(T)).copy_(piece)
+            offset += n
+        if T > 1 and slot_numels[d]:
+            sources = [x.pieces_numel(x.owned(b, d, src)) for src in range(T)]
+            comm.all_to_all_single(own_slot, send, sources, [mine] * T, group=self.tp.group)
+        del send, per_dest
+        if D == 1:
+            return [own_slot]
+        # Every replica's slot to every other replica (sizes differ, so not an all-gather).
+        others = [n if r != d else 0 for r, n in enumerate(slot_numels)]
+        received = torch.empty(sum(others), dtype=dtype, device=self.device)
+        if sum(slot_numels):
+            comm.all_to_all_single(received, own_slot.repeat(D - 1), others,
+                                   [slot_numels[d] if r != d else 0 for r in range(D)], group=self.dp.group)
+        slots = list(received.split(others))
+        slots[d] = own_slot
+        return slots
+
+    # -- 5. apply --------------------------------------------------------------------------------
+
+    def _apply(self, x: MuonExchange, b: int, slots: list[torch.Tensor], config: MuonConfig) -> None:
+        T = self.tp.size
+        received: dict[int, dict[str, torch.Tensor]] = {i: {} for i in x.buckets[b]}  # views into slots
+        for replica, slot in enumerate(slots):
+            offset = 0
+            for owner_tp in range(T):
+                for m in x.owned(b, replica, owner_tp):
+                    lm = x.matrices[m]
+                    n = lm.piece_numel(T)
+                    received[lm.param_index][lm.part] = slot[offset:offset + n].view(lm.piece_shape(T))
+                    offset += n
+        for i, views in received.items():  # one parameter's fp32 update at a time
+            # The lr scale belongs to the logical matrix (Q, K, V differ in shape); applied in fp32,
+            # as on one rank.
+            parts = {part: view.float() * lr_scale(x.matrices[x.index(i, part)].shape, config.lr_scaling)
+                     for part, view in views.items()}
+            update = from_logical_matrices(self.names[i], parts, self.local_shape).to(self.params[i].device)
+            apply_update(self.params[i], update.view_as(self.params[i]), config.lr, config.weight_decay, scale=1.0)
+
     @torch.no_grad()
     def step(self, momentum_buffers: list[torch.Tensor], config: MuonConfig) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        directions = [update_momentum(buf, g, config.momentum, config.nesterov)
-                      for buf, g in zip(momentum_buffers, grads)]
-        for bucket in self.buckets:
-            updates = self._scatter_local(bucket, self._orthogonalized_updates(self._gather_full(bucket, directions), config))
-            for i in bucket:
-                # The lr scale was applied per logical matrix (Q, K, V differ in shape).
-                apply_update(self.params[i], updates[i], config.lr, config.weight_decay, scale=1.0)
+        x = self._exchange(config.ns_steps)
+        dtype = comm_dtype(config.ns_dtype)
+        in_flight = self._start_gather(x, 0, momentum_buffers, config, dtype) if x.buckets else None
+        for b in range(len(x.buckets)):
+            (recv, handle), in_flight = in_flight, None
+            if handle is not None:
+                handle.wait()
+            wholes = self._whole_matrices(x, b, recv)
+            del recv  # at T > 1 the whole matrices are copies; free the pieces before the next gather
+            if b + 1 < len(x.buckets):
+                in_flight = self._start_gather(x, b + 1, momentum_buffers, config, dtype)
+            self._apply(x, b, self._orthogonalize_and_return(x, b, wholes, config, dtype), config)

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 
-def assign_owners(costs: Sequence[float], num_owners: int) -> list[int]:
+def assign_owners(costs: Sequence[float], num_owners: int, tie_loads: Sequence[float] | None = None) -> list[int]:
     """Owner rank of each item, by greedy longest-processing-time.
 
     Items are taken by cost descending (ties: lower index first), each given to the currently
-    least-loaded owner (ties: lowest rank). The busiest owner's load is at most the mean load plus
+    least-loaded owner (ties: the lower `tie_loads[rank]`, e.g. what each owner already carries from
+    earlier rounds; then the lowest rank). The busiest owner's load is at most the mean load plus
     the largest single cost.
     """
     if isinstance(num_owners, bool) or not isinstance(num_owners, int) or num_owners < 1:
@@ -24,13 +25,17 @@ def assign_owners(costs: Sequence[float], num_owners: int) -> list[int]:
     for i, cost in enumerate(costs):
         if not (math.isfinite(cost) and cost >= 0):
             raise ValueError(f"cost of item {i} must be finite and >= 0, got {cost!r}")
+    ties = [0.0] * num_owners if tie_loads is None else [float(x) for x in tie_loads]
+    if len(ties) != num_owners:
+        raise ValueError(f"tie_loads needs one load per owner ({num_owners}), got {len(ties)}")
     owners = [0] * len(costs)
-    # (load, rank): the heap's order is exactly "least loaded, then lowest rank".
-    heap = [(0.0, rank) for rank in range(num_owners)]
+    # (load, tie load, rank): the heap's order is exactly "least loaded, then the tie-breakers".
+    heap = [(0.0, ties[rank], rank) for rank in range(num_owners)]
+    heapq.heapify(heap)
     for item in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        load, rank = heapq.heappop(heap)
+        load, tie, rank = heapq.heappop(heap)
         owners[item] = rank
-        heapq.heappush(heap, (load + float(costs[item]), rank))
+        heapq.heappush(heap, (load + float(costs[item]), tie + float(costs[item]), rank))
     return owners
 
 
