@@ -1,18 +1,19 @@
 """The MuLoCo / DiLoCo outer loop, attached to the DeepSpeed engine.
 
 Every rank keeps, for the parameters of its own shard, fp32 global weights and outer momentum (on
-the host, pinned, or on the device with `outer_state_on_device`) and error-feedback buffers. With D inner-DP replicas,
-each replica owns 1/D of the shard's parameters (balanced by size): it alone keeps their outer state
+the host, pinned, or on the device with `outer_state_on_device`) and error-feedback buffers (on the
+device). With D inner-DP replicas, each replica owns 1/D of the shard's parameters (balanced by size): it alone keeps their outer state
 and syncs them with its peers in the other workers, then shares the result inside its worker.
 
 A sync of one fragment:
-1. delta = theta_global - theta_local (fp32), per owned parameter of the fragment;
-2. agreement over every rank: any non-finite delta, or a worker whose pseudogradient norm is more
-   than `max_norm_ratio` times its peers' median, skips the sync for everyone (the workers restart
-   from the unchanged global weights);
-3. compressed average over the outer group (all-gather, or reduce-scatter + re-quantize + all-gather),
-   bit-identical on every worker;
-4. Nesterov SGD on the global weights; every worker restarts from them (or, when the sync overlapped
+1. delta = theta_global - theta_local (fp32), per owned parameter of the fragment, flattened into one
+   buffer per bucket (parameters of the same compression group, see compression.py);
+2. the skip vote (vote.py) over every rank;
+3. compressed average of each bucket over the outer group (collectives.py: all-gather, or
+   reduce-scatter + re-quantize + all-gather), bit-identical on every worker; the encoder's residual
+   is the new error-feedback buffer and the compression-error metric;
+4. the sync's metrics (sync_metrics.py), one all-reduce over every rank;
+5. Nesterov SGD on the global weights; every worker restarts from them (or, when the sync overlapped
    tau inner steps, mixes them into its local weights with weight alpha); inner optimizer state is kept.
 
 Compression groups are vectors each rank holds whole, so results do not depend on T: rows of
