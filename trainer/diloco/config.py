@@ -4,7 +4,7 @@
       "workers": 2,                 K datacenters; the world is K x D x P x T
       "sync_interval": 30,          H inner steps between outer syncs
       "outer_lr": 0.7, "outer_momentum": 0.6, "nesterov": true,
-      "compression": {"method": "statistical", "bits": 4, "embedding_bits": 8, "vector_bits": 32,
+      "compression": {"method": "statistical", "bits": 4, "embedding_bits": 4, "vector_bits": 4,
                       "error_feedback": true, ...},
       "collective": "all_gather" | "reduce_scatter",
       "outer_backend": "gloo" | "nccl",   the outer groups' backend: gloo moves the packed payload through
