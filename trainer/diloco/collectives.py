@@ -29,7 +29,7 @@ chunk j and Q_j = the re-quantized chunk j:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -199,12 +199,14 @@ def _sizes_by_rank(wire: Wire, own: Sequence[int], fixed: Sequence[int | None], 
     return wire.all_gather_ints(own, context)
 
 
-def _average_in_rank_order(decoded: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Sum in rank order, then divide: the same fp32 operations on every rank."""
-    total = decoded[0].clone()
-    for tensor in decoded[1:]:
-        total.add_(tensor)
-    return total.div_(len(decoded))
+def _average_in_rank_order(decoded: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Sum in rank order, then divide: the same fp32 operations on every rank. Takes the decodings
+    one at a time, so only one is alive besides the running sum."""
+    total, count = None, 0
+    for tensor in decoded:
+        total = tensor.clone() if total is None else total.add_(tensor)
+        count += 1
+    return total.div_(count)
 
 
 def average_buckets(buckets: Sequence[Bucket], wire: Wire, collective: str, context: str) -> list[Averaged]:
@@ -224,7 +226,7 @@ def _all_gather_average(buckets: Sequence[Bucket], wire: Wire, context: str) -> 
     out = []
     for i, (bucket, own) in enumerate(zip(buckets, encoded)):
         device, chunk = bucket.flat.device, bucket.layout.chunks[0]
-        decoded = [bucket.compressor.decode_bucket(received[rank][i].to(device), chunk) for rank in range(wire.size)]
+        decoded = (bucket.compressor.decode_bucket(received[rank][i].to(device), chunk) for rank in range(wire.size))
         out.append(Averaged(_average_in_rank_order(decoded), bucket.flat - own.decoded))
     return out
 
@@ -245,7 +247,7 @@ def _reduce_scatter_average(buckets: Sequence[Bucket], wire: Wire, context: str)
     requantized = []
     for i, bucket in enumerate(buckets):
         own_chunk, device = bucket.layout.chunks[me], bucket.flat.device
-        decoded = [bucket.compressor.decode_bucket(from_rank[src][i].to(device), own_chunk) for src in range(size)]
+        decoded = (bucket.compressor.decode_bucket(from_rank[src][i].to(device), own_chunk) for src in range(size))
         requantized.append(bucket.compressor.encode_bucket(_average_in_rank_order(decoded), own_chunk))
 
     # Phase 3: all-gather the re-quantized chunks; every rank decodes all of them, its own included.

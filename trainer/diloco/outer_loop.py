@@ -83,6 +83,11 @@ def _state_copy(t: torch.Tensor, on_device: bool) -> torch.Tensor:
     return t.detach().to("cpu", torch.float32).pin_memory()
 
 
+def _sum_sq(t: torch.Tensor) -> float:
+    """Sum of squares accumulated in fp64 (without an fp64 copy of the tensor)."""
+    return float(t.square().sum(dtype=torch.float64))
+
+
 @dataclass
 class _BucketSpec:
     """Owned parameters of one fragment that travel together: the same compression group (so the same
@@ -222,7 +227,7 @@ class OuterLoop:
         reads the outer state but changes none of it (the caller applies the result)."""
         start = time.perf_counter()
         specs, context = self.buckets[fragment], self._context(outer_step)
-        sq = sum(float(d.double().square().sum()) for spec, d in zip(specs, deltas) if spec.counts_once)
+        sq = sum(_sum_sq(d) for spec, d in zip(specs, deltas) if spec.counts_once)
         nonfinite = any(not bool(torch.isfinite(d).all()) for d in deltas)
         norms, reason = self.vote(nonfinite, sq, context)
         record = {"outer_step": outer_step, "fragment": fragment, "step": step,
@@ -240,11 +245,11 @@ class OuterLoop:
         local = LocalSums(bytes_sent=exchange.bytes_sent)
         for spec, delta, bucket, result in zip(specs, deltas, buckets, averaged):
             if spec.counts_once:
-                local.dot += float(torch.dot(delta.double(), result.average.double()))
-                local.average_sq += float(result.average.double().square().sum())
+                local.dot += float((delta * result.average).sum(dtype=torch.float64))
+                local.average_sq += _sum_sq(result.average)
                 if spec.compressed:
-                    local.residual_sq += float(result.residual.double().square().sum())
-                    local.sent_sq += float(bucket.flat.double().square().sum())
+                    local.residual_sq += _sum_sq(result.residual)
+                    local.sent_sq += _sum_sq(bucket.flat)
         record.update(sync_record(self.vote_wire, self.topology.coords.worker, self.topology.sizes.workers,
                                   norms, local, context))
         record.update(round_trips=exchange.round_trips + self.vote_wire.take_stats().round_trips,
