@@ -2,7 +2,7 @@
 data-parallel baseline all-reduces over the same H inner steps.
 
     python benchmarks/outer_sync_bytes.py [--model 150m] [--vocab-size 32000] [--sync-interval 30]
-                                          [--workers 2 4] [--embedding-bits B] [--vector-bits B]
+                                          [--workers 2 4] [--compressions LABEL ...] [--embedding-bits B] [--vector-bits B]
 
 Launches itself under torchrun once per K (gloo on CPU). Every rank is one whole worker (T=1) and
 builds the preset's real model; then, for each compression and collective, an OuterLoop over that
@@ -44,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--sync-interval", type=int, default=30, help="H: inner steps per outer sync")
     p.add_argument("--workers", type=int, nargs="+", default=[2, 4], help="K values, one launch each")
+    p.add_argument("--compressions", nargs="+", choices=list(COMPRESSIONS), default=list(COMPRESSIONS),
+                   help="rows of the grid to measure (default: all)")
     p.add_argument("--embedding-bits", type=int, help="embeddings and head (default: the config's)")
     p.add_argument("--vector-bits", type=int, help="1-D tensors (default: the config's)")
     p.add_argument("--out", help=argparse.SUPPRESS)  # a rank's result file (set by the launcher)
@@ -82,8 +84,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
     dp_bytes = 2 * (K - 1) / K * 4 * params * args.sync_interval
     generator = torch.Generator().manual_seed(dist.get_rank())
     rows = []
-    for label, compression in COMPRESSIONS.items():
-        compression = {**compression, **group_bits(args)}
+    for label in args.compressions:
+        compression = {**COMPRESSIONS[label], **group_bits(args)}
         for collective in COLLECTIVES:
             config = MuLoCoConfig(workers=K, sync_interval=args.sync_interval, collective=collective,
                                   compression=CompressionConfig(**compression))
@@ -110,7 +112,7 @@ def launch(args: argparse.Namespace, workers: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         forwarded = ["--model", args.model, "--vocab-size", str(args.vocab_size),
-                     "--sync-interval", str(args.sync_interval), "--out", str(out)]
+                     "--sync-interval", str(args.sync_interval), "--out", str(out), "--compressions", *args.compressions]
         for flag, value in (("--embedding-bits", args.embedding_bits), ("--vector-bits", args.vector_bits)):
             if value is not None:
                 forwarded += [flag, str(value)]
@@ -137,7 +139,7 @@ def main() -> None:
     rows = []
     for K in args.workers:  # each K's rows as soon as its launch is done
         rows += launch(args, K)
-        for r in rows[-len(COMPRESSIONS) * len(COLLECTIVES):]:
+        for r in rows[-len(args.compressions) * len(COLLECTIVES):]:
             print(f"{r['K']:>2} {r['compression']:<24} {r['collective']:<15} {r['bytes_per_rank_per_sync'] / 1e6:>13.2f} "
                   f"{r['dp_bytes_per_rank_per_H_steps'] / 1e6:>13.1f} {r['dp_over_outer']:>9.1f} "
                   f"{r['compression_error']:>10.3f} {r['sync_seconds']:>7.2f}", flush=True)
