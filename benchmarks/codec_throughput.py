@@ -43,7 +43,7 @@ def layer_shapes(model: str, layers: int) -> list[tuple[int, int]]:
     return sorted([qkv, out, gate_up, down] * layers, key=lambda shape: shape[1])
 
 
-def best_seconds(fn, repeats: int) -> float:
+def median_seconds(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -78,9 +78,9 @@ def main() -> None:
     for label, settings in SETTINGS.items():
         compressor = Compressor(CompressionConfig(**settings))
         encoded = compressor.encode_bucket(flat, layout)
-        encode_s = best_seconds(lambda: compressor.encode_bucket(flat, layout), args.repeats)
-        decode_s = best_seconds(lambda: compressor.decode_bucket(encoded.data, layout), args.repeats)
-        one_by_one_s = best_seconds(lambda: [compressor.encode(t) for t in tensors], args.repeats)
+        encode_s = median_seconds(lambda c=compressor: c.encode_bucket(flat, layout), args.repeats)
+        decode_s = median_seconds(lambda c=compressor, e=encoded: c.decode_bucket(e.data, layout), args.repeats)
+        one_by_one_s = median_seconds(lambda c=compressor: [c.encode(t) for t in tensors], args.repeats)
         row = {"setting": label, **settings, "elements": elements,
                "encode_elements_per_s": elements / encode_s, "decode_elements_per_s": elements / decode_s,
                "per_tensor_encode_elements_per_s": elements / one_by_one_s,
