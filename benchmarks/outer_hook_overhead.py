@@ -10,8 +10,9 @@ trainer/pretrain.py assembles them:
   sync              a sync every H steps
   sync+link         over an emulated 1 Gbit/s, 50 ms link
   sync+link, tau=1  over that link, the sync running in the background during the next inner step
-The cases are interleaved (nosync, sync, sync+link, sync+link tau=1, then again) `--repeats` times,
-so machine load drifts hit all of them alike. Throughput is metrics.jsonl's tokens_per_s over windows
+  sync+link, tau=5  the same, with five inner steps to hide it in
+The cases are interleaved `--repeats` times, each repeat in an order rotated by one, so machine load
+drifts hit all of them alike. Throughput is metrics.jsonl's tokens_per_s over windows
 of H steps (each holds one sync), the first window dropped as warm-up; per case the median over the
 repeats; overhead_vs_nosync = nosync tokens/s / case tokens/s. Also reported: round trips per sync
 (metrics.jsonl's `round_trips`) and the mean sync wall time. Last line: JSON.
@@ -44,6 +45,7 @@ def cases(sync_interval: int, steps: int) -> dict[str, dict]:
         "sync": muloco,
         "sync+link": {**muloco, "link": SLOW_LINK},
         "sync+link, tau=1": {**muloco, "link": SLOW_LINK, "streaming": {"overlap_steps": 1}},
+        "sync+link, tau=5": {**muloco, "link": SLOW_LINK, "streaming": {"overlap_steps": 5}},
     }
 
 
@@ -59,7 +61,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run_order(args: argparse.Namespace) -> list[tuple[str, int]]:
-    return [(name, repeat) for repeat in range(args.repeats) for name in cases(args.sync_interval, steps(args))]
+    """Repeat r runs the cases rotated by r, so a load that drifts during the command does not always
+    favour the case that runs first."""
+    names = list(cases(args.sync_interval, steps(args)))
+    return [(name, repeat) for repeat in range(args.repeats)
+            for name in names[repeat % len(names):] + names[:repeat % len(names)]]
 
 
 def steps(args: argparse.Namespace) -> int:
