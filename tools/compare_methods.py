@@ -40,7 +40,8 @@ LR_GRIDS = {"adamw": (1e-3, 3e-3, 1e-2), "muon": (0.01, 0.02, 0.04)}
 # One neighbour of the paper's tuned outer lr, keyed by the tuned point (K=1 and K>1).
 OUTER_LR_NEIGHBOUR = {0.7: 0.5, 1.0: 0.8}
 METHOD_ORDER = ("dp_adamw", "dp_muon", "diloco_k1", "muloco_k1", "diloco_k2", "muloco_k2", "diloco_k4",
-                "muloco_k4", "diloco_k4_stat4", "muloco_k4_stat4", "diloco_k4_stat2ef", "muloco_k4_stat2ef")
+                "muloco_k4", "diloco_k4_stat4", "muloco_k4_stat4", "diloco_k4_stat2ef", "muloco_k4_stat2ef",
+                "muloco_k4_stat4_paper", "muloco_k4_stat4_emb8")
 QUICK_METHODS = ("dp_adamw", "dp_muon", "diloco_k1", "muloco_k1", "diloco_k4", "muloco_k4", "muloco_k4_stat4",
                  "muloco_k4_stat2ef")
 # The paper's 150M column (arXiv 2505.23725) for the methods it reports; K=16 there, not K=4.
@@ -93,7 +94,8 @@ class Method:
         c = (self.config.get("muloco") or {}).get("compression", {"method": "none"})
         if c["method"] == "none":
             return "none"
-        return f"{c['method']} {c['bits']}-bit" + (" + EF" if c.get("error_feedback") else "")
+        groups = f" (emb {c.get('embedding_bits', 32)}, 1-D {c.get('vector_bits', 32)})"
+        return f"{c['method']} {c['bits']}-bit{groups}" + (" + EF" if c.get("error_feedback") else "")
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ outer loop's own owner assignment): fp32 global weights 4 + outer momentum 4 + e
 compressed parameters, when on) + the fp32 pseudogradient 4 built at a sync.
 
 Bytes per outer sync per rank: the compression module's `Compressor.payload_nbytes` on each owned
-tensor as the outer loop sends it (row-parallel weights transposed; embeddings, the head and 1-D
-tensors uncompressed with `uncompressed_small`), put through the formulas of
+tensor as the outer loop sends it (row-parallel weights transposed; embeddings/head and 1-D tensors
+at `embedding_bits` / `vector_bits`, via `compression_group`), put through the formulas of
 trainer/diloco/collectives.py (all_gather: (K-1) * S; reduce_scatter: sum_{j != k} S_j + (K-1) * max_j S_j).
 
 Wall-clock model (idealised): compute is 6 * N * tokens FLOPs at `--mfu` of `--gpu-tflops` per GPU,
@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import check_model_shape  # noqa: E402
 from trainer.diloco.collectives import row_split  # noqa: E402
-from trainer.diloco.compression import Compressor, CompressionConfig, rows_shape  # noqa: E402
+from trainer.diloco.compression import Compressor, CompressionConfig, compression_group, rows_shape  # noqa: E402
 from trainer.errors import ConfigError, TopologyError  # noqa: E402
 from trainer.model.layout import layout_of  # noqa: E402
 from trainer.model.presets import PRESETS, ModelShape  # noqa: E402
@@ -241,10 +241,11 @@ def _owned(stage: list[ShardParam], data: int, replica: int) -> list[ShardParam]
 
 
 def _sent_uncompressed(p: ShardParam, compression: CompressionConfig) -> bool:
-    """THE ONE PLACE the planner decides which tensors go uncompressed. It copies the outer loop's
-    rule (embeddings, head and 1-D tensors in fp32 with `uncompressed_small`); at merge it is to call
-    trainer/diloco/compression.py's public per-tensor compression-group function instead."""
-    return compression.method == "none" or (compression.uncompressed_small and (len(p.shape) == 1 or p.embedding_or_output))
+    return _group_config(p, compression).method == "none"
+
+
+def _group_config(p: ShardParam, compression: CompressionConfig) -> CompressionConfig:
+    return compression.for_group(compression_group(p.shape, p.embedding_or_output))
 
 
 def host_outer_state(stage: list[ShardParam], inputs: PlanInputs) -> float:
@@ -264,11 +265,9 @@ def sync_bytes_sent(params: list[ShardParam], compression: CompressionConfig, co
     """Bytes one rank sends in one outer sync of `params` (collectives.py's accounting)."""
     if not params or workers == 1:
         return 0
-    raw = Compressor(CompressionConfig("none"))
-    codec = Compressor(compression)
 
     def nbytes(p: ShardParam, shape) -> int:
-        size = (raw if _sent_uncompressed(p, compression) else codec).payload_nbytes(shape)
+        size = Compressor(_group_config(p, compression)).payload_nbytes(shape)
         if size is None:
             raise ConfigError("zstd payload sizes depend on the data; plan without zstd")
         return size

@@ -96,7 +96,6 @@ class Topology:
     rank: int
     coords: RankCoordinates
     inner_dp_group: object
-    outer_group: object
     worker_group: object
 
     @property
@@ -112,13 +111,12 @@ class Topology:
 
 def build_topology(sizes: ParallelSizes, timeout: timedelta = comm.COLLECTIVE_TIMEOUT) -> Topology:
     """The groups on the default backend (NCCL on GPUs): they carry every-step traffic inside one
-    worker. The outer group here is the cross-worker one the outer loop may replace with its own backend."""
+    worker. The cross-worker outer groups belong to the outer loop, on its own backend."""
     rank = dist.get_rank()
     return Topology(
         sizes=sizes,
         rank=rank,
         coords=coordinates(rank, sizes),
         inner_dp_group=comm.new_subgroups(inner_data_parallel_ranks(sizes), timeout),
-        outer_group=comm.new_subgroups(outer_ranks(sizes), timeout),
         worker_group=comm.new_subgroups(worker_ranks(sizes), timeout),
     )

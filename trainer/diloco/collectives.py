@@ -1,54 +1,49 @@
-"""Averaging compressed pseudogradients across the K workers of an outer group.
+"""The outer exchange: every collective of the outer loop that crosses the datacenter link.
 
-Determinism: every rank decodes the same payload bytes with the same code, sums the decoded tensors
-in rank order in fp32 and divides by K, so all ranks end with bit-identical averages. Method "none"
-takes the same path (its payload is the raw fp32 bytes), which is a plain fp32 average.
+`Wire` is one cross-datacenter group as seen by one rank: it runs the collectives on the group's
+device (trainer.comm.group_device: the host for gloo, the accelerator for NCCL; only packed payloads
+and a few statistics ever cross), counts bytes and round trips, emulates the slow link, and turns
+failures into CollectiveErrors that name the caller's context.
 
-Two collectives, both batched over many tensors so that one sync costs a few collectives, not a few
-per parameter:
-- all_gather_average: each rank all-gathers its payloads and decodes all K of them.
-- reduce_scatter_average: tensor rows are split into K contiguous chunks (row_split); rank j gets every
-  worker's payload for chunk j (one all-to-all), averages them, re-quantizes the average with the same
-  compressor and all-gathers it. Error feedback only covers the first quantization: the
+`average_buckets` averages compressed pseudogradient buckets over an outer group. Determinism:
+every rank decodes the same payload bytes with the same code, sums the decoded buckets in rank order
+in fp32 and divides by K, so all ranks end with bit-identical averages. Method "none" takes the same
+path (its payload is the raw fp32 bytes), which is a plain fp32 average. Two collectives:
+- all_gather: each rank all-gathers its payloads and decodes all K of them (1 round trip).
+- reduce_scatter: tensor rows are split into K contiguous chunks (row_split); rank j gets every
+  worker's payload for chunk j (one all-to-all), averages them, re-quantizes the average and
+  all-gathers it (2 round trips). Error feedback only covers the first quantization: the
   re-quantization error of a chunk is not fed back (it would need per-owner state that moves with
   the chunk assignment). Top-k re-selects k entries from the averaged chunk.
+With zstd, payload sizes depend on the data: each collective is preceded by an all-gather of the
+sizes (one more round trip), and all-gather buffers are padded to the largest rank's.
 
 Byte accounting (CollectiveStats, per rank, what it puts on / takes off the wire; the same for a ring
 and for direct sends): an all-gather of n bytes per rank sends and receives (K-1)*n; an all-to-all
-sends the blocks addressed to the other K-1 ranks and receives theirs. Payload sizes are known to
-every rank from the shapes unless zstd is on; then each collective is preceded by an all-gather of
-8 bytes per payload, and all-gather buffers are padded to the largest rank's (padding counted).
-With S = this rank's total payload bytes and S_j = its bytes for chunk j, Q_j = re-quantized chunk j:
-  all_gather_average:      sent = (K-1) * max_r S_r                      (grows with K)
-  reduce_scatter_average:  sent = sum_{j != rank} S_j + (K-1) * max_j Q_j ~ 2 (K-1)/K * S (flat in K)
-received is symmetric (the blocks other ranks address to this one, and (K-1) * the padded size).
+sends the blocks addressed to the other K-1 ranks and receives theirs; an all-reduce of n bytes
+sends and receives 2 (K-1)/K * n (a ring). With S = this rank's payload bytes, S_j its bytes for
+chunk j and Q_j = the re-quantized chunk j:
+  all_gather:      sent = (K-1) * max_r S_r                      (grows with K)
+  reduce_scatter:  sent = sum_{j != rank} S_j + (K-1) * max_j Q_j ~ 2 (K-1)/K * S (flat in K)
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence, Union
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from trainer.diloco.compression import Compressor, ErrorFeedback, Payload, rows_shape
+from trainer import comm
+from trainer.diloco.compression import Compressor, Encoded, Layout
 from trainer.diloco.link import SlowLink
-
-Codec = Union[Compressor, ErrorFeedback]
-Group = Union[dist.ProcessGroup, None]
 
 
 @dataclass
 class CollectiveStats:
     bytes_sent: int = 0
     bytes_received: int = 0
-    seconds: float = 0.0
-
-    def __add__(self, other: "CollectiveStats") -> "CollectiveStats":
-        return CollectiveStats(self.bytes_sent + other.bytes_sent,
-                               self.bytes_received + other.bytes_received,
-                               self.seconds + other.seconds)
+    round_trips: int = 0
 
 
 class CollectiveError(RuntimeError):
@@ -62,184 +57,213 @@ def row_split(n_rows: int, parts: int) -> list[int]:
     return [base + (1 if part < extra else 0) for part in range(parts)]
 
 
-class _Wire:
-    """The outer group as seen by one rank: runs collectives, counts bytes, emulates the link and
-    turns failures into CollectiveErrors that name the caller's context."""
+class Wire:
+    """A cross-datacenter group as seen by one rank. Not thread-safe: one caller at a time."""
 
-    def __init__(self, group: Group, context: str, link: SlowLink | None, device: torch.device):
+    def __init__(self, group, link: SlowLink | None):
         self.group = group
-        self.context = context
         self.link = link
-        self.device = device
+        self.device = comm.group_device(group)
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.stats = CollectiveStats()
 
-    def _run(self, op: str, collective: Callable[[], object], sent: int, received: int) -> None:
+    def take_stats(self) -> CollectiveStats:
+        """The counts since the last call (one sync's)."""
+        stats, self.stats = self.stats, CollectiveStats()
+        return stats
+
+    def _run(self, op: str, context: str, collective: Callable[[], object], sent: int, received: int) -> None:
         try:
             collective()
         except RuntimeError as exc:
-            raise CollectiveError(
-                f"{op} failed on rank {self.rank} of {self.size} in {self.context}: {exc}") from exc
+            raise CollectiveError(f"{op} failed on rank {self.rank} of {self.size} in {context}: {exc}") from exc
         self.stats.bytes_sent += sent
         self.stats.bytes_received += received
+        self.stats.round_trips += 1
         if self.link is not None:
             self.link.wait(sent)
 
-    def all_gather(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """All-gather equal-size 1-D buffers; returns one per rank, in rank order."""
+    def all_gather(self, buffer: torch.Tensor, context: str) -> list[torch.Tensor]:
+        """All-gather equal-size 1-D buffers; returns one per rank, in rank order, on the wire's device."""
         n = buffer.numel()
-        if n == 0:
-            return [buffer] * self.size
-        gathered = torch.empty(self.size * n, dtype=buffer.dtype, device=buffer.device)
+        if self.size == 1 or n == 0:
+            return [buffer.to(self.device)] * self.size
+        buffer = buffer.to(self.device)
+        gathered = torch.empty(self.size * n, dtype=buffer.dtype, device=self.device)
         nbytes = (self.size - 1) * n * buffer.element_size()
-        self._run("all_gather", lambda: dist.all_gather_single(gathered, buffer, group=self.group),
+        self._run("all_gather", context, lambda: dist.all_gather_into_tensor(gathered, buffer, group=self.group),
                   nbytes, nbytes)
         return list(gathered.split(n))
 
-    def all_gather_padded(self, buffer: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    def all_gather_padded(self, buffer: torch.Tensor, sizes: Sequence[int], context: str) -> list[torch.Tensor]:
         """All-gather byte buffers whose per-rank sizes every rank knows."""
         width = max(sizes)
-        padded = torch.cat([buffer, buffer.new_zeros(width - buffer.numel())])
-        return [part[:size] for part, size in zip(self.all_gather(padded), sizes)]
+        padded = torch.cat([buffer.to(self.device), buffer.new_zeros(width - buffer.numel(), device=self.device)])
+        return [part[:size] for part, size in zip(self.all_gather(padded, context), sizes)]
 
-    def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
-        gathered = self.all_gather(torch.tensor(list(values), dtype=torch.int64, device=self.device))
+    def all_gather_ints(self, values: Sequence[int], context: str) -> list[list[int]]:
+        gathered = self.all_gather(torch.tensor(list(values), dtype=torch.int64), context)
         return [part.tolist() for part in gathered]
 
-    def all_to_all(self, blocks: Sequence[torch.Tensor], receive_sizes: Sequence[int]) -> list[torch.Tensor]:
+    def all_to_all(self, blocks: Sequence[torch.Tensor], receive_sizes: Sequence[int], context: str
+                   ) -> list[torch.Tensor]:
         """Send blocks[j] to rank j; returns the block from each rank, in rank order."""
+        if self.size == 1:
+            return [blocks[0].to(self.device)]
         send_sizes = [block.numel() for block in blocks]
         received = torch.empty(sum(receive_sizes), dtype=torch.uint8, device=self.device)
+        send = torch.cat([block.to(self.device) for block in blocks])
         sent = sum(send_sizes) - send_sizes[self.rank]
         taken = sum(receive_sizes) - receive_sizes[self.rank]
-        self._run("all_to_all", lambda: dist.all_to_all_single(
-            received, torch.cat(list(blocks)), list(receive_sizes), send_sizes, group=self.group), sent, taken)
+        self._run("all_to_all", context, lambda: dist.all_to_all_single(
+            received, send, list(receive_sizes), send_sizes, group=self.group), sent, taken)
         return list(received.split(list(receive_sizes)))
 
+    def sum(self, values: torch.Tensor, context: str) -> torch.Tensor:
+        """All-reduce (sum) a small float64 vector; returns it on the host."""
+        if self.size == 1:
+            return values.cpu()
+        buffer = values.to(self.device)
+        nbytes = 2 * (self.size - 1) * buffer.numel() * buffer.element_size() // self.size
+        self._run("all_reduce", context, lambda: dist.all_reduce(buffer, group=self.group), nbytes, nbytes)
+        return buffer.cpu()
 
-def _plain(codec: Codec) -> Compressor:
-    return codec.compressor if isinstance(codec, ErrorFeedback) else codec
-
-
-def _sizes_by_rank(wire: _Wire, own: Sequence[int], fixed: Sequence[Sequence[int | None]]) -> list[list[int]]:
-    """Every rank's payload sizes: fixed[rank] when the shapes determine them (no zstd), else exchanged."""
-    if all(None not in rank_sizes for rank_sizes in fixed):
-        return [list(rank_sizes) for rank_sizes in fixed]
-    return wire.all_gather_ints(own)
-
-
-def _concat(payloads: Sequence[Payload], device: torch.device) -> torch.Tensor:
-    if not payloads:
-        return torch.empty(0, dtype=torch.uint8, device=device)
-    return torch.cat([payload.data for payload in payloads])
-
-
-def _split(buffer: torch.Tensor, sizes: Sequence[int]) -> list[Payload]:
-    return [Payload(part) for part in buffer.split(list(sizes))]
+    def sum_per_worker(self, values: Sequence[float], worker: int, workers: int, context: str) -> list[list[float]]:
+        """Each worker's sums of `values` over its ranks (result[k][i]): every rank puts its values in
+        its worker's slot of one vector, summed over the group (which must span every rank)."""
+        slots = torch.zeros(workers, len(values), dtype=torch.float64)
+        slots[worker] = torch.tensor(list(values), dtype=torch.float64)
+        return self.sum(slots.reshape(-1), context).view(workers, len(values)).tolist()
 
 
-def _average_in_rank_order(decoded: Iterable[torch.Tensor], size: int) -> torch.Tensor:
-    """Sum in the given (rank) order, then divide: the same fp32 operations on every rank. Accumulates
-    in place into the first tensor, which decode() returns freshly allocated."""
-    total = None
+@dataclass(frozen=True)
+class BucketLayout:
+    """Tensors of one bucket (as (rows, columns)) in one flat buffer, CHUNK-major: row chunk j of every
+    tensor (row_split over `parts`), then chunk j+1, so the chunk an outer rank owns in a
+    reduce-scatter is one contiguous slice. parts = 1 is the tensors one after another."""
+    shapes: tuple[tuple[int, int], ...]
+    parts: int
+
+    @property
+    def counts(self) -> list[list[int]]:
+        return [row_split(rows, self.parts) for rows, _ in self.shapes]
+
+    @property
+    def chunks(self) -> list[Layout]:
+        counts = self.counts
+        return [tuple((count[j], cols) for count, (_, cols) in zip(counts, self.shapes)) for j in range(self.parts)]
+
+    @property
+    def chunk_numels(self) -> list[int]:
+        return [sum(rows * cols for rows, cols in chunk) for chunk in self.chunks]
+
+    def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """(rows, columns) tensors -> one flat fp32 buffer."""
+        splits = [t.float().split(count) for t, count in zip(tensors, self.counts)]
+        return torch.cat([split[j].reshape(-1) for j in range(self.parts) for split in splits])
+
+    def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Inverse of flatten: (rows, columns) tensors."""
+        blocks = [chunk_flat.split([rows * cols for rows, cols in chunk])
+                  for chunk_flat, chunk in zip(flat.split(self.chunk_numels), self.chunks)]
+        return [torch.cat([blocks[j][i].view(self.chunks[j][i]) for j in range(self.parts)])
+                for i in range(len(self.shapes))]
+
+
+@dataclass
+class Bucket:
+    """One bucket to average: its codec, its layout and this rank's flat fp32 buffer (the
+    pseudogradient, error feedback already added)."""
+    compressor: Compressor
+    layout: BucketLayout
+    flat: torch.Tensor
+
+
+@dataclass
+class Averaged:
+    average: torch.Tensor  # flat fp32, the bucket's layout, bit-identical on every rank of the group
+    residual: torch.Tensor  # flat fp32: what this rank's payload did not carry (flat - its decoding)
+
+
+def _encode_chunks(bucket: Bucket) -> list[Encoded]:
+    layout = bucket.layout
+    return [bucket.compressor.encode_bucket(chunk, layout_j)
+            for chunk, layout_j in zip(bucket.flat.split(layout.chunk_numels), layout.chunks)]
+
+
+def _sizes_by_rank(wire: Wire, own: Sequence[int], fixed: Sequence[int | None], context: str) -> list[list[int]]:
+    """Every rank's payload sizes: `fixed` (the same on every rank) unless zstd makes them data-dependent."""
+    if None not in fixed:
+        return [list(fixed)] * wire.size
+    return wire.all_gather_ints(own, context)
+
+
+def _average_in_rank_order(decoded: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Sum in rank order, then divide: the same fp32 operations on every rank. Takes the decodings
+    one at a time, so only one is alive besides the running sum."""
+    total, count = None, 0
     for tensor in decoded:
-        total = tensor if total is None else total.add_(tensor)
-    return total.div_(size)
+        total = tensor.clone() if total is None else total.add_(tensor)
+        count += 1
+    return total.div_(count)
 
 
-def all_gather_average_many(tensors: Sequence[torch.Tensor], codecs: Sequence[Codec], group: Group, *,
-                            context: str, link: SlowLink | None = None
-                            ) -> tuple[list[torch.Tensor], CollectiveStats]:
-    """Average each tensor over the group: encode (through the codec's error feedback if any),
-    all-gather the payloads, decode all K, average. Returns fp32 tensors of the input shapes."""
-    start = time.perf_counter()
-    wire = _Wire(group, context, link, _batch_device(tensors, codecs))
-    shapes = [tensor.shape for tensor in tensors]
-    plains = [_plain(codec) for codec in codecs]
-    payloads = [codec.compress(tensor) for codec, tensor in zip(codecs, tensors)]
-
-    fixed = [plain.payload_nbytes(shape) for plain, shape in zip(plains, shapes)]
-    sizes = _sizes_by_rank(wire, [p.nbytes for p in payloads], [fixed] * wire.size)
-    buffers = wire.all_gather_padded(_concat(payloads, wire.device), [sum(s) for s in sizes])
-    received = [_split(buffer, rank_sizes) for buffer, rank_sizes in zip(buffers, sizes)]
-
-    averages = [
-        _average_in_rank_order((plain.decode(received[rank][i], shape) for rank in range(wire.size)), wire.size)
-        for i, (plain, shape) in enumerate(zip(plains, shapes))]
-    wire.stats.seconds = time.perf_counter() - start
-    return averages, wire.stats
+def average_buckets(buckets: Sequence[Bucket], wire: Wire, collective: str, context: str) -> list[Averaged]:
+    """Average each bucket over the wire's group; decoding happens on each bucket's own device."""
+    if collective == "all_gather":
+        return _all_gather_average(buckets, wire, context)
+    return _reduce_scatter_average(buckets, wire, context)
 
 
-def reduce_scatter_average_many(tensors: Sequence[torch.Tensor], codecs: Sequence[Codec], group: Group, *,
-                                context: str, link: SlowLink | None = None
-                                ) -> tuple[list[torch.Tensor], CollectiveStats]:
-    """Average each tensor over the group with bytes per rank flat in K: rank j averages row chunk j
-    of every worker, re-quantizes it (no error feedback) and all ranks decode the re-quantized chunks.
-    Returns fp32 tensors of the input shapes."""
-    start = time.perf_counter()
-    wire = _Wire(group, context, link, _batch_device(tensors, codecs))
-    size, me = wire.size, wire.rank
-    plains = [_plain(codec) for codec in codecs]
-    counts = [row_split(rows_shape(tensor.shape)[0], size) for tensor in tensors]
-    chunk_shapes = [[(rows, rows_shape(tensor.shape)[1]) for rows in rows_per_chunk]
-                    for tensor, rows_per_chunk in zip(tensors, counts)]
-    n = len(tensors)
+def _all_gather_average(buckets: Sequence[Bucket], wire: Wire, context: str) -> list[Averaged]:
+    encoded = [_encode_chunks(bucket)[0] for bucket in buckets]
+    fixed = [b.compressor.bucket_nbytes(b.layout.chunks[0]) for b in buckets]
+    sizes = _sizes_by_rank(wire, [e.nbytes for e in encoded], fixed, context)
+    buffers = wire.all_gather_padded(torch.cat([e.data.to(wire.device) for e in encoded]),
+                                     [sum(s) for s in sizes], context)
+    received = [buffer.split(rank_sizes) for buffer, rank_sizes in zip(buffers, sizes)]
+    out = []
+    for i, (bucket, own) in enumerate(zip(buckets, encoded)):
+        device, chunk = bucket.flat.device, bucket.layout.chunks[0]
+        decoded = (bucket.compressor.decode_bucket(received[rank][i].to(device), chunk) for rank in range(wire.size))
+        out.append(Averaged(_average_in_rank_order(decoded), bucket.flat - own.decoded))
+    return out
 
-    # Phase 1: rank j receives every worker's payload for chunk j. Sizes are indexed [rank][i*K + j].
-    chunks = [codec.compress_split(tensor, rows) for codec, tensor, rows in zip(codecs, tensors, counts)]
-    fixed = [plains[i].payload_nbytes(chunk_shapes[i][j]) for i in range(n) for j in range(size)]
-    sizes = _sizes_by_rank(wire, [chunks[i][j].nbytes for i in range(n) for j in range(size)], [fixed] * size)
-    blocks = [_concat([chunks[i][j] for i in range(n)], wire.device) for j in range(size)]
-    receive_sizes = [[sizes[src][i * size + me] for i in range(n)] for src in range(size)]
-    received = wire.all_to_all(blocks, [sum(s) for s in receive_sizes])
-    from_rank = [_split(buffer, s) for buffer, s in zip(received, receive_sizes)]
+
+def _reduce_scatter_average(buckets: Sequence[Bucket], wire: Wire, context: str) -> list[Averaged]:
+    size, me, n = wire.size, wire.rank, len(buckets)
+    encoded = [_encode_chunks(bucket) for bucket in buckets]  # [bucket][chunk]
+
+    # Phase 1: rank j receives every worker's payload for chunk j. Sizes are indexed [rank][j*n + i].
+    fixed = [buckets[i].compressor.bucket_nbytes(buckets[i].layout.chunks[j]) for j in range(size) for i in range(n)]
+    sizes = _sizes_by_rank(wire, [encoded[i][j].nbytes for j in range(size) for i in range(n)], fixed, context)
+    blocks = [torch.cat([encoded[i][j].data.to(wire.device) for i in range(n)]) for j in range(size)]
+    receive_sizes = [sizes[src][me * n:(me + 1) * n] for src in range(size)]
+    received = wire.all_to_all(blocks, [sum(s) for s in receive_sizes], context)
+    from_rank = [buffer.split(s) for buffer, s in zip(received, receive_sizes)]
 
     # Phase 2: average own chunk in rank order and re-quantize it.
-    requantized = [
-        plains[i].encode(_average_in_rank_order(
-            (plains[i].decode(from_rank[src][i], chunk_shapes[i][me]) for src in range(size)), size))
-        for i in range(n)]
+    requantized = []
+    for i, bucket in enumerate(buckets):
+        own_chunk, device = bucket.layout.chunks[me], bucket.flat.device
+        decoded = (bucket.compressor.decode_bucket(from_rank[src][i].to(device), own_chunk) for src in range(size))
+        requantized.append(bucket.compressor.encode_bucket(_average_in_rank_order(decoded), own_chunk))
 
     # Phase 3: all-gather the re-quantized chunks; every rank decodes all of them, its own included.
-    q_sizes = _sizes_by_rank(wire, [p.nbytes for p in requantized],
-                             [[plains[i].payload_nbytes(chunk_shapes[i][j]) for i in range(n)] for j in range(size)])
-    buffers = wire.all_gather_padded(_concat(requantized, wire.device), [sum(s) for s in q_sizes])
-    owned = [_split(buffer, s) for buffer, s in zip(buffers, q_sizes)]
-    averages = [
-        torch.cat([plains[i].decode(owned[j][i], chunk_shapes[i][j]) for j in range(size)]).reshape(tensors[i].shape)
-        for i in range(n)]
-    wire.stats.seconds = time.perf_counter() - start
-    return averages, wire.stats
-
-
-def all_gather_average(tensor: torch.Tensor, codec: Codec, group: Group, *, context: str,
-                       link: SlowLink | None = None) -> tuple[torch.Tensor, CollectiveStats]:
-    (average,), stats = all_gather_average_many([tensor], [codec], group, context=context, link=link)
-    return average, stats
-
-
-def reduce_scatter_average(tensor: torch.Tensor, codec: Codec, group: Group, *, context: str,
-                           link: SlowLink | None = None) -> tuple[torch.Tensor, CollectiveStats]:
-    (average,), stats = reduce_scatter_average_many([tensor], [codec], group, context=context, link=link)
-    return average, stats
-
-
-def all_finite(flag: bool, group: Group, *, context: str = "all_finite") -> bool:
-    """True on every rank iff `flag` is True on every rank (e.g. all payloads are finite)."""
-    wire = _Wire(group, context, None, _group_device(group))
-    return all(flags[0] == 1 for flags in wire.all_gather_ints([int(bool(flag))]))
-
-
-def _batch_device(tensors: Sequence[torch.Tensor], codecs: Sequence[Codec]) -> torch.device:
-    if not tensors:
-        raise ValueError("the collectives need at least one tensor")
-    if len(tensors) != len(codecs):
-        raise ValueError(f"got {len(tensors)} tensors but {len(codecs)} codecs; pass one codec per tensor")
-    return tensors[0].device
-
-
-def _group_device(group: Group) -> torch.device:
-    if dist.get_backend(group) == dist.Backend.NCCL:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    q_fixed = [buckets[i].compressor.bucket_nbytes(buckets[i].layout.chunks[me]) for i in range(n)]
+    if None in q_fixed:
+        q_sizes = wire.all_gather_ints([q.nbytes for q in requantized], context)
+    else:
+        q_sizes = [[buckets[i].compressor.bucket_nbytes(buckets[i].layout.chunks[j]) for i in range(n)]
+                   for j in range(size)]
+    buffers = wire.all_gather_padded(torch.cat([q.data.to(wire.device) for q in requantized]),
+                                     [sum(s) for s in q_sizes], context)
+    owned = [buffer.split(s) for buffer, s in zip(buffers, q_sizes)]
+    out = []
+    for i, bucket in enumerate(buckets):
+        device, chunks = bucket.flat.device, bucket.layout.chunks
+        average = torch.cat([bucket.compressor.decode_bucket(owned[j][i].to(device), chunks[j]) for j in range(size)])
+        sent = torch.cat([chunk.decoded for chunk in encoded[i]])
+        out.append(Averaged(average, bucket.flat - sent))
+    return out

@@ -1,31 +1,43 @@
 """Pseudogradient compression for the DiLoCo outer sync.
 
-Every quantizer works on ROWS: the caller hands a 2-D tensor whose rows are the quantization groups
-(rows of a column-parallel weight, the transpose of a row-parallel one), so each row is a vector one
-tensor-parallel rank holds whole and the result does not depend on the TP degree. A 1-D tensor is a
-single row; a tensor of more dimensions is viewed as (shape[0], rest).
+Every quantizer works on ROWS: each tensor is handed as (rows, columns) whose rows are the
+quantization groups (rows of a column-parallel weight, the transpose of a row-parallel one), so each
+row is a vector one tensor-parallel rank holds whole and the result does not depend on the TP degree.
+A 1-D tensor is a single row; a tensor of more dimensions is viewed as (shape[0], rest).
 
-Wire format (no header: both sides know the shape and the config). Sections are concatenated in the
-order listed; fp32 sections come first so they start 4-byte aligned; numbers are little-endian.
+The codec works on a BUCKET: many tensors flattened one after another into one fp32 buffer,
+described by its layout, a tuple of (rows, columns) blocks. Consecutive blocks of equal width are one
+dense matrix to the quantizer (a "run"), so a bucket costs a few dense tensor ops per distinct width,
+never a Python loop over its tensors; callers order a bucket's tensors by width. The same code runs
+on the host and on an accelerator: everything stays on the buffer's device.
 
-  none         fp32 values                                        4*R*C bytes
-  statistical  fp32 row means [R], fp32 codebooks [R, 2**b],      4*R + 4*R*2**b + ceil(R*C*b/8)
+Which config a tensor is sent with depends on its group (`compression_group`): matrices at `bits`,
+embeddings and the output head at `embedding_bits`, 1-D tensors at `vector_bits`; 32 means fp32.
+
+Wire format of a bucket (no header: both sides know the layout and the config). Sections in this
+order, R = rows of the bucket, N = its elements; numbers little-endian:
+
+  none         fp32 values                                            4*N bytes
+  statistical  fp32 row means [R], fp32 row sigmas [R],               8*R + 2*R*2**b + ceil(N*b/8)
+               fp16 codebooks [R, 2**b] in units of sigma (b <= 4),   (no codebook at b = 8)
                codes packed b bits each
-  linear       fp32 row minima [R], fp32 row maxima [R],          8*R + ceil(R*C*b/8)
+  linear       fp32 row minima [R], fp32 row maxima [R],              8*R + ceil(N*b/8)
                codes packed b bits each
-  topk         fp32 kept values [R, k], column indices [R, k]     4*R*k + ceil(R*k*w/8)
-               packed w = max(1, bit_length(C-1)) bits each,       k = min(C, ceil(fraction*C))
-               ascending within a row
+  topk         fp32 kept values [R, k] of every run, then per run     4*sum(R*k) + sum ceil(R*k*w/8)
+               column indices [R, k] packed w = max(1, bit_length(C-1)) bits each,
+               ascending within a row; k = min(C, ceil(fraction*C))
 
 With `zstd` the payload is the zstd frame of those bytes, so its size depends on the data.
 
-Top-k values are sent in fp32 so the kept entries arrive exactly: top-k then only drops, never
-perturbs, and error feedback carries exactly what was dropped.
+At 8 bits the statistical quantizer's 256 bins are fine enough that their centres replace the
+codebook, which would otherwise cost more than the codes on rows shorter than 1024. Top-k values are
+sent in fp32 so the kept entries arrive exactly: top-k only drops, and error feedback carries exactly
+what was dropped.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -33,21 +45,29 @@ import zstandard
 
 METHODS = ("none", "statistical", "linear", "topk")
 QUANTIZER_BITS = (2, 4, 8)
+FP32_BITS = 32  # a group width meaning "sent uncompressed"
+GROUPS = ("matrix", "embedding", "vector")
 # The statistical quantizer's bins cover mean +- this many standard deviations.
 STATISTICAL_HALF_RANGE_SIGMAS = 3.0
+# Widest statistical setting that still sends a per-row codebook.
+MAX_CODEBOOK_BITS = 4
+
+Layout = tuple[tuple[int, int], ...]  # (rows, columns) of each block of a bucket, in buffer order
 
 
 @dataclass(frozen=True)
 class CompressionConfig:
     method: str = "none"
-    bits: int = 4
+    bits: int = 4  # matrices
+    # Embeddings/head and 1-D tensors at 4 bits too: the cheapest setting within 0.5% of the
+    # uncompressed validation loss in results/compression_groups.md (the paper sends them in fp32).
+    embedding_bits: int = 4
+    vector_bits: int = 4
     topk_fraction: float = 0.02
     error_feedback: bool = False
     ef_beta: float = 1.0
     zstd: bool = False
     zstd_level: int = 3
-    # The caller sends embeddings, norms and other 1-D tensors uncompressed when this is set.
-    uncompressed_small: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -56,6 +76,10 @@ class CompressionConfig:
             raise ValueError(
                 f"CompressionConfig.bits must be one of {QUANTIZER_BITS} for method {self.method!r}, "
                 f"got {self.bits!r}")
+        for name in ("embedding_bits", "vector_bits"):
+            if getattr(self, name) not in (*QUANTIZER_BITS, FP32_BITS):
+                raise ValueError(f"CompressionConfig.{name} must be one of {(*QUANTIZER_BITS, FP32_BITS)} "
+                                 f"({FP32_BITS}: uncompressed), got {getattr(self, name)!r}")
         if not 0.0 < self.topk_fraction <= 1.0:
             raise ValueError(f"CompressionConfig.topk_fraction must be in (0, 1], got {self.topk_fraction!r}")
         if not 0.0 <= self.ef_beta <= 1.0:
@@ -63,11 +87,27 @@ class CompressionConfig:
         if not 1 <= self.zstd_level <= 22:
             raise ValueError(f"CompressionConfig.zstd_level must be in [1, 22], got {self.zstd_level!r}")
 
+    def for_group(self, group: str) -> "CompressionConfig":
+        """The config the tensors of a compression group are sent with ("none" when at fp32)."""
+        bits = {"matrix": self.bits, "embedding": self.embedding_bits, "vector": self.vector_bits}[group]
+        if self.method == "none" or bits == FP32_BITS:
+            return replace(self, method="none", error_feedback=False)
+        return replace(self, bits=bits) if self.method != "topk" else self
+
+
+def compression_group(shape: Sequence[int], is_embedding_or_output: bool) -> str:
+    """"embedding" (embeddings, output head), "vector" (1-D: norms, biases) or "matrix"."""
+    if is_embedding_or_output:
+        return "embedding"
+    return "vector" if len(shape) <= 1 else "matrix"
+
 
 @dataclass(frozen=True)
-class Payload:
-    """One encoded tensor: a flat uint8 tensor on the wire."""
-    data: torch.Tensor
+class Encoded:
+    """One encoded bucket: the wire bytes, and what the receivers will decode them to (the sender
+    gets it for free while encoding; error feedback and the compression-error metric use it)."""
+    data: torch.Tensor  # flat uint8
+    decoded: torch.Tensor  # flat fp32, the bucket's layout
 
     @property
     def nbytes(self) -> int:
@@ -113,12 +153,7 @@ def _to_bit_stream(values: torch.Tensor, width: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Row views and byte sections.
-
-def as_rows(x: torch.Tensor) -> torch.Tensor:
-    """The (rows, columns) fp32 view the quantizers work on."""
-    return x.float().reshape(rows_shape(x.shape))
-
+# Layouts, runs and byte sections.
 
 def rows_shape(shape: Sequence[int]) -> tuple[int, int]:
     if len(shape) == 0:
@@ -128,8 +163,28 @@ def rows_shape(shape: Sequence[int]) -> tuple[int, int]:
     return shape[0], math.prod(shape[1:])
 
 
-def _f32_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.float().contiguous().reshape(-1).view(torch.uint8)
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """The (rows, columns) fp32 view the quantizers work on."""
+    return x.float().reshape(rows_shape(x.shape))
+
+
+def runs_of(layout: Layout) -> list[tuple[int, int]]:
+    """Consecutive blocks of equal width merged: row-wise quantization cannot tell them apart."""
+    runs: list[tuple[int, int]] = []
+    for rows, cols in layout:
+        if runs and runs[-1][1] == cols:
+            runs[-1] = (runs[-1][0] + rows, cols)
+        else:
+            runs.append((rows, cols))
+    return runs
+
+
+def _run_matrices(flat: torch.Tensor, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
+    return [part.view(rows, cols) for part, (rows, cols) in zip(flat.split([r * c for r, c in runs]), runs)]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 class _ByteReader:
@@ -145,57 +200,78 @@ class _ByteReader:
         self.offset += nbytes
         return chunk
 
-    def f32(self, count: int) -> torch.Tensor:
-        chunk = self.take(4 * count)
-        if chunk.storage_offset() % 4:  # a float view needs 4-byte alignment
+    def values(self, dtype: torch.dtype, count: int) -> torch.Tensor:
+        size = torch.empty(0, dtype=dtype).element_size()
+        chunk = self.take(size * count)
+        if chunk.storage_offset() % size:  # a typed view needs aligned storage
             chunk = chunk.clone()
-        return chunk.view(torch.float32).clone()
+        return chunk.view(dtype)
 
     def packed(self, width: int, count: int) -> torch.Tensor:
         return unpack_bits(self.take(math.ceil(count * width / 8)), width, count)
 
 
 # ---------------------------------------------------------------------------------------------
-# Row codecs: (R, C) fp32 rows <-> list of byte sections. One class per method.
+# Run codecs: a list of dense (R, C) fp32 matrices <-> byte sections. One class per method.
 
-class _RawRows:
-    def encode(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        return [_f32_bytes(rows)]
+class _Raw:
+    def encode(self, mats: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [_bytes(m) for m in mats], mats
 
-    def decode(self, reader: _ByteReader, n_rows: int, n_cols: int) -> torch.Tensor:
-        return reader.f32(n_rows * n_cols).view(n_rows, n_cols)
+    def decode(self, reader: _ByteReader, runs: list[tuple[int, int]]) -> torch.Tensor:
+        return reader.values(torch.float32, sum(r * c for r, c in runs)).clone()
 
-    def nbytes(self, n_rows: int, n_cols: int) -> int:
-        return 4 * n_rows * n_cols
+    def nbytes(self, runs: list[tuple[int, int]]) -> int:
+        return 4 * sum(r * c for r, c in runs)
 
 
-class _StatisticalRows:
-    """Per row: subtract the mean; 2**bits bins of width 6 sigma / 2**bits tile
-    [-3 sigma, 3 sigma) around 0, bin i = [-3 sigma + i*width, -3 sigma + (i+1)*width); values
-    outside clamp into the edge bins. The codebook holds the mean of the centered values in each
-    bin (the bin center for an empty bin); decode = row mean + codebook[code]. A constant row
-    (sigma = 0) decodes exactly."""
+class _Statistical:
+    """Per row: subtract the mean; 2**bits bins of width 6 sigma / 2**bits tile [-3 sigma, 3 sigma)
+    around 0, bin i = [-3 sigma + i*width, -3 sigma + (i+1)*width); values outside clamp into the
+    edge bins. Up to 4 bits, an fp16 codebook holds the mean of the centered values in each bin in
+    units of sigma (the bin center for an empty bin); at 8 bits a code decodes to its bin center.
+    Decode = row mean + sigma * codebook[code]. A constant row (sigma = 0) decodes exactly."""
 
     def __init__(self, bits: int):
         self.bits = bits
         self.bins = 2 ** bits
+        self.codebook = bits <= MAX_CODEBOOK_BITS
 
-    def encode(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        n_rows, n_cols = rows.shape
-        # fp64 accumulation keeps the statistics accurate and independent of the reduction order.
-        mean = rows.sum(dim=1, dtype=torch.float64).div(max(n_cols, 1)).float()
-        centered = rows - mean.unsqueeze(1)
-        sigma = centered.square().sum(dim=1, dtype=torch.float64).div(max(n_cols, 1)).sqrt().float()
-        width, low = self._bin_geometry(sigma)
-        codes = torch.floor((centered - low.unsqueeze(1)) / width.unsqueeze(1)).long().clamp_(0, self.bins - 1)
+    def encode(self, mats: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        means, sigmas, books, codes, decoded = [], [], [], [], []
+        for rows in mats:
+            n_cols = max(rows.shape[1], 1)
+            # fp64 accumulation keeps the statistics accurate and independent of the reduction order.
+            mean = rows.sum(dim=1, dtype=torch.float64).div(n_cols).float()
+            centered = rows - mean.unsqueeze(1)
+            sigma = centered.square().sum(dim=1, dtype=torch.float64).div(n_cols).sqrt().float()
+            width, low = self._bin_geometry(sigma)
+            code = torch.floor((centered - low.unsqueeze(1)) / width.unsqueeze(1)).long().clamp_(0, self.bins - 1)
+            if self.codebook:
+                book = self._codebook(centered, code, sigma)
+                books.append(book)
+                values = torch.gather(book.float(), 1, code) * sigma.unsqueeze(1)
+            else:
+                values = self._centers(code, sigma)
+            means.append(mean), sigmas.append(sigma), codes.append(code.reshape(-1))
+            decoded.append(mean.unsqueeze(1) + values)
+        sections = [_bytes(torch.cat(means)), _bytes(torch.cat(sigmas))]
+        if self.codebook:
+            sections.append(_bytes(torch.cat(books)))
+        return [*sections, pack_bits(torch.cat(codes), self.bits)], decoded
 
-        slots = (codes + torch.arange(n_rows, device=rows.device).unsqueeze(1) * self.bins).reshape(-1)
-        sums = torch.zeros(n_rows * self.bins, dtype=torch.float64, device=rows.device)
+    def _codebook(self, centered: torch.Tensor, code: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        """fp16 [R, bins]: each bin's member mean over sigma (its center when empty)."""
+        n_rows = centered.shape[0]
+        slots = (code + torch.arange(n_rows, device=code.device).unsqueeze(1) * self.bins).reshape(-1)
+        sums = torch.zeros(n_rows * self.bins, dtype=torch.float64, device=code.device)
         sums.scatter_add_(0, slots, centered.reshape(-1).double())
-        counts = torch.bincount(slots, minlength=n_rows * self.bins)
-        centers = low.unsqueeze(1) + (torch.arange(self.bins, device=rows.device) + 0.5) * width.unsqueeze(1)
-        codebook = torch.where(counts > 0, sums / counts.clamp(min=1), centers.reshape(-1).double())
-        return [_f32_bytes(mean), _f32_bytes(codebook), pack_bits(codes, self.bits)]
+        counts = torch.bincount(slots, minlength=n_rows * self.bins).view(n_rows, self.bins)
+        scale = torch.where(sigma > 0, sigma, torch.ones_like(sigma)).double().unsqueeze(1)
+        centers = (torch.arange(self.bins, device=code.device, dtype=torch.float64) + 0.5) \
+            * (2 * STATISTICAL_HALF_RANGE_SIGMAS / self.bins) - STATISTICAL_HALF_RANGE_SIGMAS
+        means = sums.view(n_rows, self.bins) / counts.clamp(min=1) / scale
+        return torch.where(counts > 0, means, centers.expand(n_rows, -1)).half()
 
     def _bin_geometry(self, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Bin width and lower edge per row; a zero-sigma row gets width 1 so its codes are 0."""
@@ -203,44 +279,77 @@ class _StatisticalRows:
                             torch.ones_like(sigma))
         return width, -STATISTICAL_HALF_RANGE_SIGMAS * sigma
 
-    def decode(self, reader: _ByteReader, n_rows: int, n_cols: int) -> torch.Tensor:
-        mean = reader.f32(n_rows)
-        codebook = reader.f32(n_rows * self.bins).view(n_rows, self.bins)
-        codes = reader.packed(self.bits, n_rows * n_cols).view(n_rows, n_cols)
-        return mean.unsqueeze(1) + torch.gather(codebook, 1, codes)
+    def _centers(self, code: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        """Bin centers of the codes (0 on a constant row)."""
+        width, low = self._bin_geometry(sigma)
+        centers = low.unsqueeze(1) + (code.float() + 0.5) * width.unsqueeze(1)
+        return torch.where(sigma.unsqueeze(1) > 0, centers, torch.zeros_like(centers))
 
-    def nbytes(self, n_rows: int, n_cols: int) -> int:
-        return 4 * n_rows + 4 * n_rows * self.bins + math.ceil(n_rows * n_cols * self.bits / 8)
+    def decode(self, reader: _ByteReader, runs: list[tuple[int, int]]) -> torch.Tensor:
+        n_rows, numel = sum(r for r, _ in runs), sum(r * c for r, c in runs)
+        mean, sigma = reader.values(torch.float32, n_rows), reader.values(torch.float32, n_rows)
+        book = reader.values(torch.float16, n_rows * self.bins).view(n_rows, self.bins) if self.codebook else None
+        codes = reader.packed(self.bits, numel)
+        out, row, element = [], 0, 0
+        for rows, cols in runs:
+            run = slice(row, row + rows)
+            code = codes[element:element + rows * cols].view(rows, cols)
+            if book is not None:
+                values = torch.gather(book[run].float(), 1, code) * sigma[run].unsqueeze(1)
+            else:
+                values = self._centers(code, sigma[run])
+            out.append((mean[run].unsqueeze(1) + values).reshape(-1))
+            row, element = row + rows, element + rows * cols
+        return torch.cat(out) if out else mean.new_zeros(0)
+
+    def nbytes(self, runs: list[tuple[int, int]]) -> int:
+        n_rows, numel = sum(r for r, _ in runs), sum(r * c for r, c in runs)
+        return 8 * n_rows + (2 * n_rows * self.bins if self.codebook else 0) + math.ceil(numel * self.bits / 8)
 
 
-class _LinearRows:
+class _Linear:
     """Per row: 2**bits uniform levels from the row minimum to the row maximum, nearest level."""
 
     def __init__(self, bits: int):
         self.bits = bits
         self.top_code = 2 ** bits - 1
 
-    def encode(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        low, high = rows.amin(dim=1), rows.amax(dim=1)
-        step = self._step(low, high)
-        codes = torch.round((rows - low.unsqueeze(1)) / step.unsqueeze(1)).long().clamp_(0, self.top_code)
-        return [_f32_bytes(low), _f32_bytes(high), pack_bits(codes, self.bits)]
+    def encode(self, mats: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        lows, highs, codes, decoded = [], [], [], []
+        for rows in mats:
+            if rows.shape[1] == 0:
+                low = high = rows.new_zeros(rows.shape[0])
+            else:
+                low, high = rows.amin(dim=1), rows.amax(dim=1)
+            step = self._step(low, high).unsqueeze(1)
+            code = torch.round((rows - low.unsqueeze(1)) / step).long().clamp_(0, self.top_code)
+            lows.append(low), highs.append(high), codes.append(code.reshape(-1))
+            decoded.append(low.unsqueeze(1) + code.float() * step)
+        return [_bytes(torch.cat(lows)), _bytes(torch.cat(highs)), pack_bits(torch.cat(codes), self.bits)], decoded
 
     def _step(self, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
         # Encoder and decoder derive the step from the same fp32 bytes, so they agree exactly.
         step = (high - low) / self.top_code
         return torch.where(step > 0, step, torch.ones_like(step))
 
-    def decode(self, reader: _ByteReader, n_rows: int, n_cols: int) -> torch.Tensor:
-        low, high = reader.f32(n_rows), reader.f32(n_rows)
-        codes = reader.packed(self.bits, n_rows * n_cols).view(n_rows, n_cols)
-        return low.unsqueeze(1) + codes.float() * self._step(low, high).unsqueeze(1)
+    def decode(self, reader: _ByteReader, runs: list[tuple[int, int]]) -> torch.Tensor:
+        n_rows, numel = sum(r for r, _ in runs), sum(r * c for r, c in runs)
+        low, high = reader.values(torch.float32, n_rows), reader.values(torch.float32, n_rows)
+        codes, step = reader.packed(self.bits, numel), self._step(low, high)
+        out, row, element = [], 0, 0
+        for rows, cols in runs:
+            run = slice(row, row + rows)
+            code = codes[element:element + rows * cols].view(rows, cols)
+            out.append((low[run].unsqueeze(1) + code.float() * step[run].unsqueeze(1)).reshape(-1))
+            row, element = row + rows, element + rows * cols
+        return torch.cat(out) if out else low.new_zeros(0)
 
-    def nbytes(self, n_rows: int, n_cols: int) -> int:
-        return 8 * n_rows + math.ceil(n_rows * n_cols * self.bits / 8)
+    def nbytes(self, runs: list[tuple[int, int]]) -> int:
+        n_rows, numel = sum(r for r, _ in runs), sum(r * c for r, c in runs)
+        return 8 * n_rows + math.ceil(numel * self.bits / 8)
 
 
-class _TopKRows:
+class _TopK:
     """Per row: the k largest-magnitude entries (fp32) and their column indices."""
 
     def __init__(self, fraction: float):
@@ -253,117 +362,96 @@ class _TopKRows:
     def index_bits(n_cols: int) -> int:
         return max(1, (n_cols - 1).bit_length())
 
-    def encode(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        n_cols = rows.shape[1]
-        indices = rows.abs().topk(self.kept(n_cols), dim=1, sorted=False).indices.sort(dim=1).values
-        values = torch.gather(rows, 1, indices)
-        return [_f32_bytes(values), pack_bits(indices, self.index_bits(n_cols))]
+    def encode(self, mats: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        values, indices, decoded = [], [], []
+        for rows in mats:
+            n_cols = rows.shape[1]
+            index = rows.abs().topk(self.kept(n_cols), dim=1, sorted=False).indices.sort(dim=1).values
+            kept = torch.gather(rows, 1, index)
+            values.append(_bytes(kept)), indices.append(pack_bits(index, self.index_bits(n_cols)))
+            decoded.append(torch.zeros_like(rows).scatter_(1, index, kept))
+        return values + indices, decoded
 
-    def decode(self, reader: _ByteReader, n_rows: int, n_cols: int) -> torch.Tensor:
-        k = self.kept(n_cols)
-        values = reader.f32(n_rows * k).view(n_rows, k)
-        indices = reader.packed(self.index_bits(n_cols), n_rows * k).view(n_rows, k)
-        return torch.zeros(n_rows, n_cols, device=values.device).scatter_(1, indices, values)
+    def decode(self, reader: _ByteReader, runs: list[tuple[int, int]]) -> torch.Tensor:
+        kept = [reader.values(torch.float32, rows * self.kept(cols)).view(rows, self.kept(cols)) for rows, cols in runs]
+        out = []
+        for (rows, cols), values in zip(runs, kept):
+            index = reader.packed(self.index_bits(cols), values.numel()).view(values.shape)
+            out.append(torch.zeros(rows, cols, device=values.device).scatter_(1, index, values).reshape(-1))
+        return torch.cat(out) if out else torch.zeros(0, device=reader.data.device)
 
-    def nbytes(self, n_rows: int, n_cols: int) -> int:
-        k = self.kept(n_cols)
-        return 4 * n_rows * k + math.ceil(n_rows * k * self.index_bits(n_cols) / 8)
+    def nbytes(self, runs: list[tuple[int, int]]) -> int:
+        return sum(4 * r * self.kept(c) + math.ceil(r * self.kept(c) * self.index_bits(c) / 8) for r, c in runs)
 
 
-def _row_codec(config: CompressionConfig):
+def _run_codec(config: CompressionConfig):
     if config.method == "statistical":
-        return _StatisticalRows(config.bits)
+        return _Statistical(config.bits)
     if config.method == "linear":
-        return _LinearRows(config.bits)
+        return _Linear(config.bits)
     if config.method == "topk":
-        return _TopKRows(config.topk_fraction)
-    return _RawRows()
+        return _TopK(config.topk_fraction)
+    return _Raw()
 
 
 # ---------------------------------------------------------------------------------------------
-# Public codecs.
+# Public codec.
 
 class Compressor:
-    """Stateless encode/decode of one tensor under a CompressionConfig."""
+    """Stateless encode/decode under a CompressionConfig, of a bucket or of one tensor."""
 
     def __init__(self, config: CompressionConfig):
         self.config = config
-        self._rows = _row_codec(config)
+        self._runs = _run_codec(config)
 
-    def encode(self, x: torch.Tensor) -> Payload:
-        data = torch.cat(self._rows.encode(as_rows(x)))
-        return Payload(_zstd_compress(data, self.config.zstd_level) if self.config.zstd else data)
+    def encode_bucket(self, flat: torch.Tensor, layout: Layout) -> Encoded:
+        runs = runs_of(layout)
+        sections, decoded = self._runs.encode(_run_matrices(flat.float(), runs))
+        data = torch.cat(sections) if sections else torch.empty(0, dtype=torch.uint8, device=flat.device)
+        flat_decoded = torch.cat([d.reshape(-1) for d in decoded]) if decoded else flat.float()
+        return Encoded(_zstd_compress(data, self.config.zstd_level) if self.config.zstd else data, flat_decoded)
 
-    def decode(self, payload: Payload, shape: Sequence[int]) -> torch.Tensor:
-        data = _zstd_decompress(payload.data) if self.config.zstd else payload.data
-        n_rows, n_cols = rows_shape(shape)
+    def decode_bucket(self, data: torch.Tensor, layout: Layout) -> torch.Tensor:
+        data = _zstd_decompress(data) if self.config.zstd else data
         reader = _ByteReader(data)
-        rows = self._rows.decode(reader, n_rows, n_cols)
+        flat = self._runs.decode(reader, runs_of(layout))
         if reader.offset != data.numel():
-            raise ValueError(f"payload has {data.numel()} bytes, shape {tuple(shape)} needs {reader.offset}")
-        return rows.reshape(shape)
+            raise ValueError(f"payload has {data.numel()} bytes, layout {layout} needs {reader.offset}")
+        return flat
+
+    def bucket_nbytes(self, layout: Layout) -> int | None:
+        """Bytes of a bucket's payload; None when zstd makes it data-dependent."""
+        return None if self.config.zstd else self._runs.nbytes(runs_of(layout))
+
+    # One tensor: a bucket of one block.
+    def encode(self, x: torch.Tensor) -> Encoded:
+        encoded = self.encode_bucket(as_rows(x).reshape(-1), (rows_shape(x.shape),))
+        return Encoded(encoded.data, encoded.decoded.view(x.shape))
+
+    def decode(self, data: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        return self.decode_bucket(data, (rows_shape(shape),)).view(tuple(shape))
 
     def payload_nbytes(self, shape: Sequence[int]) -> int | None:
-        """Bytes of the payload for a tensor of this shape; None when zstd makes it data-dependent."""
-        return None if self.config.zstd else self._rows.nbytes(*rows_shape(shape))
-
-    def compress_split(self, x: torch.Tensor, row_counts: Sequence[int]) -> list[Payload]:
-        """Encode consecutive row blocks of x separately (rows are independent groups, so the decoded
-        blocks equal the blocks of the whole tensor's decoding)."""
-        return [self.encode(block) for block in as_rows(x).split(list(row_counts))]
-
-    def compress(self, x: torch.Tensor) -> Payload:
-        return self.encode(x)
+        return self.bucket_nbytes((rows_shape(shape),))
 
 
 class ErrorFeedback:
-    """Error feedback for one tensor: e = beta*e + delta; send Q(e); e -= deQ(Q(e))."""
+    """Error feedback for one bucket: e = beta*e + delta is what gets sent; the residual
+    e - deQ(Q(e)), which the encoder returns anyway, is kept for the next sync."""
 
-    def __init__(self, compressor: Compressor, beta: float | None = None):
-        self.compressor = compressor
-        self.beta = compressor.config.ef_beta if beta is None else beta
+    def __init__(self, beta: float):
+        self.beta = beta
         self.error: torch.Tensor | None = None
 
-    def compress_split(self, delta: torch.Tensor, row_counts: Sequence[int]) -> list[Payload]:
-        delta = delta.float()
+    def accumulate(self, delta: torch.Tensor) -> torch.Tensor:
         if self.error is None:
-            self.error = delta.clone()
-        elif self.error.shape != delta.shape:
+            return delta.float().clone()
+        if self.error.shape != delta.shape:
             raise ValueError(f"ErrorFeedback holds shape {tuple(self.error.shape)}, got {tuple(delta.shape)}")
-        else:
-            self.error.mul_(self.beta).add_(delta)
-        payloads = self.compressor.compress_split(self.error, row_counts)
-        n_cols = as_rows(self.error).shape[1]
-        decoded = [self.compressor.decode(p, (rows, n_cols)) for p, rows in zip(payloads, row_counts)]
-        self.error -= torch.cat(decoded).reshape(self.error.shape)
-        return payloads
+        return self.error.mul(self.beta).add_(delta)
 
-    def compress(self, delta: torch.Tensor) -> Payload:
-        return self.compress_split(delta, [rows_shape(delta.shape)[0]])[0]
-
-    def decode(self, payload: Payload, shape: Sequence[int]) -> torch.Tensor:
-        return self.compressor.decode(payload, shape)
-
-    def state_dict(self) -> dict:
-        return {"beta": self.beta, "error": None if self.error is None else self.error.clone()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.beta = state["beta"]
-        self.error = None if state["error"] is None else state["error"].clone()
-
-
-def make_codec(config: CompressionConfig) -> Compressor | ErrorFeedback:
-    """The codec a config asks for: with error feedback, a fresh ErrorFeedback (one per tensor)."""
-    compressor = Compressor(config)
-    return ErrorFeedback(compressor) if config.error_feedback else compressor
-
-
-def relative_error(compressor: Compressor, x: torch.Tensor) -> float:
-    """||decode(encode(x)) - x|| / ||x||, the compression error to log (the absolute error if x == 0)."""
-    x = x.float()
-    error = (compressor.decode(compressor.encode(x), x.shape) - x).norm().item()
-    norm = x.norm().item()
-    return error / norm if norm > 0 else error
+    def keep(self, residual: torch.Tensor) -> None:
+        self.error = residual
 
 
 def _zstd_compress(data: torch.Tensor, level: int) -> torch.Tensor:

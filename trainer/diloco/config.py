@@ -4,8 +4,13 @@
       "workers": 2,                 K datacenters; the world is K x D x P x T
       "sync_interval": 30,          H inner steps between outer syncs
       "outer_lr": 0.7, "outer_momentum": 0.6, "nesterov": true,
-      "compression": {"method": "statistical", "bits": 4, "error_feedback": true, ...},
+      "compression": {"method": "statistical", "bits": 4, "embedding_bits": 4, "vector_bits": 4,
+                      "error_feedback": true, ...},
       "collective": "all_gather" | "reduce_scatter",
+      "outer_backend": "gloo" | "nccl",   the outer groups' backend: gloo moves the packed payload through
+                                    host memory (a WAN between datacenters), nccl keeps it on the device
+      "outer_state_on_device": false,  previous global weights and outer momentum on the device
+                                    instead of the host (pinned)
       "streaming": {"fragments": 1, "overlap_steps": 0, "mix_alpha": 0.0},
       "max_norm_ratio": 10.0,       skip a sync when a worker's pseudogradient norm is this far above its peers'
       "link": {"bandwidth_gbit_s": 10, "latency_ms": 50},   optional slow-link emulation for benchmarks
@@ -24,6 +29,7 @@ from trainer.diloco.compression import CompressionConfig
 from trainer.diloco.link import SlowLink
 
 COLLECTIVES = ("all_gather", "reduce_scatter")
+OUTER_BACKENDS = ("gloo", "nccl")
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,8 @@ class MuLoCoConfig:
     nesterov: bool = True
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     collective: str = "all_gather"
+    outer_backend: str = "gloo"
+    outer_state_on_device: bool = False
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
     max_norm_ratio: float = 10.0
     link: SlowLink | None = None
@@ -65,6 +73,8 @@ class MuLoCoConfig:
                               f"{self.outer_lr}, {self.outer_momentum}")
         if self.collective not in COLLECTIVES:
             raise ConfigError(f"muloco.collective must be one of {COLLECTIVES}, got {self.collective!r}")
+        if self.outer_backend not in OUTER_BACKENDS:
+            raise ConfigError(f"muloco.outer_backend must be one of {OUTER_BACKENDS}, got {self.outer_backend!r}")
         if self.streaming.fragments > self.sync_interval:
             raise ConfigError(f"muloco.streaming.fragments ({self.streaming.fragments}) cannot exceed "
                               f"sync_interval ({self.sync_interval})")

@@ -1,22 +1,29 @@
 """The MuLoCo / DiLoCo outer loop, a step hook of the trainer.
 
 Every rank keeps, for the parameters of its own shard, fp32 global weights and outer momentum (on
-the host; pinned when an accelerator exists) and error-feedback buffers. With D inner-DP replicas,
-each replica owns 1/D of the shard's parameters (balanced by size): it alone keeps their outer state
+the host, pinned, or on the device with `outer_state_on_device`) and error-feedback buffers (on the
+device). With D inner-DP replicas, each replica owns 1/D of the shard's parameters (balanced by size): it alone keeps their outer state
 and syncs them with its peers in the other workers, then shares the result inside its worker.
 
 A sync of one fragment:
-1. delta = theta_global - theta_local (fp32), per owned parameter of the fragment;
-2. agreement over every rank: any non-finite delta, or a worker whose pseudogradient norm is more
-   than `max_norm_ratio` times its peers' median, skips the sync for everyone (the workers restart
-   from the unchanged global weights);
-3. compressed average over the outer group (all-gather, or reduce-scatter + re-quantize + all-gather),
-   bit-identical on every worker;
-4. Nesterov SGD on the global weights; every worker restarts from them (or, when the sync overlapped
+1. delta = theta_global - theta_local (fp32), per owned parameter of the fragment, flattened into one
+   buffer per bucket (parameters of the same compression group, see compression.py);
+2. the skip vote (vote.py) over every rank;
+3. compressed average of each bucket over the outer group (collectives.py: all-gather, or
+   reduce-scatter + re-quantize + all-gather), bit-identical on every worker; the encoder's residual
+   is the new error-feedback buffer and the compression-error metric;
+4. the sync's metrics (sync_metrics.py), one all-reduce over every rank;
+5. Nesterov SGD on the global weights; every worker restarts from them (or, when the sync overlapped
    tau inner steps, mixes them into its local weights with weight alpha); inner optimizer state is kept.
 
 Compression groups are vectors each rank holds whole, so results do not depend on T: rows of
 column-parallel (and vocabulary-parallel) weights, columns of row-parallel ones (sent transposed).
+
+The pseudogradients, error feedback and codec run where the parameters are; only packed payloads
+and a few statistics cross to the outer groups' device (the host with `outer_backend: gloo`). With
+`streaming.overlap_steps` > 0 a sync (vote, exchange, statistics) runs in a background thread while
+the inner steps go on; its result is applied tau steps after it started. Its groups are the outer
+loop's own, so it never interleaves with the training loop's collectives.
 
 `with outer.attached_to(trainer): trainer.train()` runs `after_inner_step` after every optimizer
 step of the block (a trainer step hook) and detaches on exit.
@@ -29,17 +36,21 @@ import statistics
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
-from trainer.diloco.collectives import all_gather_average_many, reduce_scatter_average_many
-from trainer.diloco.compression import Compressor, CompressionConfig, make_codec
+from trainer import comm
+from trainer.diloco.collectives import Averaged, Bucket, BucketLayout, Wire, average_buckets
+from trainer.diloco.compression import Compressor, ErrorFeedback, compression_group, rows_shape
 from trainer.diloco.config import MuLoCoConfig
+from trainer.diloco.sync_metrics import LocalSums, sync_record
+from trainer.diloco.vote import SkipVote
+from trainer.errors import ConfigError
 from trainer.model.layout import layout_of
 from trainer.optim.ownership import assign_owners
-from trainer.topology import Topology
+from trainer.topology import Topology, outer_ranks
 
 
 @dataclass
@@ -65,25 +76,47 @@ def sync_offsets(sync_interval: int, fragments: int) -> list[int]:
     return [math.floor(sync_interval / fragments * (i + 1)) % sync_interval for i in range(fragments)]
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    from deepspeed.accelerator import get_accelerator
+def _state_copy(t: torch.Tensor, on_device: bool) -> torch.Tensor:
+    """An fp32 copy for the outer state: on the parameter's device, or on the host (pinned when the
+    parameter lives on an accelerator, so the per-sync copies are fast)."""
+    if on_device or t.device.type == "cpu":
+        return t.detach().to(torch.float32, copy=True)
+    return t.detach().to("cpu", torch.float32).pin_memory()
 
-    host = t.detach().to("cpu", torch.float32, copy=True)
-    return get_accelerator().pin_memory(host) if t.device.type != "cpu" else host
+
+def _sum_sq(t: torch.Tensor) -> float:
+    """Sum of squares accumulated in fp64 (without an fp64 copy of the tensor)."""
+    return float(t.square().sum(dtype=torch.float64))
+
+
+@dataclass
+class _BucketSpec:
+    """Owned parameters of one fragment that travel together: the same compression group (so the same
+    codec) and whether they count in worker-wide sums. Ordered by row width (see compression.py)."""
+    indices: list[int]
+    compressor: Compressor
+    layout: BucketLayout
+    counts_once: bool
+    error_feedback: ErrorFeedback | None
+
+    @property
+    def compressed(self) -> bool:
+        return self.compressor.config.method != "none"
 
 
 @dataclass
 class _Pending:
     apply_at: int
     fragment: int
-    deltas: list[torch.Tensor]
-    future: Future | None
+    outer_step: int
+    deltas: list[torch.Tensor]  # one flat buffer per bucket, kept so a checkpoint can replay the sync
+    future: Future
 
 
 class OuterLoop:
     def __init__(self, config: MuLoCoConfig, named_params: list[tuple[str, torch.nn.Parameter]],
                  canonical: dict[str, str], topology: Topology, tp_rank: int, num_layers: int,
-                 log: Callable[[dict, int], None]):
+                 log: Callable[[dict, int], None], timeout: timedelta = comm.COLLECTIVE_TIMEOUT):
         self.config, self.topology, self.log = config, topology, log
         F = config.streaming.fragments
         self.params: list[SyncedParam] = []
@@ -96,23 +129,49 @@ class OuterLoop:
         D = topology.sizes.data
         self.owner = assign_owners([p.param.numel() for p in self.params], D)
         self.owned = [i for i, o in enumerate(self.owner) if o == topology.coords.data]
-        self.global_weights = {i: _host_copy(self.params[i].param) for i in self.owned}
+        on_device = config.outer_state_on_device
+        self.global_weights = {i: _state_copy(self.params[i].param, on_device) for i in self.owned}
         self.momentum = {i: torch.zeros_like(self.global_weights[i]) for i in self.owned}
-        uncompressed = Compressor(CompressionConfig(method="none"))
-        self.codecs = {i: uncompressed if self._sent_uncompressed(self.params[i]) else make_codec(config.compression)
-                       for i in self.owned}
+        self.buckets = [self._buckets(fragment) for fragment in range(F)]
         self.offsets = sync_offsets(config.sync_interval, F)
         self.outer_step = 0
         self.skipped = 0
         self.pending: list[_Pending] = []
         self._executor = ThreadPoolExecutor(max_workers=1) if config.streaming.overlap_steps else None
-        # Used only by the outer loop (possibly from its thread), so its collectives never interleave
-        # with the training loop's on the same group.
-        self.agreement_group = dist.new_group(list(range(dist.get_world_size())))
+        self.outer_wire, self.vote_wire = self._build_wires(timeout)
+        self.vote = SkipVote(self.vote_wire, topology.coords.worker, topology.sizes.workers, config.max_norm_ratio)
 
-    def _sent_uncompressed(self, p: SyncedParam) -> bool:
-        return self.config.compression.uncompressed_small and (
-            p.param.dim() == 1 or getattr(p.param, "is_embedding_or_output_parameter", False))
+    def _build_wires(self, timeout: timedelta) -> tuple[Wire, Wire]:
+        """The outer groups (one per shard position) and the vote group (every rank), on
+        `outer_backend`; every rank creates every group, in the same order."""
+        backend = self.config.outer_backend
+        if backend == "nccl" and comm.compute_device().type == "cpu":
+            raise ConfigError("muloco.outer_backend 'nccl' needs an accelerator; use 'gloo' on the host")
+        mine = comm.new_subgroups(outer_ranks(self.topology.sizes), timeout, backend=backend)
+        every_rank = comm.new_group(list(range(self.topology.sizes.world)), timeout, backend=backend)
+        return Wire(mine, self.config.link), Wire(every_rank, self.config.link)
+
+    def _wire_shape(self, i: int) -> tuple[int, int]:
+        shape = self.params[i].param.shape
+        return rows_shape(tuple(reversed(shape)) if self.params[i].transposed else shape)
+
+    def _buckets(self, fragment: int) -> list[_BucketSpec]:
+        compression = self.config.compression
+        parts = self.topology.sizes.workers if self.config.collective == "reduce_scatter" else 1
+        keyed: dict[tuple[str, bool], list[int]] = {}
+        for i in self.owned:
+            p = self.params[i]
+            if p.fragment == fragment:
+                group = compression_group(p.param.shape, getattr(p.param, "is_embedding_or_output_parameter", False))
+                keyed.setdefault((group, p.counts_once), []).append(i)
+        specs = []
+        for (group, counts_once), indices in sorted(keyed.items()):
+            indices.sort(key=lambda i: self._wire_shape(i)[1])
+            config = compression.for_group(group)
+            specs.append(_BucketSpec(indices, Compressor(config),
+                                     BucketLayout(tuple(self._wire_shape(i) for i in indices), parts), counts_once,
+                                     ErrorFeedback(config.ef_beta) if config.error_feedback else None))
+        return specs
 
     # -- step hook --------------------------------------------------------------------------------
 
@@ -136,99 +195,85 @@ class OuterLoop:
 
     # -- one sync ----------------------------------------------------------------------------------
 
-    def _fragment(self, fragment: int) -> list[int]:
-        return [i for i in self.owned if self.params[i].fragment == fragment]
-
     @torch.no_grad()
     def _launch(self, fragment: int, step: int) -> None:
-        deltas = [self.global_weights[i] - self.params[i].param.detach().float().cpu() for i in self._fragment(fragment)]
+        deltas = [spec.layout.flatten([self._delta(i) for i in spec.indices]) for spec in self.buckets[fragment]]
         tau = self.config.streaming.overlap_steps
         if tau == 0:
-            self._apply(fragment, *self._communicate(fragment, deltas, step), overlapped=False)
+            self._apply(fragment, *self._sync(fragment, deltas, step, self.outer_step + 1), overlapped=False)
         else:
-            self.pending.append(_Pending(step + tau, fragment, deltas,
-                                         self._executor.submit(self._communicate, fragment, deltas, step)))
+            future = self._executor.submit(self._sync, fragment, deltas, step, self.outer_step + 1)
+            self.pending.append(_Pending(step + tau, fragment, self.outer_step + 1, deltas, future))
 
-    def _worker_slots(self, values: list[float]) -> torch.Tensor:
-        """A vector with this worker's contributions in its slot, for a sum over every rank."""
-        K = self.topology.sizes.workers
-        t = torch.zeros(len(values) * K, dtype=torch.float64)
-        for j, v in enumerate(values):
-            t[j * K + self.topology.coords.worker] = v
-        return t
+    def _delta(self, i: int) -> torch.Tensor:
+        """theta_global - theta_local in fp32 on the parameter's device, as the wire sees it."""
+        p = self.params[i].param.detach()
+        delta = self.global_weights[i].to(p.device, non_blocking=True) - p.float()
+        return (delta.t() if self.params[i].transposed else delta).reshape(self._wire_shape(i))
 
-    def _communicate(self, fragment: int, deltas: list[torch.Tensor], step: int):
+    def _context(self, outer_step: int) -> str:
+        c = self.topology.coords
+        return f"outer group of shard (d={c.data}, p={c.pipeline}, t={c.tensor}), outer step {outer_step}"
+
+    @torch.no_grad()
+    def _sync(self, fragment: int, deltas: list[torch.Tensor], step: int, outer_step: int
+              ) -> tuple[list[Averaged] | None, dict]:
+        """Vote, exchange and statistics of one fragment; may run in the background thread, so it
+        reads the outer state but changes none of it (the caller applies the result)."""
         start = time.perf_counter()
-        indices = self._fragment(fragment)
-        K = self.topology.sizes.workers
-        sq = sum(float(d.double().pow(2).sum()) for i, d in zip(indices, deltas) if self.params[i].counts_once)
-        nonfinite = float(any(not torch.isfinite(d).all() for d in deltas))
-        agreement = torch.cat([torch.tensor([nonfinite], dtype=torch.float64), self._worker_slots([sq])])
-        dist.all_reduce(agreement, group=self.agreement_group)
-        norms = [math.sqrt(v) if math.isfinite(v) else math.inf for v in agreement[1:].tolist()]
-        reason = self._skip_reason(agreement[0].item() > 0, norms)
-        record = {"outer_step": self.outer_step + 1, "fragment": fragment, "step": step,
+        specs, context = self.buckets[fragment], self._context(outer_step)
+        sq = sum(_sum_sq(d) for spec, d in zip(specs, deltas) if spec.counts_once)
+        nonfinite = any(not bool(torch.isfinite(d).all()) for d in deltas)
+        norms, reason = self.vote(nonfinite, sq, context)
+        record = {"outer_step": outer_step, "fragment": fragment, "step": step,
                   "pseudograd_norm": statistics.fmean(norms) if reason is None else None}
         if reason is not None:
-            record.update(skipped=reason, sync_seconds=time.perf_counter() - start)
+            record.update(skipped=reason, round_trips=self.vote_wire.take_stats().round_trips,
+                          sync_seconds=time.perf_counter() - start)
             return None, record
 
-        context = f"outer group of shard (d={self.topology.coords.data}, p={self.topology.coords.pipeline}, " \
-                  f"t={self.topology.coords.tensor}), outer step {self.outer_step + 1}"
-        tensors = [d.t().contiguous() if self.params[i].transposed else d for i, d in zip(indices, deltas)]
-        codecs = [self.codecs[i] for i in indices]
-        error_sq = self._compression_error_sq(tensors, codecs)
-        if tensors:
-            collective = all_gather_average_many if self.config.collective == "all_gather" else reduce_scatter_average_many
-            averaged, stats = collective(tensors, codecs, self.topology.outer_group, context=context,
-                                         link=self.config.link)
-            averaged = [a.t().contiguous() if self.params[i].transposed else a for i, a in zip(indices, averaged)]
-            bytes_sent = stats.bytes_sent
-        else:
-            averaged, bytes_sent = [], 0
-        dot = sum(float((d.double() * a.double()).sum()) for i, d, a in zip(indices, deltas, averaged)
-                  if self.params[i].counts_once)
-        avg_sq = sum(float(a.double().pow(2).sum()) for i, a in zip(indices, averaged) if self.params[i].counts_once)
-        summary = torch.cat([self._worker_slots([dot, avg_sq]),
-                             torch.tensor([bytes_sent, *error_sq], dtype=torch.float64)])
-        dist.all_reduce(summary, group=self.agreement_group)
-        dots, avg_sqs = summary[:K].tolist(), summary[K:2 * K].tolist()
-        cosines = [dots[k] / max(norms[k] * math.sqrt(avg_sqs[k]), 1e-30) for k in range(K)]
-        world = dist.get_world_size()
-        record.update(pseudograd_cosine=statistics.fmean(cosines), averaged_norm=math.sqrt(avg_sqs[0]),
-                      bytes_sent_per_rank=summary[2 * K].item() / world,
-                      compression_error=math.sqrt(summary[2 * K + 1].item() / max(summary[2 * K + 2].item(), 1e-30)),
+        buckets = [Bucket(spec.compressor, spec.layout,
+                          spec.error_feedback.accumulate(d) if spec.error_feedback else d)
+                   for spec, d in zip(specs, deltas)]
+        averaged = average_buckets(buckets, self.outer_wire, self.config.collective, context) if buckets else []
+        exchange = self.outer_wire.take_stats()
+        local = LocalSums(bytes_sent=exchange.bytes_sent)
+        for spec, delta, bucket, result in zip(specs, deltas, buckets, averaged):
+            if spec.counts_once:
+                local.dot += float((delta * result.average).sum(dtype=torch.float64))
+                local.average_sq += _sum_sq(result.average)
+                if spec.compressed:
+                    local.residual_sq += _sum_sq(result.residual)
+                    local.sent_sq += _sum_sq(bucket.flat)
+        record.update(sync_record(self.vote_wire, self.topology.coords.worker, self.topology.sizes.workers,
+                                  norms, local, context))
+        record.update(round_trips=exchange.round_trips + self.vote_wire.take_stats().round_trips,
                       sync_seconds=time.perf_counter() - start)
         return averaged, record
 
-    def _compression_error_sq(self, tensors, codecs) -> list[float]:
-        """(||Q(x) - x||^2, ||x||^2) summed over this rank's compressed tensors."""
-        err = ref = 0.0
-        for x, codec in zip(tensors, codecs):
-            plain = getattr(codec, "compressor", codec)
-            if plain.config.method == "none":
-                continue
-            err += float((plain.decode(plain.encode(x), x.shape) - x).double().pow(2).sum())
-            ref += float(x.double().pow(2).sum())
-        return [err, ref]
-
     @torch.no_grad()
-    def _apply(self, fragment: int, averaged: list[torch.Tensor] | None, record: dict, overlapped: bool) -> None:
-        indices = self._fragment(fragment)
+    def _apply(self, fragment: int, averaged: list[Averaged] | None, record: dict, overlapped: bool) -> None:
+        specs = self.buckets[fragment]
         if averaged is None:
             self.skipped += 1
         else:
             c = self.config
-            for i, avg in zip(indices, averaged):
-                m = self.momentum[i].mul_(c.outer_momentum).add_(avg)
-                update = avg.add(m, alpha=c.outer_momentum) if c.nesterov else m
-                self.global_weights[i].add_(update, alpha=-c.outer_lr)
+            for spec, result in zip(specs, averaged):
+                if spec.error_feedback:
+                    spec.error_feedback.keep(result.residual)
+                for i, avg in zip(spec.indices, spec.layout.unflatten(result.average)):
+                    g = self.global_weights[i]
+                    avg = (avg.t() if self.params[i].transposed else avg).reshape(g.shape).to(g.device)
+                    m = self.momentum[i].mul_(c.outer_momentum).add_(avg)
+                    update = avg.add(m, alpha=c.outer_momentum) if c.nesterov else m
+                    g.add_(update, alpha=-c.outer_lr)
             self.outer_step += 1
         alpha = self.config.streaming.mix_alpha if overlapped else 0.0
-        for i in indices:
-            p = self.params[i].param
-            new = self.global_weights[i].to(p.device, p.dtype)
-            p.copy_(new if alpha == 0.0 else p.mul(alpha).add_(new, alpha=1 - alpha))
+        for spec in specs:
+            for i in spec.indices:
+                p = self.params[i].param
+                new = self.global_weights[i].to(p.device, p.dtype, non_blocking=True)
+                p.copy_(new if alpha == 0.0 else p.mul(alpha).add_(new, alpha=1 - alpha))
         self._share_inside_worker(fragment)
         if self.topology.is_logging_rank:
             self.log(record, record["step"])
@@ -242,47 +287,55 @@ class OuterLoop:
             return
         flat = torch.cat([self.params[i].param.detach().reshape(-1) if i in self.global_weights
                           else torch.zeros_like(self.params[i].param).reshape(-1) for i in members])
-        dist.all_reduce(flat, group=self.topology.inner_dp_group)
+        comm.all_reduce(flat, group=self.topology.inner_dp_group)
         offset = 0
         for i in members:
             p = self.params[i].param
             p.detach().copy_(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
 
-    def _skip_reason(self, nonfinite: bool, norms: list[float]) -> str | None:
-        if nonfinite:
-            return "non-finite pseudogradient"
-        for k, norm in enumerate(norms):
-            others = [n for j, n in enumerate(norms) if j != k]
-            if others and norm > self.config.max_norm_ratio * max(statistics.median(others), 1e-12):
-                return f"worker {k} pseudogradient norm {norm:.3g} is over {self.config.max_norm_ratio}x its peers'"
-        return None
-
     # -- checkpointing -----------------------------------------------------------------------------
+
+    def _error_feedback_state(self) -> dict[str, torch.Tensor]:
+        """Error-feedback residuals by parameter name, in wire shape (none before the first sync)."""
+        state = {}
+        for specs in self.buckets:
+            for spec in specs:
+                if spec.error_feedback and spec.error_feedback.error is not None:
+                    residuals = spec.layout.unflatten(spec.error_feedback.error)
+                    state.update({self.params[i].name: r for i, r in zip(spec.indices, residuals)})
+        return state
 
     def state_dict(self) -> dict:
         return {
             "outer_step": self.outer_step, "skipped": self.skipped,
             "global_weights": {self.params[i].name: w for i, w in self.global_weights.items()},
             "momentum": {self.params[i].name: m for i, m in self.momentum.items()},
-            "error_feedback": {self.params[i].name: c.state_dict() for i, c in self.codecs.items()
-                               if hasattr(c, "state_dict")},
-            # In-flight overlapped syncs are replayed on load: the communication is deterministic.
-            "pending": [{"apply_at": e.apply_at, "fragment": e.fragment, "deltas": e.deltas} for e in self.pending],
+            "error_feedback": self._error_feedback_state(),
+            # In-flight overlapped syncs are replayed on load: the communication is deterministic, and
+            # their results (error feedback included) are only applied at apply_at.
+            "pending": [{"apply_at": e.apply_at, "fragment": e.fragment, "outer_step": e.outer_step,
+                         "deltas": e.deltas} for e in self.pending],
         }
 
     def load_state_dict(self, state: dict) -> None:
-        by_name = {self.params[i].name: i for i in self.owned}
-        for key in ("global_weights", "momentum", "error_feedback"):
-            if set(state[key]) != ({n for n in by_name if key != "error_feedback" or hasattr(self.codecs[by_name[n]], "state_dict")}):
-                raise ValueError(f"outer-loop checkpoint holds different parameters under {key!r} than this rank owns")
-        for name, i in by_name.items():
+        owned = {self.params[i].name: i for i in self.owned}
+        with_feedback = {self.params[i].name for specs in self.buckets for spec in specs if spec.error_feedback
+                         for i in spec.indices}
+        feedback = state["error_feedback"]
+        if set(state["global_weights"]) != set(owned) or set(state["momentum"]) != set(owned) or (
+                feedback and set(feedback) != with_feedback):
+            raise ValueError("outer-loop checkpoint holds different parameters than this rank owns")
+        for name, i in owned.items():
             self.global_weights[i].copy_(state["global_weights"][name])
             self.momentum[i].copy_(state["momentum"][name])
-            if name in state["error_feedback"]:
-                self.codecs[i].load_state_dict(state["error_feedback"][name])
+        for specs in self.buckets:
+            for spec in specs:
+                if spec.error_feedback and feedback:
+                    device = self.params[spec.indices[0]].param.device
+                    spec.error_feedback.keep(
+                        spec.layout.flatten([feedback[self.params[i].name].to(device) for i in spec.indices]))
         self.outer_step, self.skipped = state["outer_step"], state["skipped"]
         tau = self.config.streaming.overlap_steps
-        self.pending = [_Pending(e["apply_at"], e["fragment"], e["deltas"],
-                                 self._executor.submit(self._communicate, e["fragment"], e["deltas"], e["apply_at"] - tau))
-                        for e in state["pending"]]
+        self.pending = [_Pending(e["apply_at"], e["fragment"], e["outer_step"], e["deltas"], self._executor.submit(
+            self._sync, e["fragment"], e["deltas"], e["apply_at"] - tau, e["outer_step"])) for e in state["pending"]]
