@@ -10,8 +10,6 @@ The order depends on the run length only through the number of epochs Megatron b
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +18,8 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
+from dataprep.dataset_meta import meta_path, read_dataset_meta
+from tokenizer.interface import load_tokenizer, tokenizer_sha256
 from trainer.config import BatchConfig, DataConfig
 from trainer.errors import ConfigError
 
@@ -39,8 +39,6 @@ class TokenizerInfo:
 
 def tokenizer_info(data: DataConfig) -> TokenizerInfo:
     if data.tokenizer_model:
-        from tokenizer.interface import load_tokenizer
-
         tok = load_tokenizer(data.tokenizer_model)
         return TokenizerInfo(tok.vocab_size, tok.eod_id)
     if data.vocab_size:
@@ -82,37 +80,33 @@ def check_data(data: DataConfig) -> None:
     _check_token_ids_fit(data)
 
 
-DATA_META_SUFFIX = ".meta.json"  # written by tools/preprocess_data.py beside PREFIX.bin/.idx
-
-
 def _check_token_ids_fit(data: DataConfig) -> None:
     """The data's token ids must exist in this run's vocabulary and come from the same tokenizer, or
     the embedding lookup fails (or, worse, silently reads the wrong rows) long after start-up. Checked
     against PREFIX.meta.json where preprocessing wrote one; Megatron-made data without it is trusted."""
-    prefixes = _blend(data.data_path)[0] + (_blend(data.valid_data_path)[0] if data.valid_data_path else [])
-    metas = {prefix: Path(prefix + DATA_META_SUFFIX) for prefix in prefixes}
-    metas = {prefix: path for prefix, path in metas.items() if path.is_file()}
+    prefixes = [*_blend(data.data_path)[0], *(_blend(data.valid_data_path)[0] if data.valid_data_path else ())]
+    metas = {}
+    for prefix in prefixes:
+        try:
+            meta = read_dataset_meta(prefix)
+        except (ValueError, TypeError) as err:  # not JSON, or not the keys preprocessing writes
+            raise ConfigError(f"{meta_path(prefix)} is not a valid data description: {err}") from None
+        if meta is not None:
+            metas[meta_path(prefix)] = meta
     if not metas:
         return
-    vocab_size, flag = data.vocab_size, "--vocab-size"
-    tokenizer_sha256 = None
-    if data.tokenizer_model:
-        vocab_size, flag = tokenizer_info(data).vocab_size, f"--tokenizer-model {data.tokenizer_model}"
-        tokenizer_sha256 = hashlib.sha256(Path(data.tokenizer_model).read_bytes()).hexdigest()
-    for prefix, path in metas.items():
-        try:
-            meta = json.loads(path.read_text())
-            max_id = int(meta["max_token_id"])
-        except (ValueError, KeyError, TypeError) as err:
-            raise ConfigError(f"{path} is not a valid data description (needs an integer max_token_id): {err}") from None
-        if max_id >= vocab_size:
-            raise ConfigError(f"{path}: the data holds token id {max_id}, but the vocabulary of {flag} has only "
-                             f"{vocab_size} ids (0..{vocab_size - 1}): tokenize with this tokenizer, or use the one "
-                             f"the data was made with")
-        recorded = meta.get("tokenizer_sha256")
-        if tokenizer_sha256 and recorded and recorded != tokenizer_sha256:
-            raise ConfigError(f"{path}: the data was tokenized with a tokenizer whose SHA-256 is {recorded}, "
-                             f"but {flag} has {tokenizer_sha256}: use the tokenizer the data was made with")
+    tokenizer = load_tokenizer(data.tokenizer_model) if data.tokenizer_model else None
+    vocab_size = tokenizer.vocab_size if tokenizer else data.vocab_size
+    flag = f"--tokenizer-model {data.tokenizer_model}" if tokenizer else "--vocab-size"
+    for path, meta in metas.items():
+        if meta.max_token_id >= vocab_size:
+            raise ConfigError(f"{path}: the data holds token id {meta.max_token_id}, but the vocabulary of {flag} has "
+                              f"only {vocab_size} ids (0..{vocab_size - 1}): tokenize with this tokenizer, or use the "
+                              "one the data was made with")
+        if tokenizer is not None and meta.tokenizer_sha256 != tokenizer_sha256(tokenizer):
+            raise ConfigError(f"{path}: the data was tokenized with a tokenizer whose SHA-256 is "
+                              f"{meta.tokenizer_sha256}, but {flag} has {tokenizer_sha256(tokenizer)}: use the "
+                              "tokenizer the data was made with")
 
 
 def refuse_unsafe_index_cache(cache_dir: Path) -> None:

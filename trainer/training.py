@@ -39,7 +39,7 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def _forward_step(data_iterator, model):
-    batch = {key: comm.to_compute_device(value) for key, value in next(data_iterator).items()}
+    batch = {key: comm.to_compute_device(value) for key, value in next(data_iterator).items() if value is not None}
     # [b, 1, s, s] boolean (True = masked) with document masking; None = plain causal attention.
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
     return output, partial(_loss_func, batch["loss_mask"])
