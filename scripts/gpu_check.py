@@ -134,15 +134,15 @@ def write_markov_data(prefix: Path, vocab: int, tokens: int) -> str:
 
 def muloco_ds_config(path: Path, mode: Mode, workers: int) -> Path:
     """The shipped 150m MuLoCo K=1 config (tiny CPU config with --cpu), with 4-bit statistical
-    compression + error feedback, H=10 and K workers; with `outer_backend` gloo where it exists."""
-    from trainer.diloco.config import MuLoCoConfig
-
+    compression + error feedback, H=10, K workers and the outer groups on gloo. Its "layout" and
+    "recipe" blocks go: they describe the 8-GPU node it was planned for, not this one GPU, and the
+    same config also serves stage e's larger presets."""
     source = "cpu_tiny_muloco.json" if mode.cpu else "gpu_150m_muloco_k1.json"
     ds = json.loads((REPO / "ds_configs" / source).read_text())
-    ds["muloco"].update(workers=workers, sync_interval=10,
+    ds.pop("layout", None)
+    ds.pop("recipe", None)
+    ds["muloco"].update(workers=workers, sync_interval=10, outer_backend="gloo",
                         compression={"method": "statistical", "bits": 4, "error_feedback": True})
-    if workers > 1 and "outer_backend" in {f.name for f in dataclasses.fields(MuLoCoConfig)}:
-        ds["muloco"]["outer_backend"] = "gloo"
     ds.setdefault("scheduler", {}).setdefault("params", {})["warmup_iters"] = 5
     path.write_text(json.dumps(ds, indent=2))
     return path
