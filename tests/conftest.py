@@ -1,4 +1,8 @@
-"""Shared test fixtures: repository paths and the sample corpus shipped in `corpus/`."""
+"""Shared test fixtures: repository paths and the sample corpus shipped in `corpus/`.
+
+`--sample-corpus-only` runs just the tests that read the sample corpus (those requesting the
+`shakespeare` fixture, directly or through another fixture): test_fresh_clone runs them in a clone
+with nothing beside it, proving the repository carries everything they need."""
 from pathlib import Path
 
 import pytest
@@ -16,3 +20,16 @@ def repo_root() -> Path:
 def shakespeare() -> Path:
     """The Nemotron-CC-layout sample corpus (train/ and valid/ folders of .jsonl.zstd shards)."""
     return SAMPLE_CORPUS
+
+
+def pytest_addoption(parser):
+    parser.addoption("--sample-corpus-only", action="store_true",
+                     help="run only the tests that read the sample corpus (the `shakespeare` fixture)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--sample-corpus-only"):
+        return
+    keep = [item for item in items if "shakespeare" in getattr(item, "fixturenames", ())]
+    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    items[:] = keep

@@ -100,15 +100,14 @@ def test_verify_fails_on_a_corrupted_export_tensor(base, good_export, tmp_path):
     assert "FAIL transformers export vs trainer model" in result.stdout
 
 
-def test_llama_export_with_tokenizer_loads_and_generates(base, tmp_path):
+def test_llama_export_with_tokenizer_loads_and_generates(base, shakespeare, tmp_path):
     from transformers import AutoTokenizer
 
     from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
     from tokenizer.train import TokenizerTrainingConfig, train_tokenizer
     from tools.generate import generate
 
-    corpus = REPO_ROOT / "corpus" / "shakespeare" / "train"
-    spm = train_tokenizer(TokenizerTrainingConfig(inputs=(str(corpus),), output_prefix=tmp_path / "spm",
+    spm = train_tokenizer(TokenizerTrainingConfig(inputs=(str(shakespeare / "train"),), output_prefix=tmp_path / "spm",
                                                   vocab_size=1024, max_chars=300_000, num_threads=1)).model_path
     ckpt = tmp_path / "ckpt"  # the Markov data's ids (< 1000) are valid ids of this tokenizer
     check(launch(base, 1, tmp_path / "run", "--no-qk-layernorm", "--save", str(ckpt),

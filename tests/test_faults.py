@@ -210,7 +210,7 @@ def _data_with_meta(tmp_path: Path, **meta) -> str:
     return str(prefix)
 
 
-def test_data_that_does_not_fit_the_tokenizer_is_refused_before_start(tmp_path):
+def test_data_that_does_not_fit_the_tokenizer_is_refused_before_start(shakespeare, tmp_path):
     from tokenizer.train import TokenizerTrainingConfig, train_tokenizer
     from trainer.data import check_data
 
@@ -220,7 +220,7 @@ def test_data_that_does_not_fit_the_tokenizer_is_refused_before_start(tmp_path):
                                            r"of --vocab-size has only 1000 ids")):
         check_data(DataConfig(data_path=[prefix], vocab_size=1000))
 
-    corpus = REPO_ROOT / "corpus" / "shakespeare" / "train"
+    corpus = shakespeare / "train"
     spm = train_tokenizer(TokenizerTrainingConfig(inputs=(str(corpus),), output_prefix=tmp_path / "spm",
                                                   vocab_size=400, max_chars=30_000, num_threads=1)).model_path
     with pytest.raises(ConfigError, match=rf"token id 1500, but the vocabulary of --tokenizer-model {spm} has only "
