@@ -6,8 +6,12 @@ import math
 import pytest
 import torch
 
+from trainer.config import check_block
 from trainer.diloco.compression import (METHODS, CompressionConfig, Compressor, ErrorFeedback, compression_group,
                                         pack_bits, unpack_bits)
+from trainer.diloco.config import MuLoCoConfig
+from trainer.diloco.outer_loop import outer_sgd_direction
+from trainer.errors import ConfigError
 
 
 def gaussian(*shape, seed=0):
@@ -224,8 +228,163 @@ def test_decode_rejects_a_payload_of_the_wrong_size():
 
 @pytest.mark.parametrize("field,value", [
     ("method", "quantum"), ("bits", 3), ("topk_fraction", 0.0), ("topk_fraction", 1.5),
-    ("ef_beta", -0.1), ("zstd_level", 0), ("embedding_bits", 16), ("vector_bits", 3)])
+    ("ef_beta", -0.1), ("zstd_level", 0), ("embedding_bits", 16), ("vector_bits", 3), ("ef_form", "official"),
+    ("statistical_rounding", "floor")])
 def test_config_validation_names_the_bad_field(field, value):
     settings = {"method": "statistical", field: value}
     with pytest.raises(ValueError, match=f"CompressionConfig.{field}"):
         CompressionConfig(**settings)
+
+
+@pytest.mark.parametrize("key, value, allowed", [("ef_form", "official", "['plain', 'paper']"),
+                                                 ("statistical_rounding", "centered", "['centred', 'paper']")])
+def test_a_bad_ef_form_or_rounding_in_the_muloco_block_is_one_config_error(key, value, allowed):
+    block = {"compression": {"method": "statistical", key: value}}
+    message = f"muloco.compression.{key} must be one of {allowed}, got '{value}'"
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        check_block(MuLoCoConfig, block, "muloco")  # the ds_config's type check
+    with pytest.raises(ConfigError, match=f"CompressionConfig.{key} must be one of"):
+        MuLoCoConfig.from_dict(block)
+
+
+# -- the official forms -------------------------------------------------------------------------------
+
+def official_rowwise_statistical(x: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
+    """The official row-wise statistical quantizer written out in float64: code = round(c/s + n/2)
+    clamped to [0, n-1], s = 6 sigma / n with the unbiased sigma (1 when 0), lookup = each bin's mean."""
+    x = x.double()
+    n, cols = 2 ** bits, x.shape[1]
+    mean = x.mean(dim=1, keepdim=True)
+    c = x - mean
+    sigma = c.norm(dim=1, keepdim=True) / math.sqrt(max(cols - 1, 1))
+    s = torch.where(sigma > 0, 6 * sigma / n, torch.ones_like(sigma))
+    raw = c / s + n // 2
+    code = raw.round().clamp(0, n - 1).long()
+    sums = torch.zeros(x.shape[0], n, dtype=torch.float64).scatter_add_(1, code, c)
+    counts = torch.zeros(x.shape[0], n, dtype=torch.float64).scatter_add_(1, code, torch.ones_like(c))
+    lookup = torch.where(counts > 0, sums / counts.clamp(min=1), torch.zeros_like(sums))
+    return {"mean": mean[:, 0], "sigma": sigma[:, 0], "s": s, "raw": raw, "code": code, "counts": counts,
+            "lookup": lookup, "decoded": mean + lookup.gather(1, code)}
+
+
+def statistical_wire(data: torch.Tensor, rows: int, numel: int, bits: int) -> dict[str, torch.Tensor]:
+    """The sections of a statistical payload, as the module docstring lays them out."""
+    book = 2 * rows * 2 ** bits if bits <= 4 else 0
+    sections = {"mean": data[:4 * rows].view(torch.float32), "sigma": data[4 * rows:8 * rows].view(torch.float32),
+                "code": unpack_bits(data[8 * rows + book:], bits, numel).view(rows, -1)}
+    if book:
+        sections["book"] = data[8 * rows:8 * rows + book].view(torch.float16).view(rows, -1).float()
+    return sections
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_paper_rounding_is_the_official_round_c_over_s_plus_half_n(bits):
+    x = 0.01 * gaussian(16, 301, seed=bits) + 0.003
+    x[0] = 0.5  # a constant row
+    x[1, :4] = torch.tensor([0.3, -0.2, 0.15, -0.4])  # outliers far beyond 3 sigma: clamped
+    compressor = Compressor(CompressionConfig(method="statistical", bits=bits, statistical_rounding="paper"))
+    encoded = compressor.encode(x)
+    wire, ref = statistical_wire(encoded.data, *x.shape[:1], x.numel(), bits), official_rowwise_statistical(x, bits)
+    torch.testing.assert_close(wire["mean"].double(), ref["mean"], rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(wire["sigma"].double(), ref["sigma"], rtol=1e-5, atol=1e-9)
+    # Codes agree wherever c/s + n/2 is not within 1e-3 of a rounding boundary (fp32 vs fp64).
+    clear = ((ref["raw"] - ref["raw"].floor()) - 0.5).abs() > 1e-3
+    assert clear.float().mean() > 0.99
+    assert torch.equal(wire["code"][clear], ref["code"][clear])
+    assert wire["code"][1, :4].tolist() == [2 ** bits - 1, 0, 2 ** bits - 1, 0]
+    sigma = ref["sigma"].clamp(min=1e-30).unsqueeze(1)
+    if bits <= 4:  # fp16 codebook in units of sigma = the official per-bin means (fp16: rtol 2**-11)
+        used = ref["counts"] > 0
+        torch.testing.assert_close(wire["book"].double()[used], (ref["lookup"] / sigma)[used], rtol=1e-3, atol=1e-4)
+        ours, theirs = encoded.decoded.double() - ref["mean"].unsqueeze(1), ref["decoded"] - ref["mean"].unsqueeze(1)
+        assert ((ours - theirs).abs() <= 1e-3 * theirs.abs() + 1e-4 * sigma + 1e-7).all()
+    else:  # 8 bits: codes decode to their bin centres (n - n/2) s
+        centres = ref["mean"].unsqueeze(1) + (ref["code"] - 2 ** bits // 2) * ref["s"] * (sigma > 1e-30)
+        torch.testing.assert_close(encoded.decoded.double(), centres, rtol=0, atol=1e-7)
+    assert torch.equal(compressor.decode(encoded.data, x.shape), encoded.decoded)
+    assert torch.equal(encoded.decoded[0], x[0])  # a constant row decodes exactly
+
+
+def test_paper_rounding_bins_are_off_centre_and_centred_bins_mirror():
+    """At 2 bits the official bins are centred on -2s, -s, 0, +s (s = 1.5 sigma): a row and its negation
+    do not decode to negations of each other; the centred bins do (exactly, away from bin edges)."""
+    x = gaussian(8, 512, seed=3)
+    for rounding, mirrors in (("centred", True), ("paper", False)):
+        config = CompressionConfig(method="statistical", bits=2, statistical_rounding=rounding)
+        mirrored = torch.allclose(round_trip(config, -x), -round_trip(config, x), rtol=0, atol=1e-2)
+        assert mirrored == mirrors, rounding
+
+
+def official_topk(x: torch.Tensor, fraction: float) -> torch.Tensor:
+    k = math.ceil(fraction * x.shape[1])
+    index = x.abs().topk(k, dim=1).indices
+    return torch.zeros_like(x).scatter_(1, index, x.gather(1, index))
+
+
+def ef_sync(feedback: list[ErrorFeedback], compressor: Compressor, deltas: list[torch.Tensor]) -> torch.Tensor:
+    """One sync of K workers in one process: each sends its error-fed delta; the average of the decodings."""
+    decoded = [send_with_feedback(f, compressor, d) for f, d in zip(feedback, deltas)]
+    return sum(decoded) / len(decoded)
+
+
+@pytest.mark.parametrize("beta", [0.9, 1.0])
+def test_paper_error_feedback_and_outer_step_are_the_official_update(beta):
+    """The official QuantizedOuterSGD in float64: e_k = beta e_k + lr delta_k; q_k = deQ(Q(e_k)); e_k -= q_k;
+    grad = mean_k q_k; torch.optim.SGD(lr, momentum, nesterov) steps on it (the sent values, not divided by lr)."""
+    lr, mu, workers, shape, fraction = 0.7, 0.9, 2, (8, 64), 0.25
+    config = CompressionConfig(method="topk", topk_fraction=fraction, error_feedback=True, ef_form="paper",
+                               ef_beta=beta)
+    compressor, feedback = Compressor(config), [ErrorFeedback.from_config(config, lr) for _ in range(workers)]
+    theta, momentum = gaussian(*shape, seed=100), torch.zeros(shape)
+    reference = torch.nn.Parameter(theta.double().clone())
+    outer = torch.optim.SGD([reference], lr=lr, momentum=mu, nesterov=True)
+    errors = [torch.zeros(shape, dtype=torch.float64) for _ in range(workers)]
+    for sync in range(5):
+        deltas = [0.01 * gaussian(*shape, seed=10 * sync + k) + 0.002 * sync for k in range(workers)]
+        theta.add_(outer_sgd_direction(ef_sync(feedback, compressor, deltas), momentum, mu, nesterov=True), alpha=-lr)
+        sent = []
+        for k in range(workers):
+            if beta != 1.0:
+                errors[k].mul_(beta)
+            errors[k].add_(deltas[k].double(), alpha=lr)
+            sent.append(official_topk(errors[k], fraction))
+            errors[k].sub_(sent[-1])
+        reference.grad = sum(sent) / workers
+        outer.step()
+        torch.testing.assert_close(theta.double(), reference.detach(), rtol=1e-6, atol=1e-7)
+        for k in range(workers):
+            torch.testing.assert_close(feedback[k].error.double(), errors[k], rtol=1e-6, atol=1e-8)
+
+
+def test_paper_error_feedback_is_plain_error_feedback_at_the_squared_outer_lr():
+    """With an outer lr of 0.5 (scaling by it is exact in fp32) the paper form's buffers and sends are
+    exactly 0.5 x the plain form's, and its weights after each step equal plain at outer lr 0.25."""
+    runs = {}
+    for form, lr in (("paper", 0.5), ("plain", 0.25)):
+        config = CompressionConfig(method="statistical", bits=2, error_feedback=True, ef_form=form, ef_beta=0.9,
+                                   statistical_rounding="paper")
+        compressor, feedback = Compressor(config), [ErrorFeedback.from_config(config, 0.5) for _ in range(2)]
+        theta, momentum, trace = gaussian(16, 96, seed=7), torch.zeros(16, 96), []
+        for sync in range(4):
+            deltas = [0.01 * gaussian(16, 96, seed=20 * sync + k) for k in range(2)]
+            average = ef_sync(feedback, compressor, deltas)
+            theta.add_(outer_sgd_direction(average, momentum, 0.9, nesterov=True), alpha=-lr)
+            trace.append((average, feedback[0].error.clone(), theta.clone()))
+        runs[form] = trace
+    for (paper_avg, paper_error, paper_theta), (plain_avg, plain_error, plain_theta) in zip(runs["paper"], runs["plain"]):
+        assert torch.equal(paper_avg, 0.5 * plain_avg) and torch.equal(paper_error, 0.5 * plain_error)
+        assert torch.equal(paper_theta, plain_theta)
+
+
+def test_error_feedback_resumes_exactly_from_its_buffer():
+    """The buffer is the whole state (the form and beta are config): a copy continues bit-identically."""
+    config = CompressionConfig(method="statistical", bits=2, error_feedback=True, ef_form="paper", ef_beta=0.9,
+                               statistical_rounding="paper")
+    compressor, running = Compressor(config), ErrorFeedback.from_config(config, 0.7)
+    deltas = [gaussian(8, 40, seed=s) for s in range(6)]
+    for d in deltas[:3]:
+        send_with_feedback(running, compressor, d)
+    resumed = ErrorFeedback.from_config(config, 0.7)
+    resumed.keep(running.error.clone())
+    for d in deltas[3:]:
+        assert torch.equal(send_with_feedback(resumed, compressor, d), send_with_feedback(running, compressor, d))

@@ -33,6 +33,9 @@ FP32_NOISE = 1e-5  # largest entry difference fp32 reduction order makes in thes
 FLIP_FRACTION = 0.005  # observed: at most 0.05% of a tensor's entries flip a bin at the first sync
 OUTER = dict(outer_lr=0.7, outer_momentum=0.6, nesterov=True)
 FOUR_BIT_EF = {"method": "statistical", "bits": 4, "error_feedback": True}
+# The official forms at 2 bits (compression.py): paper EF at outer lr 0.5 is plain EF at 0.25.
+TWO_BIT_OFFICIAL = {"method": "statistical", "bits": 2, "error_feedback": True, "ef_beta": 0.9,
+                    "statistical_rounding": "paper"}
 
 
 def inner_only_config() -> dict:
@@ -65,6 +68,8 @@ def k2_cases(data: str) -> list[dict]:
     return [
         case("k2", muloco_config(), data),
         case("k2_4bit", muloco_config(compression=FOUR_BIT_EF), data),
+        case("k2_2bit_paper_ef", muloco_config(outer_lr=0.5, compression={**TWO_BIT_OFFICIAL, "ef_form": "paper"}), data),
+        case("k2_2bit_plain_ef", muloco_config(outer_lr=0.25, compression={**TWO_BIT_OFFICIAL, "ef_form": "plain"}), data),
         case("k2_poisoned", muloco_config(), data, steps=3 * H,
              poison={"worker": 1, "at": {str(H): "nan", str(2 * H): "outlier"}}),
         # F=2 fragments of H=4: fragment 0 launches after steps 2, 6, fragment 1 after step 4; tau=1.
@@ -240,6 +245,21 @@ def test_compressed_sync_sends_fewer_bytes_and_changes_the_result(workdir):
     final = worker_weights(dumps(workdir, "k2_4bit"), 0, "final")
     exact = worker_weights(dumps(workdir, "k2"), 0, "final")
     assert any(float((final[n] - exact[n]).norm()) > WEIGHT_RTOL * float(exact[n].norm()) for n in final)
+
+
+def test_paper_error_feedback_is_plain_error_feedback_at_the_squared_outer_lr(workdir):
+    """ef_form "paper" sends e = beta e + lr delta and steps its average at lr again: at lr 0.5 (scaling
+    by it is exact in fp32) the run is bit for bit the plain-EF run at lr 0.25."""
+    paper, plain = dumps(workdir, "k2_2bit_paper_ef"), dumps(workdir, "k2_2bit_plain_ef")
+    assert sync_steps(paper) == [H, 2 * H]
+    for k in (0, 1):
+        assert worker_losses(paper, k) == worker_losses(plain, k)
+        for label in (f"post@{H}", f"post@{2 * H}", "final"):
+            a, b = worker_weights(paper, k, label), worker_weights(plain, k, label)
+            assert all(torch.equal(a[n], b[n]) for n in b), f"worker {k} {label}"
+    errors = [[r["compression_error"] for r in outer_records(workdir, name)]
+              for name in ("k2_2bit_paper_ef", "k2_2bit_plain_ef")]
+    assert errors[0] == errors[1] and all(0 < e < 1 for e in errors[0])
 
 
 def test_nonfinite_or_outlier_worker_skips_the_sync_for_everyone_and_training_goes_on(workdir):

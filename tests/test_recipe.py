@@ -31,6 +31,7 @@ def test_published_points(preset, workers, batch, optimizer, weight_decay, lr):
     assert (r.outer_lr, r.outer_momentum) == ((0.7, 0.6) if workers == 1 else (1.0, 0.9))
     assert (r.adamw_lr_factor, r.adamw_weight_decay_factor) == (1.0, 1.0)
     assert (r.warmup_iters, r.min_lr_ratio, r.clip_grad, r.ef_beta) == (500, 0.1, 1.0, 0.9)
+    assert (r.ef_form, r.statistical_rounding) == ("paper", "paper")  # the official code's forms
     tokens = r.train_iters * batch * 2048
     assert 20 <= tokens / parameter_count(PRESETS[preset], PAPER_VOCAB) < 20 + batch * 2048 / 1e8
 
@@ -106,6 +107,7 @@ def test_recipe_flag_fills_what_the_config_leaves_out(tmp_path):
     assert (run.schedule.warmup_iters, run.schedule.min_lr_ratio, run.schedule.clip_grad) == (500, 0.1, 1.0)
     assert run.schedule.train_iters == paper_recipe("3.1b", 16, 2048, "muon").train_iters
     assert (run.muloco.outer_lr, run.muloco.outer_momentum, run.muloco.compression.ef_beta) == (1.0, 0.9, 0.9)
+    assert (run.muloco.compression.ef_form, run.muloco.compression.statistical_rounding) == ("paper", "paper")
     assert "weight_decay" in run.recipe_table and "recipe: 0.00025" in run.recipe_table
     # Where the paper publishes no lr, the run needs one from the config or the command line.
     ds["muloco"]["workers"] = 1
@@ -116,3 +118,21 @@ def test_recipe_flag_fills_what_the_config_leaves_out(tmp_path):
     assert any(line.split()[:3] == ["scheduler.params.train_iters", "5", "flag"] for line in run.recipe_table.splitlines())
     assert math.isclose(_resolve(ds, tmp_path, 8, "--model", "3.1b", "--recipe", "paper", "--lr", "0.02")
                         .muloco.outer_lr, 0.7)
+
+
+def test_recipe_sets_the_official_forms_only_where_they_apply(tmp_path):
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 8,
+          "optimizer": {"type": "muon", "params": {"lr": 0.01}},
+          "muloco": {"workers": 16, "compression": {"method": "linear", "bits": 4}}}
+    run = _resolve(ds, tmp_path, 16 * 8, "--model", "3.1b", "--recipe", "paper")
+    compression = run.muloco.compression  # no error feedback, no statistical quantizer: defaults, not in the table
+    assert (compression.ef_form, compression.ef_beta, compression.statistical_rounding) == ("plain", 1.0, "centred")
+    assert "ef_form" not in run.recipe_table and "statistical_rounding" not in run.recipe_table
+    # The ds_config's own choice wins, and the table says what the recipe would have used.
+    ds["muloco"]["compression"] = {"method": "statistical", "bits": 2, "error_feedback": True, "ef_form": "plain",
+                                   "statistical_rounding": "centred"}
+    run = _resolve(ds, tmp_path, 16 * 8, "--model", "3.1b", "--recipe", "paper")
+    compression = run.muloco.compression
+    assert (compression.ef_form, compression.ef_beta, compression.statistical_rounding) == ("plain", 0.9, "centred")
+    assert any(line.split()[:3] == ["muloco.compression.ef_form", "plain", "ds_config"] and "recipe: paper" in line
+               for line in run.recipe_table.splitlines())

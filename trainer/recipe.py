@@ -8,8 +8,9 @@ From (model preset, K workers, global batch B in sequences of 2048, inner optimi
   (factors 1.0);
 - schedule: 500 warmup steps, cosine to 10% of the peak, global-norm clip 1.0;
 - outer Nesterov SGD: K=1 lr 0.7 momentum 0.6, K>1 lr 1.0 momentum 0.9;
-- error-feedback decay 0.9 (the official `e = 0.9 e + delta`), used when a config compresses
-  with error feedback;
+- the official error feedback, `e = 0.9 e + outer_lr delta` (ef_form "paper", beta 0.9), when a
+  config compresses with error feedback, and the official statistical rounding `round(c/s + n/2)`
+  when it uses the statistical quantizer;
 - steps for 20 tokens per parameter (Chinchilla), counting embedding and head as the paper's
   preset names do (Llama-3 vocabulary, 128,256).
 
@@ -34,7 +35,7 @@ PAPER_SEQ_LENGTH = 2048
 WEIGHT_DECAY_BASE_BATCH = 512  # per-worker sequences at which the base weight decay applies
 TOKENS_PER_PARAMETER = 20
 WARMUP_ITERS, MIN_LR_RATIO, CLIP_GRAD = 500, 0.1, 1.0
-EF_BETA = 0.9
+EF_BETA, EF_FORM, STATISTICAL_ROUNDING = 0.9, "paper", "paper"
 
 _BASE_WEIGHT_DECAY = {"150m": 0.01, "416m": 0.01, "914m": 0.01, "1.76b": 1e-3, "3.1b": 1e-3, "15b": 1e-4}
 _BASE_WEIGHT_DECAY_ADAMW = {"150m": 1e-3}  # where AdamW's base differs from Muon's
@@ -68,7 +69,9 @@ class Recipe:
     clip_grad: float
     outer_lr: float
     outer_momentum: float
+    ef_form: str
     ef_beta: float
+    statistical_rounding: str
     train_iters: int
 
     def rows(self) -> list[tuple[str, Any, str]]:
@@ -87,7 +90,10 @@ class Recipe:
             ("gradient_clipping", self.clip_grad, "global-norm clip"),
             ("muloco.outer_lr", self.outer_lr, "K=1: 0.7, K>1: 1.0"),
             ("muloco.outer_momentum", self.outer_momentum, "K=1: 0.6, K>1: 0.9 (Nesterov)"),
-            ("muloco.compression.ef_beta", self.ef_beta, "official error feedback e = 0.9 e + delta"),
+            ("muloco.compression.ef_form", self.ef_form, "official error feedback e = beta e + outer_lr delta"),
+            ("muloco.compression.ef_beta", self.ef_beta, "official error-feedback decay"),
+            ("muloco.compression.statistical_rounding", self.statistical_rounding,
+             "official statistical quantizer round(c/s + n/2)"),
         ]
 
 
@@ -112,7 +118,8 @@ def paper_recipe(preset: str, workers: int, global_batch: int, optimizer: str) -
         weight_decay=float(f"{weight_decay:.6g}"),  # 5e-05, not 5.000000000000001e-05
         adamw_lr_factor=1.0, adamw_weight_decay_factor=1.0,
         warmup_iters=WARMUP_ITERS, min_lr_ratio=MIN_LR_RATIO, clip_grad=CLIP_GRAD,
-        outer_lr=0.7 if workers == 1 else 1.0, outer_momentum=0.6 if workers == 1 else 0.9, ef_beta=EF_BETA,
+        outer_lr=0.7 if workers == 1 else 1.0, outer_momentum=0.6 if workers == 1 else 0.9,
+        ef_form=EF_FORM, ef_beta=EF_BETA, statistical_rounding=STATISTICAL_ROUNDING,
         train_iters=math.ceil(TOKENS_PER_PARAMETER * parameters / (global_batch * PAPER_SEQ_LENGTH)))
 
 
@@ -131,10 +138,13 @@ def fill_ds_config(ds: dict, muloco: dict | None, preset: str, optimizer_flag: s
     recipe = paper_recipe(preset, workers, global_batch, optimizer)
     blocks = {"optimizer.params": optimizer_block.setdefault("params", {}),
               "scheduler.params": ds.setdefault("scheduler", {}).setdefault("params", {}), "": ds}
+    compression = (muloco or {}).get("compression", {})
     if muloco is not None:
         blocks["muloco"] = muloco
-        if muloco.get("compression", {}).get("error_feedback"):
-            blocks["muloco.compression"] = muloco["compression"]
+        blocks["muloco.compression"] = compression
+    applies = {"muloco.compression.ef_form": bool(compression.get("error_feedback")),
+               "muloco.compression.ef_beta": bool(compression.get("error_feedback")),
+               "muloco.compression.statistical_rounding": compression.get("method") == "statistical"}
     if "optimizer.params.lr" not in flags and "lr" not in blocks["optimizer.params"] and recipe.inner_lr is None:
         raise ConfigError(f"--recipe paper: {unpublished_lr(optimizer)} ({preset}, {optimizer}, K={workers}, "
                           f"B={global_batch}); give --lr or the ds_config's optimizer.params.lr")
@@ -142,8 +152,9 @@ def fill_ds_config(ds: dict, muloco: dict | None, preset: str, optimizer_flag: s
              f"  {'setting':44} {'value':>12}  source"]
     for setting, value, why in recipe.rows():
         block_name, _, key = setting.rpartition(".")
-        if block_name not in blocks or (optimizer == "adamw" and key.startswith("adamw_")):
-            continue  # no outer loop, no error feedback, or no separate AdamW group
+        if block_name not in blocks or not applies.get(setting, True) or (
+                optimizer == "adamw" and key.startswith("adamw_")):
+            continue  # no outer loop, no error feedback, no statistical quantizer, or no separate AdamW group
         block = blocks[block_name]
         if key not in block and value is not None:
             block[key] = value

@@ -5,7 +5,14 @@
       "sync_interval": 30,          H inner steps between outer syncs
       "outer_lr": 0.7, "outer_momentum": 0.6, "nesterov": true,
       "compression": {"method": "statistical", "bits": 4, "embedding_bits": 4, "vector_bits": 4,
-                      "error_feedback": true, ...},
+                      "error_feedback": true, "ef_form": "plain", "ef_beta": 1.0,
+                      "statistical_rounding": "centred", ...},
+                                    ef_form "plain" (default): e = beta e + delta; "paper": the official
+                                    e = beta e + outer_lr delta, its average stepped with outer_lr
+                                    again (= plain at outer lr outer_lr**2 on the compressed tensors).
+                                    statistical_rounding "centred" (default; measured lower error) or
+                                    "paper": the official round(c/s + n/2). `--recipe paper` selects
+                                    both official forms and beta 0.9.
       "collective": "all_gather" | "reduce_scatter",
       "outer_backend": "gloo" | "nccl",   the outer groups' backend: gloo moves the packed payload through
                                     host memory (a WAN between datacenters), nccl keeps it on the device

@@ -76,6 +76,13 @@ def sync_offsets(sync_interval: int, fragments: int) -> list[int]:
     return [math.floor(sync_interval / fragments * (i + 1)) % sync_interval for i in range(fragments)]
 
 
+def outer_sgd_direction(average: torch.Tensor, momentum: torch.Tensor, mu: float, nesterov: bool) -> torch.Tensor:
+    """The outer SGD step's direction for the averaged pseudogradient (torch.optim.SGD's momentum,
+    dampening 0), updating `momentum` in place; the weights move by -outer_lr times it."""
+    m = momentum.mul_(mu).add_(average)
+    return average.add(m, alpha=mu) if nesterov else m
+
+
 def _state_copy(t: torch.Tensor, on_device: bool) -> torch.Tensor:
     """An fp32 copy for the outer state: on the parameter's device, or on the host (pinned when the
     parameter lives on an accelerator, so the per-sync copies are fast)."""
@@ -170,7 +177,8 @@ class OuterLoop:
             config = compression.for_group(group)
             specs.append(_BucketSpec(indices, Compressor(config),
                                      BucketLayout(tuple(self._wire_shape(i) for i in indices), parts), counts_once,
-                                     ErrorFeedback(config.ef_beta) if config.error_feedback else None))
+                                     ErrorFeedback.from_config(config, self.config.outer_lr)
+                                     if config.error_feedback else None))
         return specs
 
     # -- step hook --------------------------------------------------------------------------------
@@ -264,9 +272,7 @@ class OuterLoop:
                 for i, avg in zip(spec.indices, spec.layout.unflatten(result.average)):
                     g = self.global_weights[i]
                     avg = (avg.t() if self.params[i].transposed else avg).reshape(g.shape).to(g.device)
-                    m = self.momentum[i].mul_(c.outer_momentum).add_(avg)
-                    update = avg.add(m, alpha=c.outer_momentum) if c.nesterov else m
-                    g.add_(update, alpha=-c.outer_lr)
+                    g.add_(outer_sgd_direction(avg, self.momentum[i], c.outer_momentum, c.nesterov), alpha=-c.outer_lr)
             self.outer_step += 1
         alpha = self.config.streaming.mix_alpha if overlapped else 0.0
         for spec in specs:
