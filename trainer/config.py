@@ -101,6 +101,11 @@ class RunConfig:
     bf16: bool = False
     ds_config: dict[str, Any] = field(default_factory=dict)
     muloco: Any = None  # trainer.diloco.config.MuLoCoConfig, or None for the data-parallel baseline
+    worker_id: int | None = None  # elastic workers (muloco.elastic): this job's worker k; the world is one worker
+
+    @property
+    def elastic(self) -> bool:
+        return self.muloco is not None and self.muloco.elastic is not None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, default=str)
@@ -119,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--worker-id", type=int, default=None,
+                   help="elastic MuLoCo (muloco.elastic): this launch is worker k, a world of D x P x T ranks")
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=[], help="prefix, or weight prefix weight prefix ...")
     g.add_argument("--valid-data-path", nargs="+", default=[])
@@ -179,10 +186,14 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
 
         muloco = MuLoCoConfig.from_dict(muloco)
     workers = muloco.workers if muloco is not None else 1
+    elastic = muloco is not None and muloco.elastic is not None
+    from trainer.elastic.config import check_worker_id
+
+    check_worker_id(args.worker_id, workers, elastic)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     from trainer.topology import ParallelSizes  # sizes are validated there, with one message
 
-    sizes = ParallelSizes.from_world(world_size, workers, pp, tp)
+    sizes = ParallelSizes.from_world(world_size, 1 if elastic else workers, pp, tp)  # an elastic world is one worker
 
     shape = PRESETS[args.model].with_overrides(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
@@ -216,7 +227,7 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
         save=args.save, load=args.load, save_interval=args.save_interval,
         # Mixed precision is Megatron's autocast over fp32 parameters (the optimizers need whole fp32
         # tensors, not DeepSpeed's flattened bf16 partitions), so DeepSpeed never sees the bf16 block.
-        bf16=bool(ds.pop("bf16", {}).get("enabled", False)), ds_config=ds, muloco=muloco)
+        bf16=bool(ds.pop("bf16", {}).get("enabled", False)), ds_config=ds, muloco=muloco, worker_id=args.worker_id)
 
 
 def _check_model(shape: ModelShape, tp: int, pp: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import deepspeed
@@ -49,9 +50,12 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     from trainer.pretrain import COLLECTIVE_TIMEOUT
 
     apply_cpu_shims_if_needed()
-    sizes = ParallelSizes.from_world(dist.get_world_size(), config.batch.workers, config.pipeline_parallel,
-                                     config.tensor_parallel)
+    # An elastic worker's world is the worker itself; it reads the stream of worker --worker-id.
+    sizes = ParallelSizes.from_world(dist.get_world_size(), 1 if config.elastic else config.batch.workers,
+                                     config.pipeline_parallel, config.tensor_parallel)
     topology = build_topology(sizes, COLLECTIVE_TIMEOUT)
+    if config.elastic:
+        topology = replace(topology, coords=replace(topology.coords, worker=config.worker_id))
     initialize_megatron_groups(topology, COLLECTIVE_TIMEOUT)
     _seed_everything(config.seed)
     is_logger = topology.is_logging_rank
@@ -92,7 +96,10 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     logger = MetricsLogger(config.run_dir, config.tensorboard_dir, config.schedule.train_iters, is_logger)
     trainer = trainer_class(config, topology, engine, datasets.train, datasets.valid, position, logger)
     if config.muloco is not None:
-        outer = OuterLoop(config.muloco, list(model.named_parameters()), canonical, topology,
+        loop_class = OuterLoop
+        if config.elastic:
+            from trainer.elastic.outer_loop import ElasticOuterLoop as loop_class
+        outer = loop_class(config.muloco, list(model.named_parameters()), canonical, topology,
                           mps.get_tensor_model_parallel_rank(), config.model.num_layers,
                           log=lambda record, step: logger.log(record, step, prefix="outer"))
         outer.attach(engine)
@@ -101,7 +108,13 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
         print(f"global batch {config.batch.global_batch} sequences ({config.batch.per_worker} per worker x "
               f"{config.batch.workers} workers), {config.schedule.train_iters} steps", flush=True)
     Checkpointer(config, topology, trainer, canonical, tokenizer.vocab_size, vocab).attach()  # --load, --save
-    summary = trainer.train()
+    if config.elastic:
+        outer.join(trainer)  # the first quorum; a restarted worker loads the outer state from a live peer
+    try:
+        summary = trainer.train()
+    finally:
+        if config.elastic:
+            outer.leave()
     logger.close()
     if is_logger:
         summary["parameters"] = n_params
