@@ -18,7 +18,8 @@ def _resolve(path: Path, world: int, extra=()):
 def test_config_resolves(path):
     raw = json.loads(path.read_text())
     workers = raw.get("muloco", {}).get("workers", 1)
-    config = _resolve(path, world=2 * workers)
+    elastic = "elastic" in raw.get("muloco", {})  # one job per worker: its world is one worker's ranks
+    config = _resolve(path, world=2 if elastic else 2 * workers, extra=["--worker-id", "0"] if elastic else ())
     assert config.batch.workers == workers
     assert config.batch.data_parallel == 2
     # DeepSpeed's own batch check holds for one worker's ranks.
