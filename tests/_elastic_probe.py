@@ -7,9 +7,13 @@ OUT_DIR/sync<N>.pt (N = the outer step after the sync; written whole, then renam
     time                    wall clock when the sync was applied
     record                  the sync's metrics record (workers_in_sync, quorum, missing, step, ...)
     sha_before, sha_after   trainer.elastic's checksum of the global weights around the sync
-and, for the first sync this worker applies with a worker missing from the quorum, per bucket of
-flat fp32 buffers in the wire's layout: deltas (this worker's pseudogradient as sent), averaged,
-global_before, momentum_before, global_after.
+and, for the first sync this worker applies with a worker missing from the quorum and nobody left
+out, per bucket of flat fp32 buffers in the wire's layout: deltas (this worker's pseudogradient as
+sent), averaged, global_before, momentum_before, global_after.
+With ELASTIC_PROBE_NAN_AT=WORKER:STEP in the environment, that worker's pseudogradient gets a NaN at
+inner step STEP.
+
+    python tests/_elastic_probe.py OUT_DIR [flags]   also works for a worker of one rank (a world of one)
 """
 from __future__ import annotations
 
@@ -29,10 +33,15 @@ ARGS = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the laun
 OUT = Path(ARGS[0])
 
 
+POISON = os.environ.get("ELASTIC_PROBE_NAN_AT")  # "WORKER:STEP": that worker's pseudogradient is NaN at STEP
+
+
 class ProbeLoop(elastic_outer_loop.ElasticOuterLoop):
     detailed = False
 
     def _sync(self, fragment, deltas, step, outer_step):
+        if POISON == f"{self.worker}:{step}":
+            deltas[0].view(-1)[0] = float("nan")
         self._sent = [d.detach().cpu().clone() for d in deltas]
         return super()._sync(fragment, deltas, step, outer_step)
 
@@ -43,7 +52,8 @@ class ProbeLoop(elastic_outer_loop.ElasticOuterLoop):
         return [spec.layout.flatten([view(i) for i in spec.indices]).cpu().clone() for spec in self.buckets[fragment]]
 
     def _apply(self, fragment, averaged, record, overlapped):
-        detailed = averaged is not None and bool(record.get("missing")) and not ProbeLoop.detailed
+        detailed = (averaged is not None and bool(record.get("missing")) and not record.get("left_out")
+                    and not ProbeLoop.detailed)
         dump = {"record": dict(record), "sha_before": self.weights_checksum(), "time": time.time()}
         if detailed:
             dump.update(deltas=self._sent, averaged=[a.average.cpu().clone() for a in averaged],

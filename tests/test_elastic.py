@@ -2,7 +2,8 @@
 torchft's lighthouse, through one failure scenario shared by every test:
 
 1. workers 0, 1, 2 start together (one `deepspeed` launch each) and sync every SYNC_INTERVAL steps;
-2. worker 2 is killed (SIGKILL) after its first sync and restarted at once (a new launch);
+2. worker 1's pseudogradient is NaN at its second sync (NAN_AT);
+   worker 2 is killed (SIGKILL) after its first sync and restarted at once (a new launch);
 3. while it is down, workers 0 and 1 sync on their own (K_eff = 2);
 4. the restarted worker 2 loads the outer state from a live peer and syncs with them again;
 5. worker 1 is frozen (SIGSTOP) and never answers again: workers 0 and 2 drop it and finish the run.
@@ -29,11 +30,12 @@ from trainer_harness import EXTENSIONS_ENV, REPO_ROOT, TINY_VOCAB, free_port
 PROBE = REPO_ROOT / "tests" / "_elastic_probe.py"
 WORKERS = 3
 SYNC_INTERVAL = 4
-TRAIN_ITERS = 160
+TRAIN_ITERS = 128  # the survivors must outlast worker 2's restart (about 50 s on 2 busy cores)
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.6
 SYNC_TIMEOUT_S = 8
 LIGHTHOUSE_TIMEOUT_S = 4  # join and heartbeat timeouts: how soon a silent worker leaves the quorum
-PHASE_TIMEOUT_S = 240  # any one phase; a run that stalls fails here with the logs
+PHASE_TIMEOUT_S = 240
+NAN_AT = f"1:{2 * SYNC_INTERVAL}"  # any one phase; a run that stalls fails here with the logs
 
 
 def ds_config(lighthouse: str) -> dict:
@@ -80,7 +82,7 @@ class Scenario:
 def _spawn(name: str, command: list[str], work: Path) -> Job:
     log = work / f"{name}.log"
     env = {**os.environ, **EXTENSIONS_ENV, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO_ROOT), "MULOCO_ELASTIC_HOST": "127.0.0.1"}
+           "PYTHONPATH": str(REPO_ROOT), "MULOCO_ELASTIC_HOST": "127.0.0.1", "ELASTIC_PROBE_NAN_AT": NAN_AT}
     with log.open("w") as sink:
         proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # its own process group: killed as a whole
@@ -127,9 +129,9 @@ def scenario(tmp_path_factory) -> Scenario:
         jobs["w2b"] = _worker("w2b", 2, work, data, config)  # the same worker, relaunched
         _wait(scenario, "a sync of workers 0 and 1 alone",
               lambda: any(s["record"].get("missing") == [2] for s in scenario.syncs("w0").values()))
-        _wait(scenario, "a sync of all three after worker 2 rejoined",
-              lambda: any(len(s["record"]["quorum"]) == 3 and not s["record"]["rejoined"]
-                          for s in scenario.syncs("w2b").values()))
+        _wait(scenario, "a sync of all three after worker 2 rejoined, applied by worker 1 too",
+              lambda: any(len(s["record"]["quorum"]) == 3 and not s["record"]["rejoined"] and n in scenario.syncs("w1")
+                          for n, s in scenario.syncs("w2b").items()))
         jobs["w1"].signal(signal.SIGSTOP)  # frozen: it never answers again
         scenario.stopped_at = time.time()
         for name in ("w0", "w2b"):
@@ -196,3 +198,56 @@ def test_a_frozen_worker_is_dropped_after_the_sync_timeout_and_the_run_finishes(
     assert all(1 in r["missing"] for r in w0[w0.index(first):]), "the frozen worker came back"
     assert w0[-1]["outer_step"] == TRAIN_ITERS // SYNC_INTERVAL and w0[-1]["workers_in_sync"] == 2
     assert scenario.syncs("w2b")[w0[-1]["outer_step"]]["sha_after"] == scenario.syncs("w0")[w0[-1]["outer_step"]]["sha_after"]
+
+
+def test_a_nonfinite_pseudogradient_is_left_out_while_the_others_proceed(scenario):
+    w0, w1 = scenario.syncs("w0"), scenario.syncs("w1")
+    record = w0[2]["record"]
+    assert record["left_out"] == {"1": "non-finite pseudogradient"} == w1[2]["record"]["left_out"]
+    assert record["workers_in_sync"] == len(record["quorum"]) - 1 and record["outer_step"] == 2
+    assert w1[2]["sha_after"] == w0[2]["sha_after"]  # it takes the others' step and goes on
+    assert w0[3]["record"]["left_out"] == {} and w0[3]["record"]["workers_in_sync"] == len(w0[3]["record"]["quorum"])
+
+
+# -- without launches ----------------------------------------------------------------------------
+
+def test_membership_leaves_out_joining_nonfinite_and_outlier_members():
+    from trainer.elastic.membership import Member, left_out
+
+    def member(worker, norm, joining=False, nonfinite=False):
+        return Member(worker, 8, joining, nonfinite, norm)
+
+    assert left_out([member(0, 1.0), member(1, 1.1), member(2, 0.9)], 10.0) == {}
+    assert left_out([member(0, 1.0), member(1, 50.0), member(2, 0.9)], 10.0) == {
+        1: "pseudogradient norm 50 is over 10.0x its peers'"}
+    assert left_out([member(0, 1.0, joining=True), member(1, float("inf"), nonfinite=True), member(2, 0.9)],
+                    10.0) == {0: "joining", 1: "non-finite pseudogradient"}
+    # Two contributors: only the one far above the other is left out.
+    assert left_out([member(0, 1.0), member(1, 20.0)], 10.0) == {1: "pseudogradient norm 20 is over 10.0x its peers'"}
+
+
+@pytest.mark.parametrize("block, flags, message", [
+    ({"collective": "reduce_scatter"}, ["--worker-id", "0"], "collective 'reduce_scatter'"),
+    ({"streaming": {"fragments": 2}}, ["--worker-id", "0"], "streaming"),
+    ({}, [], "needs --worker-id"),
+    ({}, ["--worker-id", "3"], "outside 0..2"),
+])
+def test_elastic_config_errors_name_the_problem(tmp_path, block, flags, message):
+    from trainer.config import build_parser, resolve
+    from trainer.errors import ConfigError
+
+    config = ds_config("http://127.0.0.1:1")
+    config["muloco"].update(block)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=message):
+        resolve(build_parser().parse_args(["--ds_config", str(path), "--data-path", "x", *flags]), 1)
+
+
+def test_worker_id_without_an_elastic_block_is_an_error(repo_root):
+    from trainer.config import build_parser, resolve
+    from trainer.errors import ConfigError
+
+    args = ["--ds_config", str(repo_root / "ds_configs" / "cpu_tiny_muloco.json"), "--data-path", "x", "--worker-id", "0"]
+    with pytest.raises(ConfigError, match="--worker-id is for elastic workers"):
+        resolve(build_parser().parse_args(args), 2)
