@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from synthetic_data import write_markov_dataset
 from trainer_harness import EXTENSIONS_ENV, REPO_ROOT, TINY_VOCAB, free_port
 
@@ -135,7 +134,7 @@ def scenario(tmp_path_factory) -> Scenario:
         jobs["w1"].signal(signal.SIGSTOP)  # frozen: it never answers again
         scenario.stopped_at = time.time()
         for name in ("w0", "w2b"):
-            _wait(scenario, f"{name} to finish", lambda: jobs[name].proc.poll() is not None)
+            _wait(scenario, f"{name} to finish", lambda job=jobs[name]: job.proc.poll() is not None)
             scenario.returncodes[name] = jobs[name].proc.returncode
         yield scenario
     finally:

@@ -25,7 +25,7 @@ class Member:
     norm: float
 
     @classmethod
-    def from_row(cls, row: list[float]) -> "Member":
+    def from_row(cls, row: list[float]) -> Member:
         worker, step, joining, nonfinite, sq = row
         return cls(int(worker), int(step), joining > 0, nonfinite > 0, math.sqrt(sq) if math.isfinite(sq) else math.inf)
 
