@@ -216,7 +216,7 @@ class ElasticOuterLoop(OuterLoop):
         buckets = [Bucket(spec.compressor, spec.layout,
                           spec.error_feedback.accumulate(d) if spec.error_feedback and contributing else d)
                    for spec, d in zip(specs, deltas)]
-        averaged = average_buckets(buckets, wire, "all_gather", context, members=contributors)
+        averaged = average_buckets(buckets, wire, "all_gather", context, members=contributors) if buckets else []
         if not contributing:
             averaged = [Averaged(a.average, torch.zeros_like(a.average)) for a in averaged]
         exchange = wire.take_stats()
