@@ -3,12 +3,14 @@
 # launch (tiny model, 1 CPU rank each, 4-bit statistical compression with error feedback). Worker 2
 # is killed with SIGKILL after its second outer sync and relaunched once the two others have synced
 # without it; it loads the outer state from a live peer and trains on. Prints every outer sync
-# (K_eff, who was missing, each worker's global-weight checksum) and ends with one JSON line.
+# (K_eff, who was missing, each worker's global-weight checksum) and ends with one JSON line. The
+# config emulates a WAN link (500 ms per round trip), which also keeps the survivors from finishing
+# before worker 2 is back.
 # Loopback only; every process it starts is killed on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-TRAIN_ITERS="${TRAIN_ITERS:-150}"  # the survivors must outlast worker 2's restart (a minute on 2 busy cores)
+TRAIN_ITERS="${TRAIN_ITERS:-150}"  # the survivors must outlast worker 2's restart
 WORK="${ELASTIC_DEMO_DIR:-runs/elastic_demo}"
 DS_CONFIG=ds_configs/cpu_tiny_elastic.json
 

@@ -29,7 +29,10 @@ from trainer_harness import EXTENSIONS_ENV, REPO_ROOT, TINY_VOCAB, free_port
 PROBE = REPO_ROOT / "tests" / "_elastic_probe.py"
 WORKERS = 3
 SYNC_INTERVAL = 4
-TRAIN_ITERS = 128  # the survivors must outlast worker 2's restart (about 50 s on 2 busy cores)
+TRAIN_ITERS = 128
+# The survivors must outlast worker 2's restart (20-60 s): an emulated WAN latency per round trip
+# (3 per sync) keeps them from racing through the run on an idle machine.
+LINK = {"bandwidth_gbit_s": 10, "latency_ms": 500}
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.6
 SYNC_TIMEOUT_S = 8
 LIGHTHOUSE_TIMEOUT_S = 4  # join and heartbeat timeouts: how soon a silent worker leaves the quorum
@@ -45,7 +48,7 @@ def ds_config(lighthouse: str) -> dict:
         "gradient_clipping": 1.0, "steps_per_print": 1000000,
         "muloco": {"workers": WORKERS, "sync_interval": SYNC_INTERVAL, "outer_lr": OUTER_LR,
                    "outer_momentum": OUTER_MOMENTUM, "nesterov": True, "compression": {"method": "none"},
-                   "sync_timeout_s": SYNC_TIMEOUT_S,
+                   "sync_timeout_s": SYNC_TIMEOUT_S, "link": LINK,
                    "elastic": {"lighthouse": lighthouse, "quorum_timeout_s": 240, "max_attempts": 4}},
     }
 
