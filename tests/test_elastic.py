@@ -71,7 +71,6 @@ class Job:
 @dataclass
 class Scenario:
     jobs: dict[str, Job]
-    stopped_at: float = 0.0
     returncodes: dict[str, int] = field(default_factory=dict)
 
     def syncs(self, name: str) -> dict[int, dict]:
@@ -135,7 +134,6 @@ def scenario(tmp_path_factory) -> Scenario:
               lambda: any(len(s["record"]["quorum"]) == 3 and not s["record"]["rejoined"] and n in scenario.syncs("w1")
                           for n, s in scenario.syncs("w2b").items()))
         jobs["w1"].signal(signal.SIGSTOP)  # frozen: it never answers again
-        scenario.stopped_at = time.time()
         for name in ("w0", "w2b"):
             _wait(scenario, f"{name} to finish", lambda job=jobs[name]: job.proc.poll() is not None)
             scenario.returncodes[name] = jobs[name].proc.returncode
