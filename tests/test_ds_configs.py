@@ -22,9 +22,12 @@ def test_config_resolves(path):
     # GPU configs state the layout they were planned for (and their model); CPU ones run at any D.
     layout = raw.get("layout", {"tensor": 1, "pipeline": 1, "data": 2})
     model = raw.get("recipe", {}).get("model", "tiny")
-    config = _resolve(path, world=workers * layout["data"] * layout["pipeline"] * layout["tensor"],
+    elastic = "elastic" in raw.get("muloco", {})  # one job per worker: its world is one worker's ranks
+    world = (1 if elastic else workers) * layout["data"] * layout["pipeline"] * layout["tensor"]
+    config = _resolve(path, world=world,
                       extra=["--model", model, "--tensor-model-parallel-size", str(layout["tensor"]),
-                             "--pipeline-model-parallel-size", str(layout["pipeline"])])
+                             "--pipeline-model-parallel-size", str(layout["pipeline"]),
+                             *(["--worker-id", "0"] if elastic else [])])
     assert config.batch.workers == workers
     assert config.batch.data_parallel == layout["data"]
     # DeepSpeed's own batch check holds for one worker's ranks.

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainer.diloco.config import MuLoCoConfig
+from trainer.elastic.config import check_worker_id
 from trainer.errors import ConfigError, TopologyError
 from trainer.model.presets import ARCHITECTURES, PRESETS, ModelShape
 from trainer.model.stages import stage_layers
@@ -276,6 +277,11 @@ class RunConfig:
         _at_least("eval-iters", self.eval_iters, 1)
         if self.save_interval is not None:
             _at_least("save-interval", self.save_interval, 1)
+    worker_id: int | None = None  # elastic workers (muloco.elastic): this job's worker k; the world is one worker
+
+    @property
+    def elastic(self) -> bool:
+        return self.muloco is not None and self.muloco.elastic is not None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, default=str)
@@ -300,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "several processes share one GPU when every intra-worker group has one rank")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--worker-id", type=int, default=None,
+                   help="elastic MuLoCo (muloco.elastic): this launch is worker k, a world of D x P x T ranks")
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=[], help="prefix, or weight prefix weight prefix ...")
     g.add_argument("--valid-data-path", nargs="+", default=[])
@@ -425,9 +433,11 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
     muloco_block = ds.pop("muloco", None)
     muloco = _muloco_from_ds(muloco_block)
     workers = muloco.workers if muloco is not None else 1
+    elastic = muloco is not None and muloco.elastic is not None
+    check_worker_id(args.worker_id, workers, elastic)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    try:
-        sizes = ParallelSizes.from_world(world_size, workers, pp, tp)  # sizes are validated there, with one message
+    try:  # sizes are validated there, with one message; an elastic job's world is one worker
+        sizes = ParallelSizes.from_world(world_size, 1 if elastic else workers, pp, tp)
     except TopologyError as err:
         raise ConfigError(str(err)) from err
 
@@ -479,7 +489,8 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
         log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         save=args.save, load=args.load, save_interval=args.save_interval, **_fault_settings(args),
         bf16=bf16, distributed_backend=args.distributed_backend,
-        deterministic=args.deterministic_mode, ds_config=ds, muloco=muloco, recipe_table=recipe_table)
+        deterministic=args.deterministic_mode, ds_config=ds, muloco=muloco, recipe_table=recipe_table,
+        worker_id=args.worker_id)
 
 
 def _fault_settings(args: argparse.Namespace) -> dict[str, Any]:

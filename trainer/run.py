@@ -6,6 +6,7 @@ import json
 import os
 import random
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -56,9 +57,12 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     """`trainer_class` lets tests and benchmarks observe a run assembled exactly as here."""
     device = comm.init_compute_device(int(os.environ.get("LOCAL_RANK", "0")))
     apply_cpu_shims_if_needed()
-    sizes = ParallelSizes.from_world(dist.get_world_size(), config.batch.workers, config.pipeline_parallel,
-                                     config.tensor_parallel)
+    # An elastic worker's world is the worker itself; it reads the stream of worker --worker-id.
+    sizes = ParallelSizes.from_world(dist.get_world_size(), 1 if config.elastic else config.batch.workers,
+                                     config.pipeline_parallel, config.tensor_parallel)
     topology = build_topology(sizes, comm.COLLECTIVE_TIMEOUT)
+    if config.elastic:
+        topology = replace(topology, coords=replace(topology.coords, worker=config.worker_id))
     initialize_megatron_groups(topology, comm.COLLECTIVE_TIMEOUT)
     _seed_everything(config.seed)
     if config.deterministic:
@@ -105,9 +109,12 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     trainer = trainer_class(config, topology, engine, datasets.train, datasets.valid, position, logger)
     outer = None
     if config.muloco is not None:
-        outer = OuterLoop(config.muloco, list(model.named_parameters()), canonical, topology,
-                          mps.get_tensor_model_parallel_rank(), config.model.num_layers,
-                          log=lambda record, step: logger.log(record, step, prefix="outer"))
+        loop_class = OuterLoop
+        if config.elastic:  # only elastic runs import torchft
+            from trainer.elastic.outer_loop import ElasticOuterLoop as loop_class
+        outer = loop_class(config.muloco, list(model.named_parameters()), canonical, topology,
+                           mps.get_tensor_model_parallel_rank(), config.model.num_layers,
+                           log=lambda record, step: logger.log(record, step, prefix="outer"))
         trainer.extra_state["muloco"] = outer
     if is_logger:
         print(f"global batch {config.batch.global_batch} sequences ({config.batch.per_worker} per worker x "

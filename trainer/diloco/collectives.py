@@ -68,6 +68,18 @@ class Wire:
         self.size = dist.get_world_size(group)
         self.stats = CollectiveStats()
 
+    # The raw collectives on the group; a wire over another kind of group (trainer/elastic's
+    # reconfigurable quorum group) overrides these three.
+    def _all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        dist.all_gather_into_tensor(output, input, group=self.group)
+
+    def _all_to_all_into(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
+                         input_sizes: list[int]) -> None:
+        dist.all_to_all_single(output, input, output_sizes, input_sizes, group=self.group)
+
+    def _all_reduce(self, buffer: torch.Tensor) -> None:
+        dist.all_reduce(buffer, group=self.group)
+
     def take_stats(self) -> CollectiveStats:
         """The counts since the last call (one sync's)."""
         stats, self.stats = self.stats, CollectiveStats()
@@ -92,8 +104,7 @@ class Wire:
         buffer = buffer.to(self.device)
         gathered = torch.empty(self.size * n, dtype=buffer.dtype, device=self.device)
         nbytes = (self.size - 1) * n * buffer.element_size()
-        self._run("all_gather", context, lambda: dist.all_gather_into_tensor(gathered, buffer, group=self.group),
-                  nbytes, nbytes)
+        self._run("all_gather", context, lambda: self._all_gather_into(gathered, buffer), nbytes, nbytes)
         return list(gathered.split(n))
 
     def all_gather_padded(self, buffer: torch.Tensor, sizes: Sequence[int], context: str) -> list[torch.Tensor]:
@@ -116,8 +127,8 @@ class Wire:
         send = torch.cat([block.to(self.device) for block in blocks])
         sent = sum(send_sizes) - send_sizes[self.rank]
         taken = sum(receive_sizes) - receive_sizes[self.rank]
-        self._run("all_to_all", context, lambda: dist.all_to_all_single(
-            received, send, list(receive_sizes), send_sizes, group=self.group), sent, taken)
+        self._run("all_to_all", context, lambda: self._all_to_all_into(received, send, list(receive_sizes), send_sizes),
+                  sent, taken)
         return list(received.split(list(receive_sizes)))
 
     def sum(self, values: torch.Tensor, context: str) -> torch.Tensor:
@@ -126,7 +137,7 @@ class Wire:
             return values.cpu()
         buffer = values.to(self.device)
         nbytes = 2 * (self.size - 1) * buffer.numel() * buffer.element_size() // self.size
-        self._run("all_reduce", context, lambda: dist.all_reduce(buffer, group=self.group), nbytes, nbytes)
+        self._run("all_reduce", context, lambda: self._all_reduce(buffer), nbytes, nbytes)
         return buffer.cpu()
 
     def sum_per_worker(self, values: Sequence[float], worker: int, workers: int, context: str) -> list[list[float]]:
@@ -209,14 +220,20 @@ def _average_in_rank_order(decoded: Iterable[torch.Tensor]) -> torch.Tensor:
     return total.div_(count)
 
 
-def average_buckets(buckets: Sequence[Bucket], wire: Wire, collective: str, context: str) -> list[Averaged]:
-    """Average each bucket over the wire's group; decoding happens on each bucket's own device."""
+def average_buckets(buckets: Sequence[Bucket], wire: Wire, collective: str, context: str,
+                    members: Sequence[int] | None = None) -> list[Averaged]:
+    """Average each bucket over the wire's group (or over the group ranks `members` only: the others
+    still take part in the collectives, and receive the average); decoding happens on each bucket's
+    own device."""
     if collective == "all_gather":
-        return _all_gather_average(buckets, wire, context)
+        return _all_gather_average(buckets, wire, context, members)
+    if members is not None:
+        raise ValueError("averaging over a subset of the group is implemented for the all_gather collective only")
     return _reduce_scatter_average(buckets, wire, context)
 
 
-def _all_gather_average(buckets: Sequence[Bucket], wire: Wire, context: str) -> list[Averaged]:
+def _all_gather_average(buckets: Sequence[Bucket], wire: Wire, context: str,
+                        members: Sequence[int] | None) -> list[Averaged]:
     encoded = [_encode_chunks(bucket)[0] for bucket in buckets]
     fixed = [b.compressor.bucket_nbytes(b.layout.chunks[0]) for b in buckets]
     sizes = _sizes_by_rank(wire, [e.nbytes for e in encoded], fixed, context)
@@ -226,7 +243,8 @@ def _all_gather_average(buckets: Sequence[Bucket], wire: Wire, context: str) -> 
     out = []
     for i, (bucket, own) in enumerate(zip(buckets, encoded)):
         device, chunk = bucket.flat.device, bucket.layout.chunks[0]
-        decoded = (bucket.compressor.decode_bucket(received[rank][i].to(device), chunk) for rank in range(wire.size))
+        decoded = (bucket.compressor.decode_bucket(received[rank][i].to(device), chunk)
+                   for rank in (range(wire.size) if members is None else members))
         out.append(Averaged(_average_in_rank_order(decoded), bucket.flat - own.decoded))
     return out
 

@@ -21,7 +21,9 @@
       "streaming": {"fragments": 1, "overlap_steps": 0, "mix_alpha": 0.0},
       "max_norm_ratio": 10.0,       skip a sync when a worker's pseudogradient norm is this far above its peers'
       "link": {"bandwidth_gbit_s": 10, "latency_ms": 50},   optional slow-link emulation for benchmarks
-      "identical_worker_data": false   every worker reads worker 0's data (a test identity)
+      "identical_worker_data": false,  every worker reads worker 0's data (a test identity)
+      "sync_timeout_s": 60,         elastic workers: a peer silent this long is dropped from the sync
+      "elastic": {...}              each worker its own job, a fault-tolerant outer group (trainer/elastic/config.py)
     }
 The inner optimizer (muon or adamw) is the ds_config's "optimizer" block, so DP AdamW, DP Muon,
 DiLoCo and MuLoCo are one program with different configs.
@@ -34,6 +36,7 @@ from typing import Any
 from trainer.errors import ConfigError
 from trainer.diloco.compression import CompressionConfig
 from trainer.diloco.link import SlowLink
+from trainer.elastic.config import ElasticConfig
 
 COLLECTIVES = ("all_gather", "reduce_scatter")
 OUTER_BACKENDS = ("gloo", "nccl")
@@ -69,6 +72,8 @@ class MuLoCoConfig:
     max_norm_ratio: float = 10.0
     link: SlowLink | None = None
     identical_worker_data: bool = False
+    sync_timeout_s: float = 60.0
+    elastic: ElasticConfig | None = None
 
     def __post_init__(self):
         if self.workers < 1:
@@ -88,6 +93,10 @@ class MuLoCoConfig:
         if self.streaming.overlap_steps >= self.sync_interval:
             raise ConfigError(f"muloco.streaming.overlap_steps ({self.streaming.overlap_steps}) must be below "
                               f"sync_interval ({self.sync_interval})")
+        if self.sync_timeout_s <= 0:
+            raise ConfigError(f"muloco.sync_timeout_s must be > 0, got {self.sync_timeout_s}")
+        if self.elastic is not None:
+            self.elastic.check_compatible(self)
 
     @classmethod
     def from_dict(cls, block: dict[str, Any]) -> "MuLoCoConfig":
@@ -100,6 +109,7 @@ class MuLoCoConfig:
             values["compression"] = CompressionConfig(**block.get("compression", {}))
             values["streaming"] = StreamingConfig(**block.get("streaming", {}))
             values["link"] = SlowLink(**block["link"]) if block.get("link") else None
+            values["elastic"] = ElasticConfig(**block["elastic"]) if "elastic" in block else None
         except (TypeError, ValueError) as err:
             raise ConfigError(f"muloco block: {err}") from err
         return cls(**values)

@@ -230,8 +230,7 @@ class OuterLoop:
         reads the outer state but changes none of it (the caller applies the result)."""
         start = time.perf_counter()
         specs, context = self.buckets[fragment], self._context(outer_step)
-        sq = sum(_sum_sq(d) for spec, d in zip(specs, deltas) if spec.counts_once)
-        nonfinite = any(not bool(torch.isfinite(d).all()) for d in deltas)
+        nonfinite, sq = self._vote_share(specs, deltas)
         norms, reason = self.vote(nonfinite, sq, context)
         record = {"outer_step": outer_step, "fragment": fragment, "step": step,
                   "pseudograd_norm": statistics.fmean(norms) if reason is None else None}
@@ -245,7 +244,23 @@ class OuterLoop:
                    for spec, d in zip(specs, deltas)]
         averaged = average_buckets(buckets, self.outer_wire, self.config.collective, context) if buckets else []
         exchange = self.outer_wire.take_stats()
-        local = LocalSums(bytes_sent=exchange.bytes_sent)
+        local = self._local_sums(specs, deltas, buckets, averaged, exchange.bytes_sent)
+        record.update(sync_record(self.vote_wire, self.topology.coords.worker, self.topology.sizes.workers,
+                                  norms, local, context))
+        record.update(round_trips=exchange.round_trips + self.vote_wire.take_stats().round_trips,
+                      sync_seconds=time.perf_counter() - start)
+        return averaged, record
+
+    @staticmethod
+    def _vote_share(specs: list[_BucketSpec], deltas: list[torch.Tensor]) -> tuple[bool, float]:
+        """(any non-finite entry, squared norm) of this rank's share of a fragment's pseudogradient."""
+        sq = sum(_sum_sq(d) for spec, d in zip(specs, deltas) if spec.counts_once)
+        return any(not bool(torch.isfinite(d).all()) for d in deltas), sq
+
+    @staticmethod
+    def _local_sums(specs: list[_BucketSpec], deltas: list[torch.Tensor], buckets: list[Bucket],
+                    averaged: list[Averaged], bytes_sent: int) -> LocalSums:
+        local = LocalSums(bytes_sent=bytes_sent)
         for spec, delta, bucket, result in zip(specs, deltas, buckets, averaged):
             if spec.counts_once:
                 local.dot += float((delta * result.average).sum(dtype=torch.float64))
@@ -253,11 +268,7 @@ class OuterLoop:
                 if spec.compressed:
                     local.residual_sq += _sum_sq(result.residual)
                     local.sent_sq += _sum_sq(bucket.flat)
-        record.update(sync_record(self.vote_wire, self.topology.coords.worker, self.topology.sizes.workers,
-                                  norms, local, context))
-        record.update(round_trips=exchange.round_trips + self.vote_wire.take_stats().round_trips,
-                      sync_seconds=time.perf_counter() - start)
-        return averaged, record
+        return local
 
     @torch.no_grad()
     def _apply(self, fragment: int, averaged: list[Averaged] | None, record: dict, overlapped: bool) -> None:

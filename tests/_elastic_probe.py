@@ -1,0 +1,77 @@
+"""One elastic worker, assembled exactly as trainer/pretrain.py assembles it, that dumps every outer
+sync it applies (tests/test_elastic.py reads the dumps of all workers while they run).
+
+    deepspeed --num_gpus 1 tests/_elastic_probe.py OUT_DIR [pretrain.py flags, --worker-id k ...]
+
+OUT_DIR/sync<N>.pt (N = the outer step after the sync; written whole, then renamed), a dict:
+    time                    wall clock when the sync was applied
+    record                  the sync's metrics record (workers_in_sync, quorum, missing, step, ...)
+    sha_before, sha_after   trainer.elastic's checksum of the global weights around the sync
+and, for the first sync this worker applies with a worker missing from the quorum and nobody left
+out, per bucket of flat fp32 buffers in the wire's layout: deltas (this worker's pseudogradient as
+sent), averaged, global_before, momentum_before, global_after.
+With ELASTIC_PROBE_NAN_AT=WORKER:STEP in the environment, that worker's pseudogradient gets a NaN at
+inner step STEP.
+
+    python tests/_elastic_probe.py OUT_DIR [flags]   also works for a worker of one rank (a world of one)
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import trainer.elastic.outer_loop as elastic_outer_loop  # noqa: E402
+from tests.trainer_harness import init_distributed, run_trainer  # noqa: E402
+
+ARGS = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher's comes first
+OUT = Path(ARGS[0])
+
+
+POISON = os.environ.get("ELASTIC_PROBE_NAN_AT")  # "WORKER:STEP": that worker's pseudogradient is NaN at STEP
+
+
+class ProbeLoop(elastic_outer_loop.ElasticOuterLoop):
+    detailed = False
+
+    def _sync(self, fragment, deltas, step, outer_step):
+        if POISON == f"{self.worker}:{step}":
+            deltas[0].view(-1)[0] = float("nan")
+        self._sent = [d.detach().cpu().clone() for d in deltas]
+        return super()._sync(fragment, deltas, step, outer_step)
+
+    def _wire_flat(self, fragment: int, tensors: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        def view(i):
+            t = tensors[i]
+            return (t.t() if self.params[i].transposed else t).reshape(self._wire_shape(i))
+        return [spec.layout.flatten([view(i) for i in spec.indices]).cpu().clone() for spec in self.buckets[fragment]]
+
+    def _apply(self, fragment, averaged, record, overlapped):
+        detailed = (averaged is not None and bool(record.get("missing")) and not record.get("left_out")
+                    and not ProbeLoop.detailed)
+        dump = {"record": dict(record), "sha_before": self.weights_checksum(), "time": time.time()}
+        if detailed:
+            dump.update(deltas=self._sent, averaged=[a.average.cpu().clone() for a in averaged],
+                        global_before=self._wire_flat(fragment, self.global_weights),
+                        momentum_before=self._wire_flat(fragment, self.momentum))
+        super()._apply(fragment, averaged, record, overlapped)
+        dump["sha_after"] = self.weights_checksum()
+        if detailed:
+            dump["global_after"] = self._wire_flat(fragment, self.global_weights)
+            ProbeLoop.detailed = True
+        if self.topology.is_logging_rank:
+            OUT.mkdir(parents=True, exist_ok=True)
+            path = OUT / f"sync{self.outer_step + self.skipped}.pt"
+            torch.save(dump, path.with_suffix(".tmp"))
+            os.replace(path.with_suffix(".tmp"), path)
+
+
+if __name__ == "__main__":
+    elastic_outer_loop.ElasticOuterLoop = ProbeLoop  # trainer.run looks the class up when it builds the loop
+    init_distributed()
+    run_trainer(ARGS[1:])

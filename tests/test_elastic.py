@@ -1,0 +1,253 @@
+"""Elastic MuLoCo (trainer/elastic): three workers launched as three separate jobs, joined only by
+torchft's lighthouse, through one failure scenario shared by every test:
+
+1. workers 0, 1, 2 start together (one `deepspeed` launch each) and sync every SYNC_INTERVAL steps;
+2. worker 1's pseudogradient is NaN at its second sync (NAN_AT);
+   worker 2 is killed (SIGKILL) after its first sync and restarted at once (a new launch);
+3. while it is down, workers 0 and 1 sync on their own (K_eff = 2);
+4. the restarted worker 2 loads the outer state from a live peer and syncs with them again;
+5. worker 1 is frozen (SIGSTOP) and never answers again: workers 0 and 2 drop it and finish the run.
+
+Uncompressed payloads, so the outer step can be checked against a plain fp32 computation.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from synthetic_data import write_markov_dataset
+from trainer_harness import EXTENSIONS_ENV, REPO_ROOT, TINY_VOCAB, free_port
+
+PROBE = REPO_ROOT / "tests" / "_elastic_probe.py"
+WORKERS = 3
+SYNC_INTERVAL = 4
+TRAIN_ITERS = 128
+# The survivors must outlast worker 2's restart (20-60 s): an emulated WAN latency per round trip
+# (3 per sync) keeps them from racing through the run on an idle machine.
+LINK = {"bandwidth_gbit_s": 10, "latency_ms": 500}
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.6
+SYNC_TIMEOUT_S = 8
+LIGHTHOUSE_TIMEOUT_S = 4  # join and heartbeat timeouts: how soon a silent worker leaves the quorum
+PHASE_TIMEOUT_S = 240
+NAN_AT = f"1:{2 * SYNC_INTERVAL}"  # any one phase; a run that stalls fails here with the logs
+
+
+def ds_config(lighthouse: str) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "muon", "params": {"lr": 0.02, "adamw_lr_factor": 0.15}},
+        "scheduler": {"params": {"warmup_iters": 4, "min_lr_ratio": 0.1}},
+        "gradient_clipping": 1.0, "steps_per_print": 1000000,
+        "muloco": {"workers": WORKERS, "sync_interval": SYNC_INTERVAL, "outer_lr": OUTER_LR,
+                   "outer_momentum": OUTER_MOMENTUM, "nesterov": True, "compression": {"method": "none"},
+                   "sync_timeout_s": SYNC_TIMEOUT_S, "link": LINK,
+                   "elastic": {"lighthouse": lighthouse, "quorum_timeout_s": 240, "max_attempts": 4}},
+    }
+
+
+@dataclass
+class Job:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+    out: Path
+
+    def syncs(self) -> dict[int, dict]:
+        return {int(p.stem[len("sync"):]): torch.load(p, weights_only=False) for p in self.out.glob("sync*.pt")}
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+
+
+@dataclass
+class Scenario:
+    jobs: dict[str, Job]
+    returncodes: dict[str, int] = field(default_factory=dict)
+
+    def syncs(self, name: str) -> dict[int, dict]:
+        return self.jobs[name].syncs()
+
+    def logs(self) -> str:
+        return "\n".join(f"==== {job.name} ====\n{job.log.read_text()[-3000:]}" for job in self.jobs.values())
+
+
+def _spawn(name: str, command: list[str], work: Path) -> Job:
+    log = work / f"{name}.log"
+    env = {**os.environ, **EXTENSIONS_ENV, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO_ROOT), "MULOCO_ELASTIC_HOST": "127.0.0.1", "ELASTIC_PROBE_NAN_AT": NAN_AT}
+    with log.open("w") as sink:
+        proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own process group: killed as a whole
+    return Job(name, proc, log, work / name)
+
+
+def _worker(name: str, worker: int, work: Path, data: str, config: Path) -> Job:
+    # A worker of one rank (D = P = T = 1) is a world of one: started without the deepspeed launcher,
+    # whose two extra interpreters would double a start-up the survivors must outlast.
+    command = [sys.executable, str(PROBE), str(work / name), "--ds_config", str(config), "--model", "tiny", "--data-path", data,
+               "--vocab-size", str(TINY_VOCAB), "--run-dir", str(work / name / "run"), "--worker-id", str(worker),
+               "--train-iters", str(TRAIN_ITERS), "--log-interval", str(SYNC_INTERVAL), "--eval-interval", "0"]
+    return _spawn(name, command, work)
+
+
+def _wait(scenario: Scenario, what: str, done) -> None:
+    deadline = time.monotonic() + PHASE_TIMEOUT_S
+    while not done():
+        for job in scenario.jobs.values():
+            if job.proc.poll() not in (None, 0) and job.name != "w2":  # the one we kill
+                pytest.fail(f"{job.name} exited with {job.proc.returncode} while waiting for {what}\n{scenario.logs()}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}\n{scenario.logs()}")
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory) -> Scenario:
+    work = tmp_path_factory.mktemp("elastic")
+    data = write_markov_dataset(str(work / "markov"), vocab_size=TINY_VOCAB)
+    port = free_port()
+    config = work / "elastic.json"
+    config.write_text(json.dumps(ds_config(f"http://127.0.0.1:{port}")))
+    jobs = {"lighthouse": _spawn("lighthouse", [sys.executable, "-m", "trainer.elastic.lighthouse", "--bind",
+                                                f"127.0.0.1:{port}", "--join-timeout-s", str(LIGHTHOUSE_TIMEOUT_S),
+                                                "--heartbeat-timeout-s", str(LIGHTHOUSE_TIMEOUT_S)], work)}
+    scenario = Scenario(jobs)
+    try:
+        for k in range(WORKERS):
+            jobs[f"w{k}"] = _worker(f"w{k}", k, work, data, config)
+        _wait(scenario, "worker 2's first sync", lambda: len(scenario.syncs("w2")) >= 1)
+        jobs["w2"].signal(signal.SIGKILL)
+        jobs["w2"].proc.wait(timeout=30)
+        jobs["w2b"] = _worker("w2b", 2, work, data, config)  # the same worker, relaunched
+        _wait(scenario, "a sync of workers 0 and 1 alone",
+              lambda: any(s["record"].get("missing") == [2] for s in scenario.syncs("w0").values()))
+        _wait(scenario, "a sync of all three after worker 2 rejoined, applied by worker 1 too",
+              lambda: any(len(s["record"]["quorum"]) == 3 and not s["record"]["rejoined"] and n in scenario.syncs("w1")
+                          for n, s in scenario.syncs("w2b").items()))
+        jobs["w1"].signal(signal.SIGSTOP)  # frozen: it never answers again
+        for name in ("w0", "w2b"):
+            _wait(scenario, f"{name} to finish", lambda job=jobs[name]: job.proc.poll() is not None)
+            scenario.returncodes[name] = jobs[name].proc.returncode
+        yield scenario
+    finally:
+        for job in jobs.values():
+            job.signal(signal.SIGKILL)
+            job.proc.wait(timeout=30)
+
+
+def _records(syncs: dict[int, dict]) -> list[dict]:
+    return [syncs[n]["record"] for n in sorted(syncs)]
+
+
+def test_while_a_worker_is_down_the_outer_step_averages_exactly_the_survivors_pseudogradients(scenario):
+    w0, w1 = scenario.syncs("w0"), scenario.syncs("w1")
+    n = min(k for k, s in w0.items() if "deltas" in s and s["record"]["missing"] == [2])
+    a, b = w0[n], w1[n]
+    assert a["record"]["quorum"] == b["record"]["quorum"] and sorted(a["record"]["quorum"]) == [0, 1]
+    assert a["record"]["workers_in_sync"] == 2 and a["record"]["left_out"] == {}
+    first, second = (a, b) if a["record"]["quorum"][0] == 0 else (b, a)  # summed in quorum order
+    for bucket, (d0, d1) in enumerate(zip(first["deltas"], second["deltas"])):
+        expected = (d0 + d1) / 2
+        assert torch.equal(a["averaged"][bucket], expected), f"bucket {bucket}: not the plain average"
+        assert torch.equal(b["averaged"][bucket], expected), f"bucket {bucket}: survivors differ"
+        # Nesterov SGD on the global weights with that average.
+        momentum = OUTER_MOMENTUM * a["momentum_before"][bucket] + expected
+        stepped = a["global_before"][bucket] - OUTER_LR * (expected + OUTER_MOMENTUM * momentum)
+        torch.testing.assert_close(a["global_after"][bucket], stepped, rtol=1e-6, atol=1e-6)
+    assert a["sha_after"] == b["sha_after"]
+
+
+def test_survivors_apply_every_outer_step_once_and_the_restarted_worker_rejoins_bit_identical(scenario):
+    w0, w2b = scenario.syncs("w0"), scenario.syncs("w2b")
+    steps = [r["outer_step"] for r in _records(w0)]
+    assert steps == list(range(1, TRAIN_ITERS // SYNC_INTERVAL + 1)), "an outer step applied twice or skipped"
+    assert all(r["step"] == SYNC_INTERVAL * r["outer_step"] for r in _records(w0))
+    rejoin = min(w2b)
+    assert w2b[rejoin]["record"]["rejoined"] and w2b[rejoin]["record"]["left_out"] == {"2": "joining"}
+    # It took the survivors' state and inner step (its data stream position) and the same outer step.
+    assert w2b[rejoin]["sha_before"] == w0[rejoin]["sha_before"]
+    assert w2b[rejoin]["record"]["step"] == w0[rejoin]["record"]["step"]
+    after = [n for n in w2b if n in w0]
+    assert len(after) >= 3
+    for n in after:
+        assert w2b[n]["sha_after"] == w0[n]["sha_after"], f"outer step {n}: global weights differ"
+    both = [n for n in after if n > rejoin and n in scenario.syncs("w1") and len(w0[n]["record"]["quorum"]) == 3]
+    assert both, "no sync of all three after the rejoin"
+    for n in both:
+        assert scenario.syncs("w1")[n]["sha_after"] == w0[n]["sha_after"]
+        assert w0[n]["record"]["workers_in_sync"] == 3
+
+
+def test_a_frozen_worker_is_dropped_after_the_sync_timeout_and_the_run_finishes(scenario):
+    assert scenario.returncodes == {"w0": 0, "w2b": 0}, scenario.logs()
+    w0 = _records(scenario.syncs("w0"))
+    without_1 = [r for r in w0 if 1 in r["missing"]]
+    assert without_1, "worker 1 was never dropped"
+    first = without_1[0]
+    # Dropped by the lighthouse (heartbeats stop) or by the collective's timeout, then one retry.
+    assert first["sync_seconds"] < SYNC_TIMEOUT_S + 3 * LIGHTHOUSE_TIMEOUT_S + 20
+    assert all(1 in r["missing"] for r in w0[w0.index(first):]), "the frozen worker came back"
+    assert w0[-1]["outer_step"] == TRAIN_ITERS // SYNC_INTERVAL and w0[-1]["workers_in_sync"] == 2
+    assert scenario.syncs("w2b")[w0[-1]["outer_step"]]["sha_after"] == scenario.syncs("w0")[w0[-1]["outer_step"]]["sha_after"]
+
+
+def test_a_nonfinite_pseudogradient_is_left_out_while_the_others_proceed(scenario):
+    w0, w1 = scenario.syncs("w0"), scenario.syncs("w1")
+    record = w0[2]["record"]
+    assert record["left_out"] == {"1": "non-finite pseudogradient"} == w1[2]["record"]["left_out"]
+    assert record["workers_in_sync"] == len(record["quorum"]) - 1 and record["outer_step"] == 2
+    assert w1[2]["sha_after"] == w0[2]["sha_after"]  # it takes the others' step and goes on
+    assert w0[3]["record"]["left_out"] == {} and w0[3]["record"]["workers_in_sync"] == len(w0[3]["record"]["quorum"])
+
+
+# -- without launches ----------------------------------------------------------------------------
+
+def test_membership_leaves_out_joining_nonfinite_and_outlier_members():
+    from trainer.elastic.membership import Member, left_out
+
+    def member(worker, norm, joining=False, nonfinite=False):
+        return Member(worker, 8, joining, nonfinite, norm)
+
+    assert left_out([member(0, 1.0), member(1, 1.1), member(2, 0.9)], 10.0) == {}
+    assert left_out([member(0, 1.0), member(1, 50.0), member(2, 0.9)], 10.0) == {
+        1: "pseudogradient norm 50 is over 10.0x its peers'"}
+    assert left_out([member(0, 1.0, joining=True), member(1, float("inf"), nonfinite=True), member(2, 0.9)],
+                    10.0) == {0: "joining", 1: "non-finite pseudogradient"}
+    # Two contributors: only the one far above the other is left out.
+    assert left_out([member(0, 1.0), member(1, 20.0)], 10.0) == {1: "pseudogradient norm 20 is over 10.0x its peers'"}
+
+
+@pytest.mark.parametrize("block, flags, message", [
+    ({"collective": "reduce_scatter"}, ["--worker-id", "0"], "collective 'reduce_scatter'"),
+    ({"streaming": {"fragments": 2}}, ["--worker-id", "0"], "streaming"),
+    ({}, [], "needs --worker-id"),
+    ({}, ["--worker-id", "3"], "outside 0..2"),
+])
+def test_elastic_config_errors_name_the_problem(tmp_path, block, flags, message):
+    from trainer.config import build_parser, resolve
+    from trainer.errors import ConfigError
+
+    config = ds_config("http://127.0.0.1:1")
+    config["muloco"].update(block)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=message):
+        resolve(build_parser().parse_args(["--ds_config", str(path), "--data-path", "x", *flags]), 1)
+
+
+def test_worker_id_without_an_elastic_block_is_an_error(repo_root):
+    from trainer.config import build_parser, resolve
+    from trainer.errors import ConfigError
+
+    args = ["--ds_config", str(repo_root / "ds_configs" / "cpu_tiny_muloco.json"), "--data-path", "x", "--worker-id", "0"]
+    with pytest.raises(ConfigError, match="--worker-id is for elastic workers"):
+        resolve(build_parser().parse_args(args), 2)

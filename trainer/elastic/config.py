@@ -1,0 +1,66 @@
+"""The muloco block's "elastic" sub-block: each worker (datacenter) is its own job, and the K jobs
+meet only in a fault-tolerant outer group (trainer/elastic/__init__.py).
+
+    "muloco": {
+      "workers": 3, ...,
+      "sync_timeout_s": 30,           a peer that does not answer within this is dropped from the sync
+      "elastic": {
+        "lighthouse": "http://10.0.0.1:29510",   the torchft lighthouse; "" reads $TORCHFT_LIGHTHOUSE
+        "quorum_timeout_s": 600,      the longest a worker waits at a sync for its quorum (a restarted
+                                      worker waits for its peers' next sync)
+        "max_attempts": 3             attempts of one sync (each with a fresh quorum) before the job stops
+      }
+    }
+Each launch names its worker with `--worker-id k`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from trainer.errors import ConfigError
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    lighthouse: str = ""
+    quorum_timeout_s: float = 600.0
+    max_attempts: int = 3
+
+    def __post_init__(self):
+        if self.quorum_timeout_s <= 0:
+            raise ConfigError(f"muloco.elastic.quorum_timeout_s must be > 0, got {self.quorum_timeout_s}")
+        if self.max_attempts < 1:
+            raise ConfigError(f"muloco.elastic.max_attempts must be >= 1, got {self.max_attempts}")
+
+    def lighthouse_address(self) -> str:
+        address = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
+        if not address:
+            raise ConfigError(f"elastic workers need the lighthouse's address: muloco.elastic.lighthouse or ${LIGHTHOUSE_ENV}")
+        return address
+
+    def check_compatible(self, muloco) -> None:
+        """What the elastic outer group supports today (one config error naming every problem)."""
+        problems = []
+        if muloco.streaming.fragments != 1 or muloco.streaming.overlap_steps != 0:
+            problems.append("streaming fragments/overlap (use fragments 1, overlap_steps 0)")
+        if muloco.collective != "all_gather":
+            problems.append(f"collective {muloco.collective!r} (use all_gather: its average can leave a member out)")
+        if muloco.outer_backend != "gloo":
+            problems.append(f"outer_backend {muloco.outer_backend!r} (the quorum group is torchft's gloo group)")
+        if muloco.identical_worker_data:
+            problems.append("identical_worker_data")
+        if problems:
+            raise ConfigError("muloco.elastic does not support: " + "; ".join(problems))
+
+
+def check_worker_id(worker_id: int | None, workers: int, elastic: bool) -> None:
+    if elastic and worker_id is None:
+        raise ConfigError("an elastic worker needs --worker-id k (0 <= k < muloco.workers)")
+    if not elastic and worker_id is not None:
+        raise ConfigError("--worker-id is for elastic workers (a muloco.elastic block); without one the launcher's "
+                          "world holds every worker")
+    if elastic and not 0 <= worker_id < workers:
+        raise ConfigError(f"--worker-id {worker_id} is outside 0..{workers - 1} (muloco.workers = {workers})")
