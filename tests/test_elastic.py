@@ -3,9 +3,9 @@ torchft's lighthouse, through one failure scenario shared by every test:
 
 1. workers 0, 1, 2 start together (one `deepspeed` launch each) and sync every SYNC_INTERVAL steps;
 2. worker 1's pseudogradient is NaN at its second sync (NAN_AT);
-   worker 2 is killed (SIGKILL) after its first sync and restarted at once (a new launch);
+   worker 2 is killed (SIGKILL) after its first sync;
 3. while it is down, workers 0 and 1 sync on their own (K_eff = 2);
-4. the restarted worker 2 loads the outer state from a live peer and syncs with them again;
+4. worker 2 is restarted (a new launch) once they have; it loads the outer state from a live peer and syncs with them again;
 5. worker 1 is frozen (SIGSTOP) and never answers again: workers 0 and 2 drop it and finish the run.
 
 Uncompressed payloads, so the outer step can be checked against a plain fp32 computation.
@@ -127,9 +127,9 @@ def scenario(tmp_path_factory) -> Scenario:
         _wait(scenario, "worker 2's first sync", lambda: len(scenario.syncs("w2")) >= 1)
         jobs["w2"].signal(signal.SIGKILL)
         jobs["w2"].proc.wait(timeout=30)
-        jobs["w2b"] = _worker("w2b", 2, work, data, config)  # the same worker, relaunched
         _wait(scenario, "a sync of workers 0 and 1 alone",
               lambda: any(s["record"].get("missing") == [2] for s in scenario.syncs("w0").values()))
+        jobs["w2b"] = _worker("w2b", 2, work, data, config)  # the same worker, relaunched
         _wait(scenario, "a sync of all three after worker 2 rejoined, applied by worker 1 too",
               lambda: any(len(s["record"]["quorum"]) == 3 and not s["record"]["rejoined"] and n in scenario.syncs("w1")
                           for n, s in scenario.syncs("w2b").items()))
