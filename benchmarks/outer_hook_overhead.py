@@ -120,7 +120,7 @@ def main() -> None:
     order = run_order(args)
     with tempfile.TemporaryDirectory() as tmp:
         write_markov_dataset(str(Path(tmp) / "markov"), vocab_size=1000)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
                         "--model", args.model, "--sync-interval", str(args.sync_interval),
                         "--windows", str(args.windows), "--repeats", str(args.repeats),

@@ -116,7 +116,7 @@ def launch(args: argparse.Namespace, workers: int) -> list[dict]:
         for flag, value in (("--embedding-bits", args.embedding_bits), ("--vector-bits", args.vector_bits)):
             if value is not None:
                 forwarded += [flag, str(value)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
                         __file__, *forwarded], check=True, env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())

@@ -78,7 +78,7 @@ def arguments(name: str, outcomes: dict[str, Outcome]) -> list[str]:
 
 def run_one(name: str, args: list[str], timeout: float) -> Outcome:
     command = [sys.executable, str(BENCHMARKS / f"{name}.py"), *args]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     start = time.time()
     print(f"benchmark {name} {' '.join(args)}", flush=True)
     try:

@@ -151,7 +151,7 @@ def prepare_data(work: Path) -> Data:
 
 
 def _env() -> dict:
-    return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
 def _check_call(command: list[str]) -> None:
