@@ -3,12 +3,31 @@
 `--sample-corpus-only` runs just the tests that read the sample corpus (those requesting the
 `shakespeare` fixture, directly or through another fixture): test_fresh_clone runs them in a clone
 with nothing beside it, proving the repository carries everything they need."""
+import time
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_CORPUS = REPO_ROOT / "corpus" / "shakespeare"
+
+
+# DeepSpeed's CPU communication op keeps one shared-memory buffer per rank and launch in /dev/shm and
+# never unlinks it (about 70 MB each); the suite's launches, killed ones included, would leave gigabytes.
+SHARED_MEMORY = Path("/dev/shm")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def remove_deepspeed_shm_buffers():
+    """At the end of the session, unlink the buffers this session's launches created."""
+    started = time.time()
+    yield
+    for path in SHARED_MEMORY.glob("deepspeed_allreduce_buffer_*"):  # nothing where there is no /dev/shm
+        try:
+            if path.stat().st_mtime >= started:
+                path.unlink()
+        except FileNotFoundError:  # another process removed it first
+            pass
 
 
 @pytest.fixture(scope="session")
