@@ -21,10 +21,12 @@ free_port() { python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1"
 GROUPS_STARTED=()
 cleanup() {
     for pgid in "${GROUPS_STARTED[@]}"; do kill -KILL -- "-$pgid" 2>/dev/null || true; done
+    # DeepSpeed's CPU comm op never unlinks its per-rank shared-memory buffers (about 70 MB each).
+    find /dev/shm -maxdepth 1 -name 'deepspeed_allreduce_buffer_*' -newer "$WORK/.started" -delete 2>/dev/null || true
 }
 trap cleanup EXIT INT TERM
 
-rm -rf "$WORK" && mkdir -p "$WORK"
+rm -rf "$WORK" && mkdir -p "$WORK" && touch "$WORK/.started"
 echo "[elastic 1/4] data: a learnable synthetic token stream -> $WORK/markov"
 python -c "import sys; sys.path.insert(0, 'tests'); from synthetic_data import write_markov_dataset; write_markov_dataset('$WORK/markov')"
 
