@@ -70,21 +70,18 @@ def check_data(data: DataConfig) -> None:
     """Fail on missing data or tokenizer before any process group or collective exists."""
     if not data.data_path:
         raise ValueError("no training data: give --data-path PREFIX (the P of P.bin/P.idx)")
-    _blend(data.data_path)
-    if data.valid_data_path:
-        _blend(data.valid_data_path)
+    prefixes = [*_blend(data.data_path)[0], *(_blend(data.valid_data_path)[0] if data.valid_data_path else ())]
     if data.tokenizer_model and not Path(data.tokenizer_model).exists():  # a file, or a tokenizer.json folder
         raise FileNotFoundError(f"tokenizer model {data.tokenizer_model} not found (from --tokenizer-model)")
     if not data.tokenizer_model and not data.vocab_size:
         raise ValueError("give --tokenizer-model (or --vocab-size for pre-tokenized data without a tokenizer)")
-    _check_token_ids_fit(data)
+    _check_token_ids_fit(data, prefixes)
 
 
-def _check_token_ids_fit(data: DataConfig) -> None:
+def _check_token_ids_fit(data: DataConfig, prefixes: list[str]) -> None:
     """The data's token ids must exist in this run's vocabulary and come from the same tokenizer, or
     the embedding lookup fails (or, worse, silently reads the wrong rows) long after start-up. Checked
     against PREFIX.meta.json where preprocessing wrote one; Megatron-made data without it is trusted."""
-    prefixes = [*_blend(data.data_path)[0], *(_blend(data.valid_data_path)[0] if data.valid_data_path else ())]
     metas = {}
     for prefix in prefixes:
         try:
