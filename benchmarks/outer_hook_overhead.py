@@ -14,8 +14,10 @@ trainer/pretrain.py assembles them:
 The cases are interleaved `--repeats` times, each repeat in an order rotated by one, so machine load
 drifts hit all of them alike. Throughput is metrics.jsonl's tokens_per_s over windows
 of H steps (each holds one sync), the first window dropped as warm-up; per case the median over the
-repeats; overhead_vs_nosync = nosync tokens/s / case tokens/s. Also reported: round trips per sync
-(metrics.jsonl's `round_trips`) and the mean sync wall time. Last line: JSON.
+repeats; overhead_vs_nosync = nosync tokens/s / case tokens/s. Also reported: cross-datacenter round
+trips per sync, on its critical path (metrics.jsonl's `round_trips`: the exchange, which carries the
+skip vote) and in the background after the result is applied (`background_round_trips`: the
+metrics), and the mean sync wall time. Last line: JSON.
 """
 from __future__ import annotations
 
@@ -135,7 +137,7 @@ def main() -> None:
           f"4-bit statistical + EF, link {SLOW_LINK['bandwidth_gbit_s']} Gbit/s + {SLOW_LINK['latency_ms']} ms; "
           f"medians of {args.repeats} interleaved runs")
     print(f"{'case':<18} {'tokens/s':>9} {'overhead_vs_nosync':>19} {'runs (tokens/s)':>26} {'round trips':>12} "
-          f"{'sync s':>7} {'MB/rank/sync':>13}")
+          f"{'background':>11} {'sync s':>7} {'MB/rank/sync':>13}")
     rows = []
     for name in names:
         median = statistics.median(tokens[name])
@@ -143,12 +145,15 @@ def main() -> None:
         row = {"case": name, "tokens_per_s": median, "overhead_vs_nosync": baseline / median,
                "runs_tokens_per_s": tokens[name],
                "round_trips_per_sync": statistics.fmean(r["round_trips"] for r in records) if records else 0,
+               "background_round_trips_per_sync":
+                   statistics.fmean(r["background_round_trips"] for r in records) if records else 0,
                "sync_seconds": statistics.fmean(r["sync_seconds"] for r in records) if records else 0.0,
                "bytes_per_rank_per_sync": statistics.fmean(r["bytes_sent_per_rank"] for r in records) if records else 0}
         rows.append(row)
         runs = " ".join(f"{t:.0f}" for t in tokens[name])
         print(f"{name:<18} {median:>9.0f} {row['overhead_vs_nosync']:>19.3f} {runs:>26} "
-              f"{row['round_trips_per_sync']:>12.1f} {row['sync_seconds']:>7.3f} {row['bytes_per_rank_per_sync'] / 1e6:>13.3f}")
+              f"{row['round_trips_per_sync']:>12.1f} {row['background_round_trips_per_sync']:>11.1f} "
+              f"{row['sync_seconds']:>7.3f} {row['bytes_per_rank_per_sync'] / 1e6:>13.3f}")
     print(json.dumps({"model": args.model, "sync_interval": args.sync_interval, "repeats": args.repeats,
                       "load_average": os.getloadavg(), "rows": rows}))
 

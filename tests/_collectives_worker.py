@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from trainer.diloco.collectives import Bucket, BucketLayout, CollectiveError, Wire, average_buckets
 from trainer.diloco.compression import CompressionConfig, Compressor, ErrorFeedback, rows_shape
-from trainer.diloco.vote import SkipVote
+from trainer.diloco import vote
 
 # Two buckets. (3, 17) and the single rows have fewer rows than K = 4 workers: some reduce-scatter
 # chunks are empty.
@@ -29,6 +29,7 @@ CONFIGS = [
     CompressionConfig(method="topk", topk_fraction=0.25, zstd=True),
 ]
 OUTER_STEPS = 2  # the second step exercises the error-feedback state
+HEADER_BYTES = 16  # a skip-vote ballot's size
 
 
 def layouts(parts: int) -> list[BucketLayout]:
@@ -74,13 +75,19 @@ def reference(compressor: Compressor, layout: BucketLayout, sent_by_worker: list
 
 
 def expected_bytes(compressor: Compressor, collective: str, rank: int, workers: int) -> tuple[int, int]:
-    """(sent, received) by the formulas in trainer/diloco/collectives.py, for fixed-size payloads."""
+    """(sent, received) by the formulas in trainer/diloco/collectives.py, for fixed-size payloads,
+    with a header of HEADER_BYTES in the first collective."""
+    headers = (workers - 1) * HEADER_BYTES
     if collective == "all_gather":
         total = sum(compressor.bucket_nbytes(layout.chunks[0]) for layout in layouts(1))
-        return (workers - 1) * total, (workers - 1) * total
+        return (workers - 1) * total + headers, (workers - 1) * total + headers
     per_chunk = [sum(compressor.bucket_nbytes(layout.chunks[j]) for layout in layouts(workers)) for j in range(workers)]
     gather = (workers - 1) * max(per_chunk)
-    return sum(per_chunk) - per_chunk[rank] + gather, (workers - 1) * per_chunk[rank] + gather
+    return sum(per_chunk) - per_chunk[rank] + gather + headers, (workers - 1) * per_chunk[rank] + gather + headers
+
+
+def header_of(rank: int, step: int) -> torch.Tensor:
+    return torch.tensor([rank, step], dtype=torch.float64).view(torch.uint8)
 
 
 def check_collectives(rank: int, workers: int) -> None:
@@ -95,9 +102,11 @@ def check_collectives(rank: int, workers: int) -> None:
                 deltas = [worker_deltas(worker, step, parts) for worker in range(workers)]
                 sent = [[feedback[k][b].accumulate(d) if config.error_feedback else d for b, d in enumerate(deltas[k])]
                         for k in range(workers)]
-                results = average_buckets([Bucket(compressor, layout, flat) for layout, flat in zip(layouts(parts), sent[rank])],
-                                          wire, collective, f"test {what}")
-                stats = wire.take_stats()
+                exchanged = average_buckets(
+                    [Bucket(compressor, layout, flat) for layout, flat in zip(layouts(parts), sent[rank])],
+                    wire, collective, f"test {what}", header=header_of(rank, step))
+                stats, results = wire.take_stats(), exchanged.averaged
+                assert [h.tolist() for h in exchanged.headers] == [header_of(k, step).tolist() for k in range(workers)]
                 assert all(r.average.dtype == torch.float32 for r in results), what
                 assert_identical_on_all_ranks([r.average for r in results], what)
                 for b, (layout, result) in enumerate(zip(layouts(parts), results)):
@@ -136,12 +145,20 @@ def bytes_for_one_large_tensor(rank: int, workers: int) -> dict[str, int]:
 
 
 def check_skip_vote(rank: int, workers: int) -> None:
-    vote = SkipVote(Wire(None, link=None), worker=rank, workers=workers, max_norm_ratio=10.0)
-    norms, reason = vote(False, float(rank + 1), "vote")
+    """The ballots reach every rank in the exchange's header (here with no buckets: the header alone
+    still travels, in one round trip); every rank counts them alike."""
+    wire = Wire(None, link=None)
+
+    def decide(nonfinite: bool, sq_norm: float) -> tuple[list[float], str | None]:
+        ballot = vote.ballot(nonfinite, sq_norm).view(torch.uint8)
+        return vote.count(average_buckets([], wire, "all_gather", "vote", header=ballot).headers, max_norm_ratio=10.0)
+
+    norms, reason = decide(False, float(rank + 1))
     assert reason is None and norms == [(k + 1) ** 0.5 for k in range(workers)], (norms, reason)
-    _, reason = vote(rank == workers - 1, 1.0, "vote")
+    assert wire.take_stats().round_trips == (1 if workers > 1 else 0)
+    _, reason = decide(rank == workers - 1, 1.0)
     assert reason == "non-finite pseudogradient", reason
-    _, reason = vote(False, 1e6 if rank == 1 else 1.0, "vote")
+    _, reason = decide(False, 1e6 if rank == 1 else 1.0)
     assert reason is not None and "worker 1" in reason, reason
 
 

@@ -51,7 +51,8 @@ class ProbeLoop(elastic_outer_loop.ElasticOuterLoop):
             return (t.t() if self.params[i].transposed else t).reshape(self._wire_shape(i))
         return [spec.layout.flatten([view(i) for i in spec.indices]).cpu().clone() for spec in self.buckets[fragment]]
 
-    def _apply(self, fragment, averaged, record, overlapped):
+    def _apply(self, fragment, result, overlapped):
+        averaged, record = result.averaged, result.record
         detailed = (averaged is not None and bool(record.get("missing")) and not record.get("left_out")
                     and not ProbeLoop.detailed)
         dump = {"record": dict(record), "sha_before": self.weights_checksum(), "time": time.time()}
@@ -59,7 +60,7 @@ class ProbeLoop(elastic_outer_loop.ElasticOuterLoop):
             dump.update(deltas=self._sent, averaged=[a.average.cpu().clone() for a in averaged],
                         global_before=self._wire_flat(fragment, self.global_weights),
                         momentum_before=self._wire_flat(fragment, self.momentum))
-        super()._apply(fragment, averaged, record, overlapped)
+        super()._apply(fragment, result, overlapped)
         dump["sha_after"] = self.weights_checksum()
         if detailed:
             dump["global_after"] = self._wire_flat(fragment, self.global_weights)

@@ -7,8 +7,9 @@ compares: per-step losses and weight shards at the start, around every applied o
 CASES.json is a list of cases:
     {"name": str, "ds_config": {...}, "args": [pretrain flags],
      "read_as_worker_of": K,          (optional) a K=1 run reads worker 0's slice of a K-worker stream
-     "poison": {"worker": k, "at": {"STEP": "nan" | "outlier"}}}   (optional) corrupt worker k's
-                                      weights after inner step STEP, just before the outer hook sees them
+     "poison": {"worker": k, "tensor_rank": t, "at": {"STEP": "nan" | "outlier"}}}
+                                      (optional) corrupt worker k's weights (only on tensor rank t,
+                                      if given) after inner step STEP, just before the outer hook sees them
 Each rank writes OUT_DIR/NAME/rank<R>.pt: {rank, coords, sizes, losses {step: loss} (last stage only),
 snapshots {"init", "pre@S", "post@S" for every step S whose outer hook applied or skipped a sync, "final"}};
 the run's own files (metrics.jsonl, ...) are in OUT_DIR/NAME/run.
@@ -59,7 +60,9 @@ def probe_trainer(case: dict, dump_path: Path) -> type[Trainer]:
             synced = outer.after_inner_step
 
             def observed(step: int) -> None:
-                if poison and poison["worker"] == self.topology.coords.worker and str(step) in poison["at"]:
+                coords = self.topology.coords
+                if poison and poison["worker"] == coords.worker and poison.get("tensor_rank", coords.tensor) == \
+                        coords.tensor and str(step) in poison["at"]:
                     self._corrupt(poison["at"][str(step)])
                 done = outer.outer_step + outer.skipped
                 before = self.snapshot()

@@ -68,7 +68,7 @@ def test_a_single_worker_averages_to_its_own_decoding_and_sends_nothing(config, 
     twice = compressor.decode_bucket(compressor.encode_bucket(once, layout.chunks[0]).data, layout.chunks[0])
     wire = Wire(None, link=None)
     for collective, expected in (("all_gather", once), ("reduce_scatter", twice)):  # reduce-scatter re-quantizes
-        (result,) = average_buckets([Bucket(compressor, layout, flat)], wire, collective, "K=1")
+        (result,) = average_buckets([Bucket(compressor, layout, flat)], wire, collective, "K=1").averaged
         assert torch.equal(result.average, expected), collective
         assert torch.equal(result.residual, flat - once), collective
     stats = wire.take_stats()

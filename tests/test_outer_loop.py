@@ -70,8 +70,6 @@ def k2_cases(data: str) -> list[dict]:
         case("k2_4bit", muloco_config(compression=FOUR_BIT_EF), data),
         case("k2_2bit_paper_ef", muloco_config(outer_lr=0.5, compression={**TWO_BIT_OFFICIAL, "ef_form": "paper"}), data),
         case("k2_2bit_plain_ef", muloco_config(outer_lr=0.25, compression={**TWO_BIT_OFFICIAL, "ef_form": "plain"}), data),
-        case("k2_poisoned", muloco_config(), data, steps=3 * H,
-             poison={"worker": 1, "at": {str(H): "nan", str(2 * H): "outlier"}}),
         # F=2 fragments of H=4: fragment 0 launches after steps 2, 6, fragment 1 after step 4; tau=1.
         case("k2_streaming", muloco_config(sync_interval=4, collective="reduce_scatter", compression=FOUR_BIT_EF,
                                            streaming={"fragments": 2, "overlap_steps": 1}), data, steps=7),
@@ -82,6 +80,10 @@ def tensor_parallel_cases(data: str) -> list[dict]:
     return [
         case("k2_t2", muloco_config(), data, "--tensor-model-parallel-size", "2"),
         case("k2_t2_4bit", muloco_config(compression=FOUR_BIT_EF), data, "--tensor-model-parallel-size", "2"),
+        # Only worker 1's first tensor rank is poisoned: its ballot reaches its TP peer through the
+        # worker's sum and the other worker through the exchange's header.
+        case("k2_poisoned", muloco_config(), data, "--tensor-model-parallel-size", "2", steps=3 * H,
+             poison={"worker": 1, "tensor_rank": 0, "at": {str(H): "nan", str(2 * H): "outlier"}}),
     ]
 
 
@@ -272,6 +274,7 @@ def test_nonfinite_or_outlier_worker_skips_the_sync_for_everyone_and_training_go
                                 rtol=0.0)
     records = outer_records(workdir, "k2_poisoned")
     assert [r["step"] for r in records] == [H, 2 * H, 3 * H]
+    assert all(r["round_trips"] == 1 for r in records)  # the vote needs no round trip of its own
     assert "non-finite" in records[0]["skipped"]
     assert "worker 1" in records[1]["skipped"] and "norm" in records[1]["skipped"]
     assert "skipped" not in records[2] and records[2]["outer_step"] == 1
@@ -321,6 +324,7 @@ def test_cli_k2_t2_four_bit_error_feedback_run_learns_and_logs_outer_syncs(workd
         assert "skipped" not in r
         assert r["pseudograd_norm"] > 0 and 0 < r["pseudograd_cosine"] <= 1
         assert r["bytes_sent_per_rank"] > 0 and 0 < r["compression_error"] < 0.5 and r["sync_seconds"] > 0
+        assert (r["round_trips"], r["background_round_trips"]) == (1, 1)  # all-gather with the vote; metrics
 
 
 @pytest.mark.parametrize("block, message", [

@@ -12,7 +12,10 @@ path (its payload is the raw fp32 bytes), which is a plain fp32 average. Two col
 - all_gather: each rank all-gathers its payloads and decodes all K of them (1 round trip).
 - reduce_scatter: tensor rows are split into K contiguous chunks (row_split); rank j gets every
   worker's payload for chunk j (one all-to-all), averages them, re-quantizes the average and
-  all-gathers it (2 round trips). Error feedback only covers the first quantization: the
+  all-gathers it (2 round trips).
+Each rank may add a small header (bytes of the same size on every rank) that reaches every rank of
+the group with the first collective: the outer loop's skip vote travels this way, so deciding
+whether to apply a sync costs no round trip of its own. Error feedback only covers the first quantization: the
   re-quantization error of a chunk is not fed back (it would need per-owner state that moves with
   the chunk assignment). Top-k re-selects k entries from the averaged chunk.
 With zstd, payload sizes depend on the data: each collective is preceded by an all-gather of the
@@ -197,6 +200,12 @@ class Averaged:
     residual: torch.Tensor  # flat fp32: what this rank's payload did not carry (flat - its decoding)
 
 
+@dataclass
+class Exchanged:
+    averaged: list[Averaged]  # one per bucket
+    headers: list[torch.Tensor]  # every group rank's header (uint8), in rank order
+
+
 def _encode_chunks(bucket: Bucket) -> list[Encoded]:
     layout = bucket.layout
     return [bucket.compressor.encode_bucket(chunk, layout_j)
@@ -221,43 +230,49 @@ def _average_in_rank_order(decoded: Iterable[torch.Tensor]) -> torch.Tensor:
 
 
 def average_buckets(buckets: Sequence[Bucket], wire: Wire, collective: str, context: str,
-                    members: Sequence[int] | None = None) -> list[Averaged]:
+                    members: Sequence[int] | None = None, header: torch.Tensor | None = None) -> Exchanged:
     """Average each bucket over the wire's group (or over the group ranks `members` only: the others
-    still take part in the collectives, and receive the average); decoding happens on each bucket's
-    own device."""
+    still take part in the collectives, and receive the average), and deliver every rank's `header`
+    (uint8, the same size on every rank); decoding happens on each bucket's own device. With a
+    header the collectives run even when there are no buckets."""
+    header = torch.empty(0, dtype=torch.uint8) if header is None else header
     if collective == "all_gather":
-        return _all_gather_average(buckets, wire, context, members)
+        return _all_gather_average(buckets, wire, context, members, header)
     if members is not None:
         raise ValueError("averaging over a subset of the group is implemented for the all_gather collective only")
-    return _reduce_scatter_average(buckets, wire, context)
+    return _reduce_scatter_average(buckets, wire, context, header)
 
 
-def _all_gather_average(buckets: Sequence[Bucket], wire: Wire, context: str,
-                        members: Sequence[int] | None) -> list[Averaged]:
+def _all_gather_average(buckets: Sequence[Bucket], wire: Wire, context: str, members: Sequence[int] | None,
+                        header: torch.Tensor) -> Exchanged:
     encoded = [_encode_chunks(bucket)[0] for bucket in buckets]
-    fixed = [b.compressor.bucket_nbytes(b.layout.chunks[0]) for b in buckets]
-    sizes = _sizes_by_rank(wire, [e.nbytes for e in encoded], fixed, context)
-    buffers = wire.all_gather_padded(torch.cat([e.data.to(wire.device) for e in encoded]),
-                                     [sum(s) for s in sizes], context)
+    fixed = [header.numel()] + [b.compressor.bucket_nbytes(b.layout.chunks[0]) for b in buckets]
+    sizes = _sizes_by_rank(wire, [header.numel()] + [e.nbytes for e in encoded], fixed, context)
+    payload = torch.cat([header.to(wire.device)] + [e.data.to(wire.device) for e in encoded])
+    buffers = wire.all_gather_padded(payload, [sum(s) for s in sizes], context)
     received = [buffer.split(rank_sizes) for buffer, rank_sizes in zip(buffers, sizes)]
     out = []
-    for i, (bucket, own) in enumerate(zip(buckets, encoded)):
+    for i, (bucket, own) in enumerate(zip(buckets, encoded), start=1):
         device, chunk = bucket.flat.device, bucket.layout.chunks[0]
         decoded = (bucket.compressor.decode_bucket(received[rank][i].to(device), chunk)
                    for rank in (range(wire.size) if members is None else members))
         out.append(Averaged(_average_in_rank_order(decoded), bucket.flat - own.decoded))
-    return out
+    return Exchanged(out, [parts[0] for parts in received])
 
 
-def _reduce_scatter_average(buckets: Sequence[Bucket], wire: Wire, context: str) -> list[Averaged]:
+def _reduce_scatter_average(buckets: Sequence[Bucket], wire: Wire, context: str, header: torch.Tensor) -> Exchanged:
     size, me, n = wire.size, wire.rank, len(buckets)
     encoded = [_encode_chunks(bucket) for bucket in buckets]  # [bucket][chunk]
 
-    # Phase 1: rank j receives every worker's payload for chunk j. Sizes are indexed [rank][j*n + i].
-    fixed = [buckets[i].compressor.bucket_nbytes(buckets[i].layout.chunks[j]) for j in range(size) for i in range(n)]
-    sizes = _sizes_by_rank(wire, [encoded[i][j].nbytes for j in range(size) for i in range(n)], fixed, context)
-    blocks = [torch.cat([encoded[i][j].data.to(wire.device) for i in range(n)]) for j in range(size)]
-    receive_sizes = [sizes[src][me * n:(me + 1) * n] for src in range(size)]
+    # Phase 1: rank j receives every worker's header and payload for chunk j. A block holds n + 1
+    # entries (the header, then the buckets); sizes are indexed [rank][j*(n+1) + entry].
+    fixed = [size_ for j in range(size) for size_ in
+             [header.numel()] + [buckets[i].compressor.bucket_nbytes(buckets[i].layout.chunks[j]) for i in range(n)]]
+    own = [size_ for j in range(size) for size_ in [header.numel()] + [encoded[i][j].nbytes for i in range(n)]]
+    sizes = _sizes_by_rank(wire, own, fixed, context)
+    blocks = [torch.cat([header.to(wire.device)] + [encoded[i][j].data.to(wire.device) for i in range(n)])
+              for j in range(size)]
+    receive_sizes = [sizes[src][me * (n + 1):(me + 1) * (n + 1)] for src in range(size)]
     received = wire.all_to_all(blocks, [sum(s) for s in receive_sizes], context)
     from_rank = [buffer.split(s) for buffer, s in zip(received, receive_sizes)]
 
@@ -265,7 +280,7 @@ def _reduce_scatter_average(buckets: Sequence[Bucket], wire: Wire, context: str)
     requantized = []
     for i, bucket in enumerate(buckets):
         own_chunk, device = bucket.layout.chunks[me], bucket.flat.device
-        decoded = (bucket.compressor.decode_bucket(from_rank[src][i].to(device), own_chunk) for src in range(size))
+        decoded = (bucket.compressor.decode_bucket(from_rank[src][i + 1].to(device), own_chunk) for src in range(size))
         requantized.append(bucket.compressor.encode_bucket(_average_in_rank_order(decoded), own_chunk))
 
     # Phase 3: all-gather the re-quantized chunks; every rank decodes all of them, its own included.
@@ -275,8 +290,9 @@ def _reduce_scatter_average(buckets: Sequence[Bucket], wire: Wire, context: str)
     else:
         q_sizes = [[buckets[i].compressor.bucket_nbytes(buckets[i].layout.chunks[j]) for i in range(n)]
                    for j in range(size)]
-    buffers = wire.all_gather_padded(torch.cat([q.data.to(wire.device) for q in requantized]),
-                                     [sum(s) for s in q_sizes], context)
+    q_payload = torch.cat([q.data.to(wire.device) for q in requantized]) if requantized \
+        else torch.empty(0, dtype=torch.uint8, device=wire.device)
+    buffers = wire.all_gather_padded(q_payload, [sum(s) for s in q_sizes], context)
     owned = [buffer.split(s) for buffer, s in zip(buffers, q_sizes)]
     out = []
     for i, bucket in enumerate(buckets):
@@ -284,4 +300,4 @@ def _reduce_scatter_average(buckets: Sequence[Bucket], wire: Wire, context: str)
         average = torch.cat([bucket.compressor.decode_bucket(owned[j][i].to(device), chunks[j]) for j in range(size)])
         sent = torch.cat([chunk.decoded for chunk in encoded[i]])
         out.append(Averaged(average, bucket.flat - sent))
-    return out
+    return Exchanged(out, [parts[0] for parts in from_rank])

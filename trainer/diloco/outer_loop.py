@@ -8,22 +8,27 @@ and syncs them with its peers in the other workers, then shares the result insid
 A sync of one fragment:
 1. delta = theta_global - theta_local (fp32), per owned parameter of the fragment, flattened into one
    buffer per bucket (parameters of the same compression group, see compression.py);
-2. the skip vote (vote.py) over every rank;
+2. this rank's ballot for the skip vote (vote.py), summed over its worker's ranks (inside the
+   datacenter);
 3. compressed average of each bucket over the outer group (collectives.py: all-gather, or
-   reduce-scatter + re-quantize + all-gather), bit-identical on every worker; the encoder's residual
-   is the new error-feedback buffer and the compression-error metric;
-4. the sync's metrics (sync_metrics.py), one all-reduce over every rank;
-5. Nesterov SGD on the global weights; every worker restarts from them (or, when the sync overlapped
-   tau inner steps, mixes them into its local weights with weight alpha); inner optimizer state is kept.
+   reduce-scatter + re-quantize + all-gather), bit-identical on every worker, the ballots riding in
+   the header of its first collective; every rank counts the K ballots alike. The encoder's residual
+   is the new error-feedback buffer. With the all-gather collective the whole decision costs one
+   cross-datacenter round trip;
+4. Nesterov SGD on the global weights; every worker restarts from them (or, when the sync overlapped
+   tau inner steps, mixes them into its local weights with weight alpha); inner optimizer state is kept;
+5. the sync's metrics (sync_metrics.py), one all-reduce over every rank, in a background thread
+   after the result is applied, so their round trip is off the critical path; logged when they land.
 
 Compression groups are vectors each rank holds whole, so results do not depend on T: rows of
 column-parallel (and vocabulary-parallel) weights, columns of row-parallel ones (sent transposed).
 
 The pseudogradients, error feedback and codec run where the parameters are; only packed payloads
 and a few statistics cross to the outer groups' device (the host with `outer_backend: gloo`). With
-`streaming.overlap_steps` > 0 a sync (vote, exchange, statistics) runs in a background thread while
-the inner steps go on; its result is applied tau steps after it started. Its groups are the outer
-loop's own, so it never interleaves with the training loop's collectives.
+`streaming.overlap_steps` > 0 a sync (its exchange, which carries the vote) runs in a background
+thread while the inner steps go on; its result is applied tau steps after it started. The
+background thread runs one task at a time (syncs and metrics in the order every rank submits them),
+on the outer loop's own groups, so it never interleaves with the training loop's collectives.
 
 `with outer.attached_to(trainer): trainer.train()` runs `after_inner_step` after every optimizer
 step of the block (a trainer step hook) and detaches on exit.
@@ -42,15 +47,15 @@ from typing import Callable
 import torch
 
 from trainer import comm
+from trainer.diloco import vote
 from trainer.diloco.collectives import Averaged, Bucket, BucketLayout, Wire, average_buckets
 from trainer.diloco.compression import Compressor, ErrorFeedback, compression_group, rows_shape
 from trainer.diloco.config import MuLoCoConfig
 from trainer.diloco.sync_metrics import LocalSums, sync_record
-from trainer.diloco.vote import SkipVote
 from trainer.errors import ConfigError
 from trainer.model.layout import layout_of
 from trainer.optim.ownership import assign_owners
-from trainer.topology import Topology, outer_ranks
+from trainer.topology import Topology, outer_ranks, worker_ranks
 
 
 @dataclass
@@ -112,12 +117,19 @@ class _BucketSpec:
 
 
 @dataclass
+class SyncResult:
+    averaged: list[Averaged] | None  # one per bucket; None when the vote skipped the sync
+    record: dict  # what the sync logs
+    statistics: Callable[[], dict] | None = None  # the rest of the record, reduced off the critical path
+
+
+@dataclass
 class _Pending:
     apply_at: int
     fragment: int
     outer_step: int
     deltas: list[torch.Tensor]  # one flat buffer per bucket, kept so a checkpoint can replay the sync
-    future: Future
+    future: Future  # of a SyncResult
 
 
 class OuterLoop:
@@ -144,19 +156,22 @@ class OuterLoop:
         self.outer_step = 0
         self.skipped = 0
         self.pending: list[_Pending] = []
-        self._executor = ThreadPoolExecutor(max_workers=1) if config.streaming.overlap_steps else None
-        self.outer_wire, self.vote_wire = self._build_wires(timeout)
-        self.vote = SkipVote(self.vote_wire, topology.coords.worker, topology.sizes.workers, config.max_norm_ratio)
+        self._background = ThreadPoolExecutor(max_workers=1)  # overlapped syncs and every sync's metrics
+        self._statistics: list[Future] = []  # of records whose metrics are being reduced
+        self.outer_wire, self.metrics_wire, self.ballot_group = self._build_groups(timeout)
 
-    def _build_wires(self, timeout: timedelta) -> tuple[Wire, Wire]:
-        """The outer groups (one per shard position) and the vote group (every rank), on
-        `outer_backend`; every rank creates every group, in the same order."""
-        backend = self.config.outer_backend
+    def _build_groups(self, timeout: timedelta) -> tuple[Wire, Wire, object]:
+        """On `outer_backend`: the outer groups (one per shard position), the metrics group (every
+        rank) and, with several ranks per worker, a group per worker that sums the vote's ballots
+        (the training loop's worker group stays the training loop's). Every rank creates every group,
+        in the same order."""
+        backend, sizes = self.config.outer_backend, self.topology.sizes
         if backend == "nccl" and comm.compute_device().type == "cpu":
             raise ConfigError("muloco.outer_backend 'nccl' needs an accelerator; use 'gloo' on the host")
-        mine = comm.new_subgroups(outer_ranks(self.topology.sizes), timeout, backend=backend)
-        every_rank = comm.new_group(list(range(self.topology.sizes.world)), timeout, backend=backend)
-        return Wire(mine, self.config.link), Wire(every_rank, self.config.link)
+        mine = comm.new_subgroups(outer_ranks(sizes), timeout, backend=backend)
+        every_rank = comm.new_group(list(range(sizes.world)), timeout, backend=backend)
+        worker = comm.new_subgroups(worker_ranks(sizes), timeout, backend=backend) if sizes.ranks_per_worker > 1 else None
+        return Wire(mine, self.config.link), Wire(every_rank, self.config.link), worker
 
     def _wire_shape(self, i: int) -> tuple[int, int]:
         shape = self.params[i].param.shape
@@ -192,14 +207,27 @@ class OuterLoop:
             yield self
         finally:
             handle.remove()
+        self._log_statistics(wait=True)  # a failed run skips this: its peers may never reduce them
 
     def after_inner_step(self, step: int) -> None:
+        self._log_statistics(wait=False)
         for entry in [e for e in self.pending if e.apply_at == step]:
             self.pending.remove(entry)
-            self._apply(entry.fragment, *entry.future.result(), overlapped=True)
+            self._apply(entry.fragment, entry.future.result(), overlapped=True)
         for fragment, offset in enumerate(self.offsets):
             if step % self.config.sync_interval == offset:
                 self._launch(fragment, step)
+
+    def _log_statistics(self, wait: bool) -> None:
+        """Log the records whose metrics have landed (all of them, waiting, with `wait`)."""
+        for future in list(self._statistics):
+            if wait or future.done():
+                self._statistics.remove(future)
+                self._log(future.result())
+
+    def _log(self, record: dict) -> None:
+        if self.topology.is_logging_rank:
+            self.log(record, record["step"])
 
     # -- one sync ----------------------------------------------------------------------------------
 
@@ -208,9 +236,10 @@ class OuterLoop:
         deltas = [spec.layout.flatten([self._delta(i) for i in spec.indices]) for spec in self.buckets[fragment]]
         tau = self.config.streaming.overlap_steps
         if tau == 0:
-            self._apply(fragment, *self._sync(fragment, deltas, step, self.outer_step + 1), overlapped=False)
+            self._log_statistics(wait=True)  # their reduction shares the wires with this sync
+            self._apply(fragment, self._sync(fragment, deltas, step, self.outer_step + 1), overlapped=False)
         else:
-            future = self._executor.submit(self._sync, fragment, deltas, step, self.outer_step + 1)
+            future = self._background.submit(self._sync, fragment, deltas, step, self.outer_step + 1)
             self.pending.append(_Pending(step + tau, fragment, self.outer_step + 1, deltas, future))
 
     def _delta(self, i: int) -> torch.Tensor:
@@ -224,32 +253,33 @@ class OuterLoop:
         return f"outer group of shard (d={c.data}, p={c.pipeline}, t={c.tensor}), outer step {outer_step}"
 
     @torch.no_grad()
-    def _sync(self, fragment: int, deltas: list[torch.Tensor], step: int, outer_step: int
-              ) -> tuple[list[Averaged] | None, dict]:
-        """Vote, exchange and statistics of one fragment; may run in the background thread, so it
-        reads the outer state but changes none of it (the caller applies the result)."""
+    def _sync(self, fragment: int, deltas: list[torch.Tensor], step: int, outer_step: int) -> SyncResult:
+        """Vote and exchange of one fragment; may run in the background thread, so it reads the outer
+        state but changes none of it (the caller applies the result)."""
         start = time.perf_counter()
         specs, context = self.buckets[fragment], self._context(outer_step)
-        nonfinite, sq = self._vote_share(specs, deltas)
-        norms, reason = self.vote(nonfinite, sq, context)
-        record = {"outer_step": outer_step, "fragment": fragment, "step": step,
-                  "pseudograd_norm": statistics.fmean(norms) if reason is None else None}
-        if reason is not None:
-            record.update(skipped=reason, round_trips=self.vote_wire.take_stats().round_trips,
-                          sync_seconds=time.perf_counter() - start)
-            return None, record
-
+        ballot = vote.ballot(*self._vote_share(specs, deltas))
+        if self.ballot_group is not None:
+            comm.all_reduce(ballot, group=self.ballot_group)  # the worker's totals, inside the datacenter
         buckets = [Bucket(spec.compressor, spec.layout,
                           spec.error_feedback.accumulate(d) if spec.error_feedback else d)
                    for spec, d in zip(specs, deltas)]
-        averaged = average_buckets(buckets, self.outer_wire, self.config.collective, context) if buckets else []
+        exchanged = average_buckets(buckets, self.outer_wire, self.config.collective, context,
+                                    header=ballot.view(torch.uint8))
         exchange = self.outer_wire.take_stats()
-        local = self._local_sums(specs, deltas, buckets, averaged, exchange.bytes_sent)
-        record.update(sync_record(self.vote_wire, self.topology.coords.worker, self.topology.sizes.workers,
-                                  norms, local, context))
-        record.update(round_trips=exchange.round_trips + self.vote_wire.take_stats().round_trips,
-                      sync_seconds=time.perf_counter() - start)
-        return averaged, record
+        norms, reason = vote.count(exchanged.headers, self.config.max_norm_ratio)
+        record = {"outer_step": outer_step, "fragment": fragment, "step": step,
+                  "pseudograd_norm": statistics.fmean(norms) if reason is None else None,
+                  "round_trips": exchange.round_trips, "sync_seconds": time.perf_counter() - start}
+        if reason is not None:
+            return SyncResult(None, {**record, "skipped": reason})
+
+        def reduce_metrics() -> dict:  # reads the sync's buffers, which nothing changes after the exchange
+            local = self._local_sums(specs, deltas, buckets, exchanged.averaged, exchange.bytes_sent)
+            reduced = sync_record(self.metrics_wire, self.topology.coords.worker, self.topology.sizes.workers,
+                                  norms, local, context)
+            return {**record, **reduced, "background_round_trips": self.metrics_wire.take_stats().round_trips}
+        return SyncResult(exchanged.averaged, record, reduce_metrics)
 
     @staticmethod
     def _vote_share(specs: list[_BucketSpec], deltas: list[torch.Tensor]) -> tuple[bool, float]:
@@ -271,16 +301,16 @@ class OuterLoop:
         return local
 
     @torch.no_grad()
-    def _apply(self, fragment: int, averaged: list[Averaged] | None, record: dict, overlapped: bool) -> None:
+    def _apply(self, fragment: int, result: SyncResult, overlapped: bool) -> None:
         specs = self.buckets[fragment]
-        if averaged is None:
+        if result.averaged is None:
             self.skipped += 1
         else:
             c = self.config
-            for spec, result in zip(specs, averaged):
+            for spec, averaged in zip(specs, result.averaged):
                 if spec.error_feedback:
-                    spec.error_feedback.keep(result.residual)
-                for i, avg in zip(spec.indices, spec.layout.unflatten(result.average)):
+                    spec.error_feedback.keep(averaged.residual)
+                for i, avg in zip(spec.indices, spec.layout.unflatten(averaged.average)):
                     g = self.global_weights[i]
                     avg = (avg.t() if self.params[i].transposed else avg).reshape(g.shape).to(g.device)
                     g.add_(outer_sgd_direction(avg, self.momentum[i], c.outer_momentum, c.nesterov), alpha=-c.outer_lr)
@@ -292,8 +322,10 @@ class OuterLoop:
                 new = self.global_weights[i].to(p.device, p.dtype, non_blocking=True)
                 p.copy_(new if alpha == 0.0 else p.mul(alpha).add_(new, alpha=1 - alpha))
         self._share_inside_worker(fragment)
-        if self.topology.is_logging_rank:
-            self.log(record, record["step"])
+        if result.statistics is None:
+            self._log(result.record)
+        else:
+            self._statistics.append(self._background.submit(result.statistics))
 
     def _share_inside_worker(self, fragment: int) -> None:
         """The owning replica's new weights to the other D-1 replicas (non-owners add zeros: exact)."""
@@ -354,5 +386,5 @@ class OuterLoop:
                         spec.layout.flatten([feedback[self.params[i].name].to(device) for i in spec.indices]))
         self.outer_step, self.skipped = state["outer_step"], state["skipped"]
         tau = self.config.streaming.overlap_steps
-        self.pending = [_Pending(e["apply_at"], e["fragment"], e["outer_step"], e["deltas"], self._executor.submit(
+        self.pending = [_Pending(e["apply_at"], e["fragment"], e["outer_step"], e["deltas"], self._background.submit(
             self._sync, e["fragment"], e["deltas"], e["apply_at"] - tau, e["outer_step"])) for e in state["pending"]]

@@ -1,16 +1,21 @@
-"""The skip vote: whether an outer sync goes ahead, decided identically on every rank.
+"""The skip vote: whether an outer sync is applied, decided identically on every rank.
 
 Any non-finite pseudogradient anywhere, or a worker whose pseudogradient norm is more than
 `max_norm_ratio` times its peers' median, skips the sync for everyone: the workers restart from the
-unchanged global weights. One all-reduce over every rank carries each worker's summed squared norm
-and non-finite flag.
+unchanged global weights. Each rank's ballot is its worker's totals (non-finite count, squared norm)
+summed over the worker's ranks inside the datacenter; it rides in the header of the exchange's first
+collective (trainer.diloco.collectives), so every rank of every outer group sees all K ballots and
+the vote costs no cross-datacenter round trip. A skipped sync has spent its bytes; its average is
+dropped.
 """
 from __future__ import annotations
 
 import math
 import statistics
 
-from trainer.diloco.collectives import Wire
+import torch
+
+BALLOT_VALUES = 2  # non-finite count, squared norm
 
 
 def skip_reason(nonfinite: bool, norms: list[float], max_norm_ratio: float) -> str | None:
@@ -23,12 +28,15 @@ def skip_reason(nonfinite: bool, norms: list[float], max_norm_ratio: float) -> s
     return None
 
 
-class SkipVote:
-    def __init__(self, wire: Wire, worker: int, workers: int, max_norm_ratio: float):
-        self.wire, self.worker, self.workers, self.max_norm_ratio = wire, worker, workers, max_norm_ratio
+def ballot(nonfinite: bool, sq_norm: float) -> torch.Tensor:
+    """One rank's share of its worker's ballot (float64; summed over the worker's ranks, then sent
+    as bytes)."""
+    return torch.tensor([float(nonfinite), sq_norm], dtype=torch.float64)
 
-    def __call__(self, nonfinite: bool, sq_norm: float, context: str) -> tuple[list[float], str | None]:
-        """(every worker's pseudogradient norm, the reason to skip or None) from this rank's share."""
-        sums = self.wire.sum_per_worker([float(nonfinite), sq_norm], self.worker, self.workers, f"skip vote, {context}")
-        norms = [math.sqrt(sq) if math.isfinite(sq) else math.inf for _, sq in sums]
-        return norms, skip_reason(any(flag > 0 for flag, _ in sums), norms, self.max_norm_ratio)
+
+def count(ballots: list[torch.Tensor], max_norm_ratio: float) -> tuple[list[float], str | None]:
+    """(every worker's pseudogradient norm, the reason to skip or None) from the K workers' ballots
+    (as received: uint8 bytes, in worker order)."""
+    rows = [b.cpu().clone().view(torch.float64).tolist() for b in ballots]  # clone: aligned
+    norms = [math.sqrt(sq) if math.isfinite(sq) else math.inf for _, sq in rows]
+    return norms, skip_reason(any(flag > 0 for flag, _ in rows), norms, max_norm_ratio)

@@ -38,7 +38,7 @@ import torch
 
 from trainer import comm
 from trainer.diloco.collectives import Averaged, Bucket, CollectiveError, Wire, average_buckets
-from trainer.diloco.outer_loop import OuterLoop
+from trainer.diloco.outer_loop import OuterLoop, SyncResult
 from trainer.diloco.sync_metrics import sync_record
 from trainer.elastic.membership import Member, left_out
 from trainer.elastic.quorum import QuorumGroup
@@ -89,8 +89,8 @@ class ElasticOuterLoop(OuterLoop):
         log = self.log
         self.log = lambda record, step: log({**record, "weights_sha": self.weights_checksum()}, step)
 
-    def _build_wires(self, timeout):
-        return None, None  # the quorum's group is configured per sync (QuorumGroup)
+    def _build_groups(self, timeout):
+        return None, None, None  # the quorum's group is configured per sync (QuorumGroup)
 
     # -- joining and leaving ---------------------------------------------------------------------
 
@@ -118,10 +118,10 @@ class ElasticOuterLoop(OuterLoop):
         self._joining, self._start_deadline = True, time.monotonic() + self.elastic.quorum_timeout_s
         deltas = [torch.zeros(sum(rows * cols for rows, cols in spec.layout.shapes),
                               device=self.params[spec.indices[0]].param.device) for spec in self.buckets[0]]
-        averaged, record = self._sync(0, deltas, trainer.step, self.outer_step + 1)
-        if record.get("start"):
+        result = self._sync(0, deltas, trainer.step, self.outer_step + 1)
+        if result.record.get("start"):
             return  # a fresh run: nothing to average yet, every worker holds the seed's weights
-        self._apply(0, averaged, record, overlapped=False)
+        self._apply(0, result, overlapped=False)
 
     def leave(self) -> None:
         if self.quorum is not None:
@@ -158,8 +158,7 @@ class ElasticOuterLoop(OuterLoop):
     # -- one sync -------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _sync(self, fragment: int, deltas: list[torch.Tensor], step: int, outer_step: int
-              ) -> tuple[list[Averaged] | None, dict]:
+    def _sync(self, fragment: int, deltas: list[torch.Tensor], step: int, outer_step: int) -> SyncResult:
         start, attempt = time.perf_counter(), 0
         own = self._vote_share(self.buckets[fragment], deltas)
         while True:
@@ -185,7 +184,7 @@ class ElasticOuterLoop(OuterLoop):
                 raise CollectiveError(f"worker {self.worker}: outer sync failed {attempt} times in a row") from error
 
     def _attempt(self, fragment: int, deltas: list[torch.Tensor], own: tuple[bool, float], attempt: int,
-                 start: float) -> tuple[list[Averaged] | None, dict]:
+                 start: float) -> SyncResult:
         self.quorum.start()  # a worker behind its peers loads their state here (_load_peer_state)
         wire = self.quorum.wire(self.config.link)
         context = f"elastic {self._context(self.outer_step + 1)}"
@@ -211,7 +210,7 @@ class ElasticOuterLoop(OuterLoop):
         if not contributors:
             record.update(start=all(m.joining for m in members), skipped="no member has a pseudogradient to contribute",
                           round_trips=wire.take_stats().round_trips, sync_seconds=time.perf_counter() - start)
-            return None, record
+            return SyncResult(None, record)
 
         contributing = wire.rank in contributors
         if not contributing:  # send zeros nobody decodes; the error feedback restarts from zero
@@ -219,7 +218,7 @@ class ElasticOuterLoop(OuterLoop):
         buckets = [Bucket(spec.compressor, spec.layout,
                           spec.error_feedback.accumulate(d) if spec.error_feedback and contributing else d)
                    for spec, d in zip(specs, deltas)]
-        averaged = average_buckets(buckets, wire, "all_gather", context, members=contributors) if buckets else []
+        averaged = average_buckets(buckets, wire, "all_gather", context, members=contributors).averaged if buckets else []
         if not contributing:
             averaged = [Averaged(a.average, torch.zeros_like(a.average)) for a in averaged]
         exchange = wire.take_stats()
@@ -230,7 +229,7 @@ class ElasticOuterLoop(OuterLoop):
                       **sync_record(metrics, 0, len(contributors), norms, local, context))
         record.update(round_trips=exchange.round_trips + wire.take_stats().round_trips,
                       sync_seconds=time.perf_counter() - start)
-        return averaged, record
+        return SyncResult(averaged, record)
 
     def weights_checksum(self) -> str:
         """sha256 of this rank's global weights (fp32 bytes, in parameter order): equal on two
