@@ -113,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(corpus, settings, data, work, records)
     try:
         failures = run_sweeps([Method.load(m) for m in settings.methods], ctx, done, budget)
-    finally:
-        end_live_launches()
+    except KeyboardInterrupt:
+        end_live_launches()  # finished runs are recorded; the interrupted ones rerun next time
+        raise SystemExit(130) from None
     report(args.out, corpus, settings, failures)
     print((args.out / corpus / "summary.csv").read_text() if (args.out / corpus / "summary.csv").exists() else "")
     return 1 if failures else 0

@@ -75,6 +75,7 @@ class _Ports:
 
 
 _PORTS = _Ports()
+SHARED_MEMORY = Path("/dev/shm")
 _LIVE: set[int] = set()  # process groups of running launches, ended if the tool is interrupted
 
 
@@ -84,6 +85,12 @@ def end_live_launches() -> None:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def _remove_shared_memory(port: int) -> None:
+    """DeepSpeed's CPU all-reduce leaves one ~70 MB buffer per rank in /dev/shm, named by the master port."""
+    for path in SHARED_MEMORY.glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        path.unlink(missing_ok=True)
 
 
 def run_config(method: Method, settings: Settings, outer_lr: float | None, outer_loop: bool = True) -> dict:
@@ -117,8 +124,9 @@ def launch(config: dict, flags: list[str], workers: int, run_dir: Path, timeout_
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a half-finished earlier attempt
     ds_config = run_dir / "ds_config.json"
     ds_config.write_text(json.dumps(config, indent=2))
+    port = _PORTS.take()
     command = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(workers), "--master_port",
-               str(_PORTS.take()), "trainer/pretrain.py", "--ds_config", str(ds_config), *flags]
+               str(port), "trainer/pretrain.py", "--ds_config", str(ds_config), *flags]
     with open(run_dir / "log.txt", "w") as log:
         proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -131,6 +139,7 @@ def launch(config: dict, flags: list[str], workers: int, run_dir: Path, timeout_
             code = f"timeout after {timeout_s} s"
         finally:
             _LIVE.discard(proc.pid)
+            _remove_shared_memory(port)
     if code != 0 or not (run_dir / "summary.json").exists():
         raise RuntimeError(f"launch in {run_dir} failed ({code}); see {run_dir / 'log.txt'}")
 

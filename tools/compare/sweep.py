@@ -105,16 +105,18 @@ def run_sweeps(methods: list[Method], ctx: Context, done: dict[RunSpec, RunRecor
                     return
                 try:
                     record = execute(method, job, ctx)
-                except RuntimeError as err:
-                    print(err, file=sys.stderr, flush=True)
+                except Exception as err:  # a failed launch, or a checkpoint the alignment cannot read
+                    message = f"{job.spec.name}: {type(err).__name__}: {err}"
+                    print(message, file=sys.stderr, flush=True)
                     with lock:
-                        failures.append(str(err))
+                        failures.append(message)
                     return
             ctx.records.append(record)
             with lock:
                 done[record.spec] = record
 
-    threads = [threading.Thread(target=sweep, args=(m,), name=m.name) for m in methods]
+    # Daemons: an interrupted tool ends its launches (launch.end_live_launches) and exits without them.
+    threads = [threading.Thread(target=sweep, args=(m,), name=m.name, daemon=True) for m in methods]
     for t in threads:
         t.start()
     for t in threads:
