@@ -1,7 +1,7 @@
 """The alignment measure of the method comparison (tools/compare/alignment.py) on real launches: at
 K = 1 the averaged pseudogradient recovered from the outer momentum IS the one-worker full-batch
 pseudogradient, so the reference launch started with --load-worker must reproduce it (cosine 1 to
-fp32 rounding); another sync's pseudogradient must not."""
+fp32 rounding), where another sync's pseudogradient does not."""
 from __future__ import annotations
 
 import pytest
@@ -34,10 +34,10 @@ def test_k1_averaged_pseudogradient_is_the_full_batch_one(k1_run):
     assert measured.syncs == [2]
     assert measured.cosines[0] == pytest.approx(1.0, abs=1e-6)
     assert measured.norm_ratios[0] == pytest.approx(1.0, abs=1e-4)
-    # The identity can fail: the reference of sync 2 is not sync 3's pseudogradient.
-    other = alignment.compare(
-        alignment.averaged_pseudogradient(run_dir / "ckpt", 3, SETTINGS.sync_interval, method.outer[1]),
-        alignment.reference_pseudogradient(method, spec, SETTINGS, data, run_dir / "ckpt", 2, run_dir / "again"))
+    # A cosine of 1 is not automatic at this scale: consecutive syncs' pseudogradients differ.
+    ckpt, H, mu = run_dir / "ckpt", SETTINGS.sync_interval, method.outer[1]
+    other = alignment.compare(alignment.averaged_pseudogradient(ckpt, 2, H, mu),
+                              alignment.averaged_pseudogradient(ckpt, 3, H, mu))
     assert other.cosine < 0.999
 
 

@@ -37,7 +37,6 @@ METHOD_ORDER = ("dp_adamw", "dp_muon", "diloco_k1", "muloco_k1", "diloco_k2", "m
 # What issue 17's protocol requires on each corpus (the others are extras).
 REQUIRED_METHODS = ("dp_adamw", "dp_muon", "diloco_k1", "muloco_k1", "diloco_k2", "muloco_k2", "diloco_k4",
                     "muloco_k4", "diloco_k4_stat4", "muloco_k4_stat4", "muloco_k4_stat2ef", "muloco_k4_lin2ef")
-SECOND_CORPUS_METHODS = ("dp_adamw", "dp_muon", "diloco_k1", "muloco_k1", "diloco_k4", "muloco_k4")
 QUICK_METHODS = ("dp_adamw", "dp_muon", "diloco_k1", "muloco_k1", "diloco_k4", "muloco_k4", "muloco_k4_stat4",
                  "muloco_k4_stat2ef")
 
