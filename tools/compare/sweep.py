@@ -113,6 +113,11 @@ def run_sweeps(methods: list[Method], ctx: Context, done: dict[RunSpec, RunRecor
                     return
             ctx.records.append(record)
             with lock:
+                previous = done.get(record.spec)
+                if previous is not None and previous.final_val_loss != record.final_val_loss:
+                    # The alignment rerun repeats a recorded run: on CPU it reproduces it bit for bit.
+                    print(f"warning: {record.spec.name} reran to val loss {record.final_val_loss:.6f}, recorded "
+                          f"{previous.final_val_loss:.6f} (not deterministic here?)", file=sys.stderr, flush=True)
                 done[record.spec] = record
 
     # Daemons: an interrupted tool ends its launches (launch.end_live_launches) and exits without them.
