@@ -23,7 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tools.compare_methods import prepare_data  # noqa: E402
+from tools.compare.launch import prepare_data  # noqa: E402
+from tools.compare.protocol import DEFAULT_CORPUS  # noqa: E402
 
 BENCHMARKS = Path(__file__).resolve().parent
 # Small, documented settings per script: a few minutes each on 2 CPU cores.
@@ -65,14 +66,19 @@ def _trainer_rate(outcomes: dict[str, Outcome]) -> float | None:
     return trainer.result["T1_D2_tokens_per_s"] if trainer is not None and trainer.result else None
 
 
+def _shakespeare():
+    """The data the method comparison prepares for its default corpus (built once)."""
+    return prepare_data(DEFAULT_CORPUS, REPO / "runs" / "compare" / DEFAULT_CORPUS.name / "data")
+
+
 def arguments(name: str, outcomes: dict[str, Outcome]) -> list[str]:
     if name == "loader_throughput":
-        data = prepare_data(REPO / "runs" / "compare")
-        args = ["--data-path", data.train, "--tokenizer-model", str(data.tokenizer), "--seq-lengths", "128", "2048"]
+        data = _shakespeare()
+        args = ["--data-path", data.train, *data.vocabulary, "--seq-lengths", "128", "2048"]
         rate = _trainer_rate(outcomes)
         return args + ["--trainer-tokens-per-s", str(rate or ASSUMED_TRAINER_RATE)]
     if name == "preprocess_throughput":
-        return ["--tokenizer-model", str(prepare_data(REPO / "runs" / "compare").tokenizer)]
+        return list(_shakespeare().vocabulary)
     return SETTINGS.get(name, [])
 
 

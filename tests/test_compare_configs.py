@@ -24,7 +24,7 @@ def _differences(a, b, path="") -> set[str]:
 
 
 def test_every_method_of_the_comparison_is_here():
-    from tools.compare_methods import METHOD_ORDER
+    from tools.compare.protocol import METHOD_ORDER
 
     assert set(CONFIGS) == set(METHOD_ORDER)
 
@@ -48,6 +48,7 @@ def test_config_resolves_with_the_same_global_batch(name):
     *[(f"diloco_k4_{c}", f"muloco_k4_{c}", {"optimizer"}) for c in ("stat4", "stat2ef")],
     *[(f"{m}_k4", f"{m}_k4_{c}", {"muloco.compression"}) for m in ("diloco", "muloco") for c in ("stat4", "stat2ef")],
     *[("muloco_k4_stat4", f"muloco_k4_stat4_{c}", {"muloco.compression"}) for c in ("paper", "emb8")],
+    ("muloco_k4_stat2ef", "muloco_k4_lin2ef", {"muloco.compression.method"}),
     *[(f"{m}_k1", f"{m}_k{k}", {"muloco.workers", "muloco.outer_lr", "muloco.outer_momentum",
                                 "train_micro_batch_size_per_gpu"}) for m in ("diloco", "muloco") for k in (2, 4)],
 ])

@@ -256,6 +256,7 @@ class RunConfig:
     eval_iters: int = 4
     save: str | None = None
     load: str | None = None
+    load_worker: int | None = None  # start from this worker's state in --load (any K; no outer state)
     save_interval: int | None = None
     keep_last: int | None = None  # None: keep every checkpoint
     verify_checksums: bool = True
@@ -337,6 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-iters", type=int, default=4)
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
+    g.add_argument("--load-worker", type=int, default=None, metavar="W",
+                   help="start (not resume) from worker W's weights, inner optimizer and lr schedule in the --load "
+                        "checkpoint, which may have any number of workers K; its outer-loop state and RNG are not "
+                        "carried, so this run must have no muloco block (e.g. one worker's H steps with the full "
+                        "global batch, or continuing one datacenter's state alone)")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--keep-last", type=int, default=None, help="keep only the newest N checkpoints (default: all)")
     g.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
@@ -476,6 +482,9 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
             schedule_values[key] = getattr(args, flag)
     schedule = ScheduleConfig(**schedule_values)
 
+    if args.load_worker is not None and (args.load_worker < 0 or not args.load):
+        raise ConfigError(f"--load-worker must be >= 0 and needs --load DIR, got {args.load_worker}"
+                          + ("" if args.load else " without --load"))
     run_dir = args.run_dir or str(Path("runs") / Path(args.ds_config).stem)
     # Mixed precision is Megatron's autocast over fp32 parameters (the optimizers need whole fp32
     # tensors, not DeepSpeed's flattened bf16 partitions), so DeepSpeed never sees the bf16 block.
@@ -487,7 +496,8 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
                         args.vocab_size),
         seed=args.seed, run_dir=run_dir, tensorboard_dir=args.tensorboard_dir or str(Path(run_dir) / "tensorboard"),
         log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
-        save=args.save, load=args.load, save_interval=args.save_interval, **_fault_settings(args),
+        save=args.save, load=args.load, load_worker=args.load_worker, save_interval=args.save_interval,
+        **_fault_settings(args),
         bf16=bf16, distributed_backend=args.distributed_backend,
         deterministic=args.deterministic_mode, ds_config=ds, muloco=muloco, recipe_table=recipe_table,
         worker_id=args.worker_id)

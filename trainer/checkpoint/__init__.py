@@ -10,6 +10,11 @@ state (elementwise, so laid out like its parameter) are merged and re-cut with t
 mapping; RNG states are then re-seeded. A different K, model shape or vocabulary, or a layout change
 with state that cannot be resharded (the MuLoCo outer loop's), stops with a message naming the
 difference.
+
+`--load DIR --load-worker W` is a start, not a resume: this run takes worker W's weights, inner
+optimizer state, lr schedule and step from a checkpoint written with any K (and layout, resharded as
+above), without the outer loop's state or RNG states; so the run itself has no outer loop (one
+worker's steps with the full global batch, as tools/compare/alignment.py needs).
 """
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.format import CheckpointError, CheckpointMeta, CheckpointReader, latest_iteration

@@ -69,19 +69,9 @@ def check_fits(meta: CheckpointMeta, sizes: ParallelSizes, model: ModelShape, pa
     """Raise on what cannot be resumed; return whether the layout must be resharded."""
     if meta.sizes.workers != sizes.workers:
         raise CheckpointError(f"checkpoint has K={meta.sizes.workers} workers, this run K={sizes.workers}; "
-                              "the number of workers cannot change on resume")
-    if meta.model != model:
-        diffs = [f"{k}: checkpoint {v}, this run {getattr(model, k)}"
-                 for k, v in asdict(meta.model).items() if getattr(model, k) != v]
-        raise CheckpointError("model shape differs: " + "; ".join(diffs))
-    if meta.padded_vocab_size != padded_vocab_size:
-        raise CheckpointError(f"checkpoint has padded vocabulary {meta.padded_vocab_size}, "
-                              f"this run {padded_vocab_size} (a different tokenizer?)")
-    batch = meta.config["batch"]
-    saved_batch = batch["micro_batch_size"] * batch["gradient_accumulation_steps"] * batch["data_parallel"] * batch["workers"]
-    if saved_batch != global_batch:
-        raise CheckpointError(f"checkpoint global batch is {saved_batch} sequences, this run {global_batch}: "
-                              "the data stream would not continue")
+                              "the number of workers cannot change on resume (--load-worker starts a run "
+                              "from one worker's state)")
+    _check_model_and_stream(meta, model, padded_vocab_size, global_batch)
     if meta.extra_state != extra_state:
         raise CheckpointError(f"checkpoint holds state for {meta.extra_state or 'no extra components'}, "
                               f"this run has {extra_state or 'none'} (MuLoCo on one side only?)")
@@ -94,6 +84,34 @@ def check_fits(meta: CheckpointMeta, sizes: ParallelSizes, model: ModelShape, pa
                               f"by (d, p, t) and cannot be resharded; resume with the checkpoint's layout "
                               f"({meta.describe_layout()})")
     return bool(dims)
+
+
+def check_worker_start(meta: CheckpointMeta, worker: int, model: ModelShape, padded_vocab_size: int,
+                       global_batch: int, extra_state: list[str]) -> None:
+    """Raise unless this run can start from worker `worker` of the checkpoint (--load-worker): any K and
+    layout, the same model, vocabulary and global batch (so the data stream continues), and no outer
+    loop here (the checkpoint's outer state is not carried over, so one would restart from nothing)."""
+    if not 0 <= worker < meta.sizes.workers:
+        raise CheckpointError(f"--load-worker {worker}: the checkpoint has workers 0..{meta.sizes.workers - 1}")
+    if extra_state:
+        raise CheckpointError(f"--load-worker starts a run without an outer loop, but this run has {extra_state} "
+                              "(remove the ds_config's muloco block)")
+    _check_model_and_stream(meta, model, padded_vocab_size, global_batch)
+
+
+def _check_model_and_stream(meta: CheckpointMeta, model: ModelShape, padded_vocab_size: int, global_batch: int) -> None:
+    if meta.model != model:
+        diffs = [f"{k}: checkpoint {v}, this run {getattr(model, k)}"
+                 for k, v in asdict(meta.model).items() if getattr(model, k) != v]
+        raise CheckpointError("model shape differs: " + "; ".join(diffs))
+    if meta.padded_vocab_size != padded_vocab_size:
+        raise CheckpointError(f"checkpoint has padded vocabulary {meta.padded_vocab_size}, "
+                              f"this run {padded_vocab_size} (a different tokenizer?)")
+    batch = meta.config["batch"]
+    saved_batch = batch["micro_batch_size"] * batch["gradient_accumulation_steps"] * batch["data_parallel"] * batch["workers"]
+    if saved_batch != global_batch:
+        raise CheckpointError(f"checkpoint global batch is {saved_batch} sequences, this run {global_batch}: "
+                              "the data stream would not continue")
 
 
 class Checkpointer:
@@ -262,6 +280,12 @@ class Checkpointer:
             print(f"resumed from {reader.directory} at step {self.trainer.step} ({how})", flush=True)
 
     def _load(self, reader: CheckpointReader) -> str:
+        worker = self.config.load_worker
+        if worker is not None:
+            check_worker_start(reader.meta, worker, self.config.model, self.padded_vocab_size,
+                               self.config.batch.global_batch, sorted(self.trainer.extra_state))
+            rank_state.restore(self.trainer, self._resharded_state(reader, worker), self.param_of)
+            return f"worker {worker} of {reader.meta.describe_layout()}"
         if check_fits(reader.meta, self.topology.sizes, self.config.model, self.padded_vocab_size,
                       self.config.batch.global_batch, sorted(self.trainer.extra_state)):
             saved, how = self._resharded_state(reader), f"resharded from {reader.meta.describe_layout()}"
@@ -270,17 +294,19 @@ class Checkpointer:
         rank_state.restore(self.trainer, saved, self.param_of)
         return how
 
-    def _resharded_state(self, reader: CheckpointReader) -> dict:
-        """This rank's state cut from the checkpoint's shards: weights and elementwise optimizer state
-        are merged over the checkpoint's TP ranks and re-cut for ours; the rest (hyperparameters,
-        scheduler, counters, step) is the same on every rank. RNG states stay freshly seeded."""
+    def _resharded_state(self, reader: CheckpointReader, worker: int | None = None) -> dict:
+        """This rank's state cut from the shards of the checkpoint's worker `worker` (default: this
+        rank's own): weights and elementwise optimizer state are merged over the checkpoint's TP ranks
+        and re-cut for ours; the rest (hyperparameters, scheduler, counters, step) is the same on every
+        rank. RNG states stay freshly seeded."""
         coords = self.topology.coords
+        worker = coords.worker if worker is None else worker
         tp_size = self.topology.sizes.tensor
-        stage_of = reader.stage_of(coords.worker, 0)
-        first = reader.rank_state(reader.stage_ranks(coords.worker, 0, 0)[0])
+        stage_of = reader.stage_of(worker, 0)
+        first = reader.rank_state(reader.stage_ranks(worker, 0, 0)[0])
         model, optimizer_state = {}, {}
         for name in self.param_of:
-            ranks = reader.stage_ranks(coords.worker, 0, stage_of[name])
+            ranks = reader.stage_ranks(worker, 0, stage_of[name])
             layout = layout_of(name)
             model[name] = shard(reader.full_tensor(ranks, name, lambda s: s["model"][name]), layout,
                                 coords.tensor, tp_size)

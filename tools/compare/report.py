@@ -1,0 +1,270 @@
+"""The report from the record alone: per corpus summary.csv, settings.json, plots and a results
+section with the claims' verdicts (tools/compare/verdicts.py); the README's results section is
+regenerated between its markers."""
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tools.compare.protocol import (LR_GRIDS, LR_STEP, MAX_EXTENSIONS, OUTER_LR_NEIGHBOUR, Method, Settings,
+                                    best_spec)
+from tools.compare.records import RunRecord
+from tools.compare.verdicts import (FAILS, HOLDS, INCONCLUSIVE, LOSSLESS_TOLERANCE, MIN_SEEDS, Z, Stat, all_of,
+                                    at_most, less, smaller_increase, within)
+
+# The paper's 150M column (arXiv 2505.23725) for the methods it reports; K=16 there, not K=4.
+PAPER_150M = {"dp_adamw": 3.158, "dp_muon": 3.124, "muloco_k1": 3.120, "diloco_k1": 3.142}
+BEGIN, END = "<!-- results:begin (tools/compare_methods.py writes this section) -->", "<!-- results:end -->"
+KS = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class Summary:
+    method: str
+    workers: int
+    inner: str
+    compression: str
+    inner_lr: float
+    outer: str
+    val_loss: Stat
+    mb_sent_per_worker: float
+    worker_cosine: float | None
+    alignment: Stat | None
+    lr_at_edge: bool  # the best lr is still at an edge of the lrs tried (after the extensions)
+    paper_150m: float | None
+
+    COLUMNS = ("method", "workers", "inner", "compression", "inner_lr", "outer", "val_loss_mean", "val_loss_std",
+               "seeds", "mb_sent_per_worker", "worker_cosine", "alignment_mean", "alignment_std",
+               "alignment_seeds", "lr_at_edge", "paper_150m")
+
+    def row(self) -> list:
+        a = self.alignment
+        return [self.method, self.workers, self.inner, self.compression, self.inner_lr, self.outer,
+                f"{self.val_loss.mean:.4f}", f"{self.val_loss.std:.4f}", self.val_loss.n, f"{self.mb_sent_per_worker:.3f}",
+                "" if self.worker_cosine is None else f"{self.worker_cosine:.4f}",
+                "" if a is None else f"{a.mean:.4f}", "" if a is None else f"{a.std:.4f}", 0 if a is None else a.n,
+                self.lr_at_edge, "" if self.paper_150m is None else self.paper_150m]
+
+
+def summarize(method: Method, settings: Settings, records: dict) -> Summary | None:
+    """The best setting of `method` on the first seed, over every seed run with it."""
+    mine = {s: r for s, r in records.items() if s.method == method.name}
+    best = best_spec(method, settings, {s: r.final_val_loss for s, r in mine.items()})
+    if best is None:
+        return None
+    runs = [r for s, r in sorted(mine.items(), key=lambda kv: kv[0].seed)
+            if (s.inner_lr, s.outer_lr) == (best.inner_lr, best.outer_lr)]
+    tried = sorted({s.inner_lr for s in mine if s.seed == best.seed and s.outer_lr == best.outer_lr})
+    aligned = [r.alignment.mean for r in runs if r.alignment is not None]
+    cosines = [r.worker_cosine for r in runs if r.worker_cosine is not None]
+    return Summary(method.name, method.workers, method.optimizer, method.compression, best.inner_lr,
+                   "-" if best.outer_lr is None else f"{best.outer_lr:g}/{method.outer[1]:g}",
+                   Stat.of([r.final_val_loss for r in runs]), sum(r.bytes_per_worker for r in runs) / len(runs) / 1e6,
+                   sum(cosines) / len(cosines) if cosines else None, Stat.of(aligned) if aligned else None,
+                   len(tried) > 1 and best.inner_lr in (tried[0], tried[-1]), PAPER_150M.get(method.name))
+
+
+@dataclass(frozen=True)
+class Claim:
+    key: str
+    text: str
+    paper: str
+    ours: str
+    verdict: str
+
+
+def claims(s: dict[str, Summary]) -> list[Claim]:
+    def loss(name: str) -> Stat | None:
+        return s[name].val_loss if name in s else None
+
+    def align(name: str) -> Stat | None:
+        return s[name].alignment if name in s else None
+
+    def show(*names: str, of=loss) -> str:
+        return "; ".join(f"{n} {of(n) if of(n) is not None else 'not run'}" for n in names)
+
+    def delta(base: str, other: str) -> str:
+        if loss(base) is None or loss(other) is None:
+            return "n/a"
+        return f"{loss(other).mean - loss(base).mean:+.4f}"
+
+    degradation = {m: delta(f"{m}_k1", f"{m}_k4") for m in ("muloco", "diloco")}
+    return [
+        Claim("a", "MuLoCo K=1 ≤ DP Muon < DP AdamW",
+              "150M: MuLoCo K=1 3.120, DP Muon 3.124, DP AdamW 3.158",
+              show("muloco_k1", "dp_muon", "dp_adamw"),
+              all_of([at_most(loss("muloco_k1"), loss("dp_muon")), less(loss("dp_muon"), loss("dp_adamw"))])),
+        Claim("b", "MuLoCo beats DiLoCo at every K",
+              "150M: K=1 MuLoCo 3.120 vs DiLoCo 3.142; K=16 MuLoCo 3.222 vs DiLoCo 3.326",
+              show(*[f"{m}_k{k}" for k in KS for m in ("muloco", "diloco")]),
+              all_of([less(loss(f"muloco_k{k}"), loss(f"diloco_k{k}")) for k in KS])),
+        Claim("c", "MuLoCo degrades less from K=1 to K=4 than DiLoCo",
+              "150M K=1 → K=16: MuLoCo +0.102 (3.120 → 3.222), DiLoCo +0.184 (3.142 → 3.326)",
+              f"K=1 → K=4: MuLoCo {degradation['muloco']}, DiLoCo {degradation['diloco']}",
+              smaller_increase(loss("muloco_k1"), loss("muloco_k4"), loss("diloco_k1"), loss("diloco_k4"))),
+        Claim("d1", f"4-bit statistical is effectively lossless (within {LOSSLESS_TOLERANCE:.0%})",
+              "qualitative: 4-bit quantization matches the uncompressed loss",
+              f"MuLoCo {delta('muloco_k4', 'muloco_k4_stat4')}, DiLoCo {delta('diloco_k4', 'diloco_k4_stat4')} "
+              "vs uncompressed K=4",
+              all_of([within(loss("muloco_k4_stat4"), loss("muloco_k4")),
+                      within(loss("diloco_k4_stat4"), loss("diloco_k4"))])),
+        Claim("d2", f"2-bit statistical + EF works (MuLoCo, within {LOSSLESS_TOLERANCE:.0%})",
+              "qualitative: 2-bit statistical quantization with error feedback stays close to uncompressed",
+              f"MuLoCo {delta('muloco_k4', 'muloco_k4_stat2ef')} vs uncompressed K=4",
+              within(loss("muloco_k4_stat2ef"), loss("muloco_k4"))),
+        Claim("d3", "2-bit linear + EF degrades (worse than 2-bit statistical + EF, MuLoCo)",
+              "qualitative: 2-bit linear quantization degrades the loss",
+              f"linear − statistical: {delta('muloco_k4_stat2ef', 'muloco_k4_lin2ef')}",
+              less(loss("muloco_k4_stat2ef"), loss("muloco_k4_lin2ef"))),
+        Claim("e", "MuLoCo's pseudogradients are better aligned with the K=1 pseudogradient (K=2, 4)",
+              "Fig. 4: higher cosine with the K=1 pseudogradient for MuLoCo than DiLoCo",
+              show(*[f"{m}_k{k}" for k in KS[1:] for m in ("muloco", "diloco")], of=align),
+              all_of([less(align(f"diloco_k{k}"), align(f"muloco_k{k}")) for k in KS[1:]])),
+    ]
+
+
+RULE = (f"Verdict rule: an ordering a < b **holds** when the difference of means exceeds {Z:g} combined "
+        f"standard errors (sqrt(s_a²/n_a + s_b²/n_b)) and **does not hold** when it is reversed by that margin; "
+        f"a ≤ b does not hold only when reversed by that margin; 'within {LOSSLESS_TOLERANCE:.0%}' holds when "
+        f"the excess plus {Z:g} SE stays under 1% of the uncompressed loss and does not hold when the excess "
+        f"minus {Z:g} SE is above it; the degradation claim compares K=4 − K=1 differences with the SE of all "
+        f"four means. Everything else is **inconclusive**, and so is any claim needing a method with fewer "
+        f"than {MIN_SEEDS} seeds. A claim of several parts holds when all hold and does not hold when one "
+        f"does not.")
+
+
+def _plot(summaries: dict[str, Summary], out: Path, corpus: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+
+    def save(fig, ax, name: str, **labels) -> None:
+        ax.set(**labels)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        written.append(name)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in ("muloco", "diloco"):
+        points = [(k, summaries[f"{m}_k{k}"].val_loss) for k in KS if f"{m}_k{k}" in summaries]
+        if points:
+            ax.errorbar([k for k, _ in points], [s.mean for _, s in points], yerr=[s.std for _, s in points],
+                        marker="o", capsize=3, label=m)
+    for dp in ("dp_muon", "dp_adamw"):
+        if dp in summaries:
+            ax.axhline(summaries[dp].val_loss.mean, linestyle=":", color="grey" if dp == "dp_adamw" else "black",
+                       label=f"{dp} (K=1)")
+    ax.set_xticks(KS)
+    save(fig, ax, "val_loss_vs_K.png", xlabel="workers K", ylabel="final val loss (mean ± std over seeds)",
+         title=f"{corpus}: val loss vs K")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s in summaries.values():
+        if s.workers > 1:
+            ax.errorbar([s.mb_sent_per_worker], [s.val_loss.mean], yerr=[s.val_loss.std], marker="o" if
+                        s.inner == "muon" else "s", capsize=3, label=s.method)
+    save(fig, ax, "val_loss_vs_bytes.png", xscale="log", xlabel="MB sent per worker over the run",
+         ylabel="final val loss (mean ± std)", title=f"{corpus}: val loss vs bytes (K > 1)")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in ("muloco", "diloco"):
+        points = [(k, summaries[f"{m}_k{k}"].alignment) for k in KS[1:]
+                  if f"{m}_k{k}" in summaries and summaries[f"{m}_k{k}"].alignment is not None]
+        if points:
+            ax.errorbar([1] + [k for k, _ in points], [1.0] + [a.mean for _, a in points],
+                        yerr=[0.0] + [a.std for _, a in points], marker="o", capsize=3, label=m)
+    ax.set_xticks(KS)
+    save(fig, ax, "alignment_vs_K.png", xlabel="workers K (K=1: 1 by construction)",
+         ylabel="cos(averaged, full-batch pseudogradient)", title=f"{corpus}: alignment with K=1")
+    return written
+
+
+def _summary_table(summaries: list[Summary]) -> str:
+    lines = ["| method | K | inner | compression | inner lr | outer lr/mom | final val loss (mean ± std, n) | "
+             "MB sent per worker | alignment with K=1 (mean ± std, n) | paper 150M |", "|" + "---|" * 10]
+    for s in sorted(summaries, key=lambda s: s.val_loss.mean):
+        edge = " (edge)" if s.lr_at_edge else ""
+        lines.append(f"| {s.method} | {s.workers} | {s.inner} | {s.compression} | {s.inner_lr:g}{edge} | {s.outer} | "
+                     f"{s.val_loss} | {s.mb_sent_per_worker:.2f} | {s.alignment if s.alignment else '-'} | "
+                     f"{'-' if s.paper_150m is None else f'{s.paper_150m:.3f}'} |")
+    return "\n".join(lines)
+
+
+def _claims_table(rows: list[Claim]) -> str:
+    lines = ["| claim | paper | ours | verdict |", "|---|---|---|---|"]
+    lines += [f"| ({c.key}) {c.text} | {c.paper} | {c.ours} | {c.verdict} |" for c in rows]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class CorpusReport:
+    corpus: str
+    summaries: list[Summary]
+    claims: list[Claim]
+    runs: int
+    markdown: str
+
+
+def write_corpus(corpus: str, methods: list[Method], settings: Settings, records: dict[object, RunRecord],
+                 out: Path, failures: list[str]) -> CorpusReport:
+    out.mkdir(parents=True, exist_ok=True)
+    summaries = [s for m in methods if (s := summarize(m, settings, records)) is not None]
+    by_name = {s.method: s for s in summaries}
+    with open(out / "summary.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["corpus", *Summary.COLUMNS])
+        w.writerows([corpus, *s.row()] for s in summaries)
+    seconds = sum(r.seconds for r in records.values())
+    (out / "settings.json").write_text(json.dumps(
+        {"corpus": corpus, **settings.protocol(), "seeds": list(settings.seeds), "methods": list(settings.methods),
+         "lr_grid_size": settings.lr_grid_size, "lr_grids": LR_GRIDS, "lr_extension_step": LR_STEP,
+         "max_lr_extensions": MAX_EXTENSIONS, "outer_neighbours": settings.outer_neighbours,
+         "outer_lr_neighbour": OUTER_LR_NEIGHBOUR, "alignment": settings.alignment, "runs": len(records),
+         "run_seconds_total": round(seconds), "failures": failures}, indent=2) + "\n")
+    rows = claims(by_name)
+    plots = _plot(by_name, out, corpus) if summaries else []
+    markdown = "\n\n".join([
+        f"### {corpus}",
+        f"{len(records)} runs recorded in `{corpus}/runs.jsonl` ({seconds / 3600:.1f} h of launches), "
+        f"{settings.steps} steps, H={settings.sync_interval}. Best setting per method on seed "
+        f"{settings.seeds[0]}, mean ± std over the seeds run with it; '(edge)' marks a best lr still at the edge "
+        f"of the lrs tried.",
+        _summary_table(summaries) if summaries else "No runs recorded yet.",
+        _claims_table(rows),
+        " ".join(f"![{p}]({corpus}/{p})" for p in plots)])
+    return CorpusReport(corpus, summaries, rows, len(records), markdown)
+
+
+def combined_verdict(verdicts: list[str]) -> str:
+    """Across corpora: holds where it holds on every corpus that decides it and fails on none."""
+    decided = [v for v in verdicts if v != INCONCLUSIVE]
+    if FAILS in decided:
+        return FAILS if all(v == FAILS for v in decided) else "mixed"
+    return HOLDS if decided and len(decided) == len(verdicts) else INCONCLUSIVE
+
+
+def write_readme(readme: Path, reports: list[CorpusReport]) -> None:
+    header = "| claim | paper | " + " | ".join(f"{r.corpus}: ours | {r.corpus}: verdict" for r in reports) + \
+        " | verdict |"
+    lines = [header, "|" + "---|" * (3 + 2 * len(reports))]
+    for i, claim in enumerate(reports[0].claims if reports else []):
+        row = [r.claims[i] for r in reports]
+        lines.append(f"| ({claim.key}) {claim.text} | {claim.paper} | "
+                     + " | ".join(f"{c.ours} | {c.verdict}" for c in row)
+                     + f" | {combined_verdict([c.verdict for c in row])} |")
+    section = "\n\n".join([BEGIN, "## Results", RULE, "### Verdicts (all corpora)", "\n".join(lines),
+                           *[r.markdown for r in reports], END])
+    text = readme.read_text() if readme.exists() else "# Method comparison at CPU scale\n"
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    readme.write_text(text.rstrip("\n") + "\n")
