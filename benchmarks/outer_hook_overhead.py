@@ -3,18 +3,21 @@ against the same run with syncs disabled, so both do identical inner work.
 
     python benchmarks/outer_hook_overhead.py [--model tiny] [--sync-interval 30] [--windows 2] [--repeats 3]
 
-Launches itself under torchrun on 2 ranks (gloo on CPU): K = 2 workers of one rank each, 4-bit
-statistical + error feedback, and trains, one after another in that launch, runs assembled exactly as
-trainer/pretrain.py assembles them:
+Each run is its own torchrun launch of this file on 2 ranks (gloo on CPU; a fresh process per run,
+since a long-lived one slowed down run after run): K = 2 workers of one rank each, 4-bit statistical
++ error feedback, assembled exactly as trainer/pretrain.py assembles it:
   nosync            sync_interval above the run length: the outer loop never syncs (the baseline)
   sync              a sync every H steps
   sync+link         over an emulated 1 Gbit/s, 50 ms link
   sync+link, tau=1  over that link, the sync running in the background during the next inner step
-  sync+link, tau=5  the same, with five inner steps to hide it in
+  sync+link, tau=2  the same, with two inner steps to hide it in
 The cases are interleaved `--repeats` times, each repeat in an order rotated by one, so machine load
-drifts hit all of them alike. Throughput is metrics.jsonl's tokens_per_s over windows
-of H steps (each holds one sync), the first window dropped as warm-up; per case the median over the
-repeats; overhead_vs_nosync = nosync tokens/s / case tokens/s. Also reported: cross-datacenter round
+drifts hit all of them alike. Throughput is the job's over the windows of H steps after the first
+(each window holds one sync; the first is warm-up): tokens over the time the slowest rank takes to
+run them. Every rank times its own steps; a job goes at its slowest worker's pace, and taking rank
+0's clock alone would let the free-running nosync baseline skip the waits for a slower peer that any
+synchronous step (this sync, or DP's all-reduce) pays. Per case the median over the repeats;
+overhead_vs_nosync = nosync tokens/s / case tokens/s. Also reported: cross-datacenter round
 trips per sync, on its critical path (metrics.jsonl's `round_trips`: the exchange, which carries the
 skip vote) and in the background after the result is applied (`background_round_trips`: the
 metrics), and the mean sync wall time. Last line: JSON.
@@ -28,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +51,7 @@ def cases(sync_interval: int, steps: int) -> dict[str, dict]:
         "sync": muloco,
         "sync+link": {**muloco, "link": SLOW_LINK},
         "sync+link, tau=1": {**muloco, "link": SLOW_LINK, "streaming": {"overlap_steps": 1}},
-        "sync+link, tau=5": {**muloco, "link": SLOW_LINK, "streaming": {"overlap_steps": 5}},
+        "sync+link, tau=2": {**muloco, "link": SLOW_LINK, "streaming": {"overlap_steps": 2}},
     }
 
 
@@ -58,7 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--windows", type=int, default=2, help="measured windows of H steps per run (after one warm-up)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--workdir", help=argparse.SUPPRESS)  # set by the launcher
+    p.add_argument("--workdir", help=argparse.SUPPRESS)  # these three are set by the launcher
+    p.add_argument("--case", help=argparse.SUPPRESS)
+    p.add_argument("--run-index", type=int, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -74,47 +80,62 @@ def steps(args: argparse.Namespace) -> int:
     return (args.windows + 1) * args.sync_interval
 
 
-def train_all(args: argparse.Namespace) -> None:
-    """One rank: every run in turn; each writes its metrics.jsonl under the workdir."""
+def train_one(args: argparse.Namespace) -> None:
+    """One rank of run `--run-index` (case `--case`); it writes its metrics.jsonl and step times under
+    the workdir."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
-    from megatron.core import parallel_state as mps
 
     from trainer.config import build_parser, resolve
     from trainer.comm import COLLECTIVE_TIMEOUT
     from trainer.run import run
+    from trainer.training import Trainer
+
+    class TimedTrainer(Trainer):
+        """Writes this rank's wall clock after every step (outer hook included) to step_times.rank<R>.json."""
+
+        def train(self) -> dict:
+            self.step_times = []
+            summary = super().train()
+            Path(self.config.run_dir, f"step_times.rank{dist.get_rank()}.json").write_text(json.dumps(self.step_times))
+            return summary
+
+        def train_step(self):
+            result = super().train_step()
+            self.step_times.append(time.perf_counter())
+            return result
 
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=COLLECTIVE_TIMEOUT)
-    workdir = Path(args.workdir)
+    workdir, i = Path(args.workdir), args.run_index
     base = {k: v for k, v in json.loads(BASE_CONFIG.read_text()).items() if k != "muloco"}
-    blocks = cases(args.sync_interval, steps(args))
-    for i, (name, _) in enumerate(run_order(args)):
-        ds_path = workdir / f"run{i}.json"
-        if dist.get_rank() == 0:
-            ds_path.write_text(json.dumps({**base, "muloco": blocks[name]}))
-        dist.barrier()
-        flags = build_parser().parse_args([
-            "--ds_config", str(ds_path), "--model", args.model, "--data-path", str(workdir / "markov"),
-            "--vocab-size", "1000", "--train-iters", str(steps(args)), "--seq-length", str(args.seq_length),
-            "--micro-batch-size", "4", "--log-interval", str(args.sync_interval), "--eval-interval", "0",
-            "--run-dir", str(workdir / f"run{i}")])
-        run(resolve(flags, dist.get_world_size()))
-        dist.barrier()
-        mps.destroy_model_parallel()
+    ds_path = workdir / f"run{i}.json"
+    if dist.get_rank() == 0:
+        ds_path.write_text(json.dumps({**base, "muloco": cases(args.sync_interval, steps(args))[args.case]}))
+    dist.barrier()
+    flags = build_parser().parse_args([
+        "--ds_config", str(ds_path), "--model", args.model, "--data-path", str(workdir / "markov"),
+        "--vocab-size", "1000", "--train-iters", str(steps(args)), "--seq-length", str(args.seq_length),
+        "--micro-batch-size", "4", "--log-interval", str(args.sync_interval), "--eval-interval", "0",
+        "--run-dir", str(workdir / f"run{i}")])
+    run(resolve(flags, dist.get_world_size()), TimedTrainer)
 
 
-def read_run(run_dir: Path) -> tuple[float, list[dict]]:
-    """(tokens/s over the windows after the first, the outer-sync records)."""
+def read_run(run_dir: Path, sync_interval: int) -> tuple[float, list[dict]]:
+    """(the job's tokens/s over the windows after the first, the outer-sync records)."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    windows = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][1:]
-    return statistics.fmean(windows), [r for r in records if "outer_step" in r]
+    first = next(r for r in records if "tokens_per_s" in r)
+    tokens_per_step = first["tokens"] // first["step"]
+    per_rank = [json.loads(path.read_text()) for path in sorted(run_dir.glob("step_times.rank*.json"))]
+    measured = len(per_rank[0]) - sync_interval  # steps after the first window
+    slowest = max(times[-1] - times[sync_interval - 1] for times in per_rank)
+    return measured * tokens_per_step / slowest, [r for r in records if "outer_step" in r]
 
 
 def main() -> None:
     args = parse_args()
     if "LOCAL_RANK" in os.environ:
-        train_all(args)
+        train_one(args)
         return
     sys.path.insert(0, str(REPO_ROOT / "tests"))
     from synthetic_data import write_markov_dataset
@@ -123,12 +144,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         write_markov_dataset(str(Path(tmp) / "markov"), vocab_size=1000)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-                        "--model", args.model, "--sync-interval", str(args.sync_interval),
-                        "--windows", str(args.windows), "--repeats", str(args.repeats),
-                        "--seq-length", str(args.seq_length), "--workdir", tmp],
-                       check=True, env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
-        results = [read_run(Path(tmp) / f"run{i}") for i in range(len(order))]
+        for i, (name, repeat) in enumerate(order):
+            print(f"run {i + 1}/{len(order)}: {name} (repeat {repeat + 1})", file=sys.stderr, flush=True)
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            __file__, "--model", args.model, "--sync-interval", str(args.sync_interval),
+                            "--windows", str(args.windows), "--seq-length", str(args.seq_length), "--workdir", tmp,
+                            "--case", name, "--run-index", str(i)],
+                           check=True, env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
+        results = [read_run(Path(tmp) / f"run{i}", args.sync_interval) for i in range(len(order))]
     names = list(cases(args.sync_interval, steps(args)))
     tokens = {name: [results[i][0] for i, (n, _) in enumerate(order) if n == name] for name in names}
     syncs = {name: [s for i, (n, _) in enumerate(order) if n == name for s in results[i][1]] for name in names}
