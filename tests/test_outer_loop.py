@@ -309,10 +309,12 @@ def test_streaming_fragments_sync_in_turn_with_overlap_over_reduce_scatter(workd
 
 def test_cli_k2_t2_four_bit_error_feedback_run_learns_and_logs_outer_syncs(workdir):
     run_dir = workdir / "cli"
-    deepspeed_launch(PRETRAIN, 4, [
+    launch = deepspeed_launch(PRETRAIN, 4, [
         "--ds_config", str(MULOCO_CONFIG), "--model", "tiny", "--data-path", str(workdir / "markov"),
         "--vocab-size", str(VOCAB), "--train-iters", "40", "--tensor-model-parallel-size", "2",
         "--eval-interval", "10", "--eval-iters", "2", "--run-dir", str(run_dir)]).check("the CLI run")
+    # DeepSpeed's CPU all-reduce buffers (one /dev/shm file per rank) are gone with the run.
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{launch.master_port}_*"))
     config = json.loads((run_dir / "config.json").read_text())
     assert config["muloco"]["workers"] == 2 and config["tensor_parallel"] == 2
     records = read_metrics(run_dir)

@@ -42,6 +42,7 @@ def tiny_flags(data_prefix: str | Path, run_dir: str | Path, optimizer: str, *ex
 class LaunchResult:
     returncode: int
     output: str  # stdout and stderr of the launcher and every rank, interleaved
+    master_port: int = 0
 
     def check(self, what: str) -> "LaunchResult":
         assert self.returncode == 0, f"{what} failed (exit {self.returncode}):\n{self.output[-8000:]}"
@@ -52,8 +53,9 @@ def deepspeed_launch(script: str | Path, num_ranks: int, args: list[str],
                      timeout_s: float = LAUNCH_TIMEOUT_S) -> LaunchResult:
     """`deepspeed --num_gpus N script args` (N gloo processes on CPU). A hang fails within the
     timeout: the launcher and its ranks share a new session, which is killed as a whole."""
+    port = free_port()
     command = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(num_ranks),
-               "--master_port", str(free_port()), str(script), *args]
+               "--master_port", str(port), str(script), *args]
     env = {**os.environ, **EXTENSIONS_ENV, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -63,8 +65,8 @@ def deepspeed_launch(script: str | Path, num_ranks: int, args: list[str],
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-        return LaunchResult(124, f"timed out after {timeout_s} s\n{output}")
-    return LaunchResult(proc.returncode, output)
+        return LaunchResult(124, f"timed out after {timeout_s} s\n{output}", port)
+    return LaunchResult(proc.returncode, output, port)
 
 
 def init_distributed() -> None:

@@ -16,6 +16,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -149,6 +150,18 @@ def barrier(group=None) -> None:
     device = group_device(group)
     # NCCL's barrier is an all-reduce on a device buffer: name ours, so it is not guessed from the rank.
     dist.barrier(group=group, device_ids=[device.index]) if device.type == "cuda" else dist.barrier(group=group)
+
+
+def remove_host_allreduce_buffer() -> None:
+    """DeepSpeed's CPU all-reduce backs each rank's workspace with a /dev/shm file (~70 MB) that it
+    never unlinks, so every CPU run would leave its ranks' files behind. Once every rank is past its
+    last collective (the barrier), each removes its own: the others' mappings stay valid."""
+    if compute_device().type != "cpu" or not dist.is_initialized():
+        return
+    barrier()
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
+            f"{os.environ.get('MASTER_PORT')}_{dist.get_rank()}")
+    Path("/dev/shm", name).unlink(missing_ok=True)
 
 
 # -- counting bytes (benchmarks and tests only: nothing is counted outside this context) ----------

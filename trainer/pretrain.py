@@ -37,10 +37,13 @@ def main(argv: list[str] | None = None) -> dict:
     except (ConfigError, TopologyError, FileNotFoundError, ValueError) as err:
         if dist.get_rank() == 0:
             print(f"configuration error: {err}", file=sys.stderr, flush=True)
+        comm.remove_host_allreduce_buffer()
         raise SystemExit(2)
     from trainer.run import run  # heavy imports only after the config is known to be good
 
-    return run(config)
+    summary = run(config)
+    comm.remove_host_allreduce_buffer()
+    return summary
 
 
 if __name__ == "__main__":
