@@ -43,13 +43,15 @@ def layer_shapes(model: str, layers: int) -> list[tuple[int, int]]:
     return sorted([qkv, out, gate_up, down] * layers, key=lambda shape: shape[1])
 
 
-def median_seconds(fn, repeats: int) -> float:
-    times = []
+def median_seconds(fns: list, repeats: int) -> list[float]:
+    """The median time of each function, run in alternation, so a load that drifts hits them alike."""
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, own in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            own.append(time.perf_counter() - start)
+    return [statistics.median(own) for own in times]
 
 
 def main() -> None:
@@ -78,9 +80,9 @@ def main() -> None:
     for label, settings in SETTINGS.items():
         compressor = Compressor(CompressionConfig(**settings))
         encoded = compressor.encode_bucket(flat, layout)
-        encode_s = median_seconds(lambda c=compressor: c.encode_bucket(flat, layout), args.repeats)
-        decode_s = median_seconds(lambda c=compressor, e=encoded: c.decode_bucket(e.data, layout), args.repeats)
-        one_by_one_s = median_seconds(lambda c=compressor: [c.encode(t) for t in tensors], args.repeats)
+        encode_s, one_by_one_s, decode_s = median_seconds(
+            [lambda c=compressor: c.encode_bucket(flat, layout), lambda c=compressor: [c.encode(t) for t in tensors],
+             lambda c=compressor, e=encoded: c.decode_bucket(e.data, layout)], args.repeats)
         row = {"setting": label, **settings, "elements": elements,
                "encode_elements_per_s": elements / encode_s, "decode_elements_per_s": elements / decode_s,
                "per_tensor_encode_elements_per_s": elements / one_by_one_s,

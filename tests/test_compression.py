@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from trainer.config import check_block
+from trainer.diloco import compression
 from trainer.diloco.compression import (METHODS, CompressionConfig, Compressor, ErrorFeedback, compression_group,
                                         pack_bits, unpack_bits)
 from trainer.diloco.config import MuLoCoConfig
@@ -73,6 +74,19 @@ def test_a_bucket_encodes_like_its_tensors_one_by_one(method, bits):
     assert encoded.nbytes == compressor.bucket_nbytes(layout)
     one_by_one = torch.cat([round_trip(compressor.config, t).reshape(-1) for t in tensors])
     assert torch.equal(decoded, one_by_one)
+
+
+@pytest.mark.parametrize("method,bits", [("statistical", 2), ("statistical", 4), ("statistical", 8),
+                                         ("linear", 4), ("topk", 4), ("none", 4)])
+def test_encoding_in_row_blocks_gives_the_same_payload(method, bits, monkeypatch):
+    """A long run is encoded a few rows at a time (bounded temporaries); the bytes must not change."""
+    compressor = Compressor(CompressionConfig(method=method, bits=bits, topk_fraction=0.1))
+    layout = ((37, 64), (11, 64), (1, 200), (5, 3))
+    flat = torch.cat([gaussian(r, c, seed=r).reshape(-1) for r, c in layout])
+    whole = compressor.encode_bucket(flat, layout)
+    monkeypatch.setattr(compression, "BLOCK_ELEMENTS", 3 * 64)  # 3 rows of the 64-wide run per block
+    blocks = compressor.encode_bucket(flat, layout)
+    assert torch.equal(blocks.data, whole.data) and torch.equal(blocks.decoded, whole.decoded)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
