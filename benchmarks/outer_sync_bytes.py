@@ -96,6 +96,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 for p in model.parameters():
                     p.add_(torch.randn(p.shape, generator=generator), alpha=1e-3)
             outer.after_inner_step(args.sync_interval)
+            outer.flush_metrics()
             del outer  # its fp32 global weights, momentum and error-feedback buffers
             if records:
                 r = records[0]

@@ -207,7 +207,7 @@ class OuterLoop:
             yield self
         finally:
             handle.remove()
-        self._log_statistics(wait=True)  # a failed run skips this: its peers may never reduce them
+        self.flush_metrics()  # a failed run skips this: its peers may never reduce them
 
     def after_inner_step(self, step: int) -> None:
         self._log_statistics(wait=False)
@@ -217,6 +217,10 @@ class OuterLoop:
         for fragment, offset in enumerate(self.offsets):
             if step % self.config.sync_interval == offset:
                 self._launch(fragment, step)
+
+    def flush_metrics(self) -> None:
+        """Wait for the metrics of the applied syncs and log them (every rank, together)."""
+        self._log_statistics(wait=True)
 
     def _log_statistics(self, wait: bool) -> None:
         """Log the records whose metrics have landed (all of them, waiting, with `wait`)."""
