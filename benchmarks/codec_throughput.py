@@ -5,7 +5,8 @@ the same tensors encoded one by one (a bucket each) in the same command.
     python benchmarks/codec_throughput.py [--model 150m] [--layers 1] [--repeats 3] [--device cpu]
 
 The planner's wall-clock model reads `encode_elements_per_s` / `decode_elements_per_s` of its
-compression setting from the last line (JSON).
+compression setting from the last line (JSON): run this on the target device and save its output,
+then `python tools/plan.py ... --codec-json FILE`.
 """
 from __future__ import annotations
 

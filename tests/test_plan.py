@@ -127,3 +127,23 @@ def test_sync_bytes_equal_the_trainers_collectives(setup, tmp_path, repo_root):
         "--global-batch", "8", "--micro-batch", "1", "--ds-config", str(tmp_path / "ds.json")))
     assert plan.sync.per_rank_mean == measured
     assert plan.sync.per_rank_max >= measured
+
+
+def test_codec_time_from_the_codec_benchmark_adds_to_each_sync(tmp_path):
+    """--codec-json prices the busiest rank's encode and decode into every sync, by the formulas in
+    the planner's docstring; a setting the benchmark did not measure is one clear error."""
+    rows = [{"method": "statistical", "bits": 4, "encode_elements_per_s": 2e8, "decode_elements_per_s": 5e8},
+            {"method": "linear", "bits": 4, "encode_elements_per_s": 1.0, "decode_elements_per_s": 1.0}]
+    codec = tmp_path / "codec.txt"
+    codec.write_text("model 150m ...\n" + json.dumps({"rows": rows}) + "\n")
+    flags = ["--model", "150m", "--workers", "4", "--data", "2", "--global-batch", "64", "--compression",
+             "statistical:4", "--collective", "all_gather"]
+    plain, priced = planner.make_plan(_inputs(*flags)), planner.make_plan(_inputs(*flags, "--codec-json", str(codec)))
+    stages = planner.build_stage_shards(PRESETS["150m"], planner.PAPER_VOCAB, 1, 1)
+    owned = sum(p.numel for p in stages[0]) / 2  # one of D = 2 replicas' share
+    codec_s = owned / 2e8 + 4 * owned / 5e8
+    syncs = plain.times[-1].steps // 30
+    assert priced.times[-1].total_hours - plain.times[-1].total_hours == pytest.approx(syncs * codec_s / 3600)
+    assert priced.times[:2] == plain.times[:2]  # DP has no codec
+    with pytest.raises(planner.ConfigError, match="no row for statistical 2"):
+        _inputs(*flags[:-4], "--compression", "statistical:2", "--codec-json", str(codec))

@@ -40,7 +40,10 @@ The K datacenters are joined by links of `--bandwidth-gbit` each; with `--bandwi
   ring all-reduce over K of each rank's 1/D share of its shard, 2 (K-1)/K * shard/D * `--dp-grad-bytes`,
   assumed perfectly overlapped with compute (step = max(compute, communication), the best case for DP).
 - MuLoCo: every H steps one sync of the bytes above, not overlapped (or overlapped with tau inner steps
-  when the ds_config's streaming block sets overlap_steps).
+  when the ds_config's streaming block sets overlap_steps). With `--codec-json FILE` (the last line of
+  `benchmarks/codec_throughput.py` run on the target device) the sync also pays the codec on the
+  busiest rank's E owned elements: all_gather encodes E and decodes K payloads of E; reduce_scatter
+  encodes E, decodes K chunks of E/K, re-encodes E/K and decodes the K averaged chunks.
 Latency, the intra-datacenter collectives and Newton-Schulz time are ignored. Same tokens for every
 method: MuLoCo at K > 1 reaches a somewhat higher loss at equal tokens (the paper's final-loss table, see README), which this
 model does not price in.
@@ -155,6 +158,7 @@ class PlanInputs:
     gpu_memory_gib: float
     muon_ns_dtype: str = "float32"  # Muon's pieces travel in the Newton-Schulz dtype
     muon_nesterov: bool = False
+    codec: CodecThroughput | None = None  # None: the codec's time is not modelled
 
     @property
     def micro_batches(self) -> int:
@@ -164,6 +168,40 @@ class PlanInputs:
             raise ConfigError(f"global batch {self.global_batch} is not divisible by micro-batch x D x K = "
                               f"{self.micro_batch} x {self.sizes.data} x {self.sizes.workers}")
         return self.global_batch // per_step
+
+
+@dataclass(frozen=True)
+class CodecThroughput:
+    """Elements per second of one compression setting's encoder and decoder on the target device."""
+    encode: float
+    decode: float
+    source: str
+
+    @classmethod
+    def from_benchmark(cls, path: Path, compression: CompressionConfig) -> "CodecThroughput | None":
+        """The row of `compression` in benchmarks/codec_throughput.py's JSON (its last line); None for
+        method none, which has no codec."""
+        if compression.method == "none":
+            return None
+        lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+        try:
+            rows = json.loads(lines[-1])["rows"]
+        except (IndexError, ValueError, KeyError, TypeError) as err:
+            raise ConfigError(f"--codec-json {path}: not the JSON last line of benchmarks/codec_throughput.py") from err
+        for row in rows:
+            same = row.get("method") == compression.method and (
+                row.get("topk_fraction") == compression.topk_fraction if compression.method == "topk"
+                else row.get("bits") == compression.bits)
+            if same:
+                return cls(float(row["encode_elements_per_s"]), float(row["decode_elements_per_s"]), str(path))
+        raise ConfigError(f"--codec-json {path} has no row for {compression.method} "
+                          f"{compression.topk_fraction if compression.method == 'topk' else compression.bits}")
+
+    def sync_seconds(self, owned_elements: float, workers: int, collective: str) -> float:
+        E, K = owned_elements, workers
+        if collective == "all_gather":
+            return E / self.encode + K * E / self.decode
+        return (E + E / K) / self.encode + 2 * E / self.decode
 
 
 def parse_compression(spec: str, error_feedback: bool) -> CompressionConfig:
@@ -334,6 +372,8 @@ def wall_clock(params: int, stages: list[list[ShardParam]], sync: SyncBytes, inp
     times = [MethodTime(name, steps, compute, dp_comm, steps * max(compute, dp_comm) / 3600, steps * dp_bytes)
              for name in ("DP AdamW", "DP Muon")]
     sync_s = _link_seconds(sync.per_rank_max, sync.per_worker, inputs)
+    if inputs.codec is not None:
+        sync_s += inputs.codec.sync_seconds(shard / inputs.sizes.data, K, inputs.collective)
     exposed = max(0.0, sync_s - inputs.overlap_steps * compute)
     name = f"{'MuLoCo' if inputs.optimizer == 'muon' else 'DiLoCo'} K={K}"
     syncs = steps // inputs.sync_interval
@@ -397,7 +437,9 @@ def render(plan: Plan) -> str:
               f"uncompressed per rank: {plan.sync.uncompressed_per_rank_max:,} B "
               f"({plan.sync.uncompressed_per_rank_max / max(plan.sync.per_rank_max, 1):.1f}x)",
               "", f"## idealised wall-clock for {i.tokens:.3g} tokens at {i.bandwidth_gbit:g} Gbit/s per "
-              f"{i.bandwidth_scope} ({i.gpu_tflops:g} TFLOP/s x MFU {i.mfu:g})",
+              f"{i.bandwidth_scope} ({i.gpu_tflops:g} TFLOP/s x MFU {i.mfu:g}; codec "
+              + (f"{i.codec.encode / 1e6:,.0f}M/{i.codec.decode / 1e6:,.0f}M elements/s encode/decode from "
+                 f"{i.codec.source})" if i.codec else "time not modelled: see --codec-json)"),
               "| method | steps | compute s/step | cross-DC s/step | hours | vs fastest | cross-DC bytes/rank |",
               "|---|---|---|---|---|---|---|"]
     fastest = min(t.total_hours for t in plan.times)
@@ -426,6 +468,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         compression = parse_compression(args.compression, args.error_feedback)
     else:
         compression = CompressionConfig(**muloco.get("compression", {}))
+    codec = CodecThroughput.from_benchmark(args.codec_json, compression) if args.codec_json else None
     return PlanInputs(
         model=args.model, sizes=sizes,
         sync_interval=pick(args.sync_interval, muloco.get("sync_interval", 30)), compression=compression,
@@ -438,7 +481,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         overlap_steps=muloco.get("streaming", {}).get("overlap_steps", 0), vocab_size=args.vocab_size,
         gpu_memory_gib=args.gpu_memory_gib,
         muon_ns_dtype=ds.get("optimizer", {}).get("params", {}).get("ns_dtype", "float32"),
-        muon_nesterov=bool(ds.get("optimizer", {}).get("params", {}).get("nesterov", False)))
+        muon_nesterov=bool(ds.get("optimizer", {}).get("params", {}).get("nesterov", False)), codec=codec)
 
 
 # -- which layouts fit a node ---------------------------------------------------------------------
@@ -508,6 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-grad-bytes", type=int, default=2, help="bytes per gradient element DP all-reduces (bf16)")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0)
     p.add_argument("--ds-config", default=None, help="take K, H, compression, collective, optimizer, batch from it")
+    p.add_argument("--codec-json", type=Path, default=None,
+                   help="benchmarks/codec_throughput.py's output on the target device: the sync's codec time")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of markdown")
     p.add_argument("--list-layouts", action="store_true",
                    help=f"also list every T x P that fits {NODE_GPUS}-GPU nodes of --gpu-memory-gib")
