@@ -30,7 +30,8 @@ compressed parameters, when on) + the fp32 pseudogradient 4 built at a sync.
 Bytes per outer sync per rank: the compression module's `Compressor.payload_nbytes` on each owned
 tensor as the outer loop sends it (row-parallel weights transposed; embeddings/head and 1-D tensors
 at `embedding_bits` / `vector_bits`, via `compression_group`), put through the formulas of
-trainer/diloco/collectives.py (all_gather: (K-1) * S; reduce_scatter: sum_{j != k} S_j + (K-1) * max_j S_j).
+trainer/diloco/collectives.py (all_gather: (K-1) * S; reduce_scatter: sum_{j != k} S_j + (K-1) * max_j S_j),
+plus (K-1) * 16 bytes of skip-vote ballot in the header of the first collective.
 
 Wall-clock model (idealised): compute is 6 * N * tokens FLOPs at `--mfu` of `--gpu-tflops` per GPU,
 on the same K*D*P*T GPUs for every method, stretched by the pipeline bubble (M + P - 1) / M.
@@ -65,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer.config import check_model_shape  # noqa: E402
 from trainer.diloco.collectives import row_split  # noqa: E402
 from trainer.diloco.compression import Compressor, CompressionConfig, compression_group, rows_shape  # noqa: E402
+from trainer.diloco.vote import BALLOT_BYTES  # noqa: E402
 from trainer.errors import ConfigError, TopologyError  # noqa: E402
 from trainer.model.layout import layout_of  # noqa: E402
 from trainer.model.presets import PRESETS, ModelShape  # noqa: E402
@@ -300,9 +302,11 @@ def _wire_shape(p: ShardParam) -> tuple[int, ...]:
 
 def sync_bytes_sent(params: list[ShardParam], compression: CompressionConfig, collective: str, workers: int,
                     outer_rank: int) -> int:
-    """Bytes one rank sends in one outer sync of `params` (collectives.py's accounting)."""
-    if not params or workers == 1:
+    """Bytes one rank sends in one outer sync of `params` (collectives.py's accounting), the skip
+    vote's ballot included (a header every rank sends to the K-1 others, with or without params)."""
+    if workers == 1:
         return 0
+    ballots = (workers - 1) * BALLOT_BYTES
 
     def nbytes(p: ShardParam, shape) -> int:
         size = Compressor(_group_config(p, compression)).payload_nbytes(shape)
@@ -311,13 +315,13 @@ def sync_bytes_sent(params: list[ShardParam], compression: CompressionConfig, co
         return size
 
     if collective == "all_gather":
-        return (workers - 1) * sum(nbytes(p, _wire_shape(p)) for p in params)
+        return (workers - 1) * sum(nbytes(p, _wire_shape(p)) for p in params) + ballots
     chunk = [0] * workers  # S_j: bytes of row chunk j over all tensors
     for p in params:
         rows, cols = rows_shape(_wire_shape(p))
         for j, count in enumerate(row_split(rows, workers)):
             chunk[j] += nbytes(p, (count, cols))
-    return sum(s for j, s in enumerate(chunk) if j != outer_rank) + (workers - 1) * max(chunk)
+    return sum(s for j, s in enumerate(chunk) if j != outer_rank) + (workers - 1) * max(chunk) + ballots
 
 
 @dataclass

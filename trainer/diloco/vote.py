@@ -16,6 +16,7 @@ import statistics
 import torch
 
 BALLOT_VALUES = 2  # non-finite count, squared norm
+BALLOT_BYTES = 8 * BALLOT_VALUES  # float64, the header of the exchange's first collective
 
 
 def skip_reason(nonfinite: bool, norms: list[float], max_norm_ratio: float) -> str | None:
