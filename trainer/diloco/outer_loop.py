@@ -240,7 +240,7 @@ class OuterLoop:
         deltas = [spec.layout.flatten([self._delta(i) for i in spec.indices]) for spec in self.buckets[fragment]]
         tau = self.config.streaming.overlap_steps
         if tau == 0:
-            self._log_statistics(wait=True)  # their reduction shares the wires with this sync
+            self.flush_metrics()  # their reduction shares the wires with this sync
             self._apply(fragment, self._sync(fragment, deltas, step, self.outer_step + 1), overlapped=False)
         else:
             future = self._background.submit(self._sync, fragment, deltas, step, self.outer_step + 1)
