@@ -5,6 +5,7 @@ build resumes at any step; weighted blends; the validation split; packed samples
 tokens Megatron's IndexedDataset reader returns; the identical-workers identity; runs longer than
 one epoch; no silent wrap-around past the end of the built dataset.
 """
+import time
 from pathlib import Path
 
 import numpy as np
@@ -204,3 +205,36 @@ def test_reading_past_the_built_dataset_raises(prefixes, tokenizer, tmp_path):
         list(micro_batches(train, last, STEPS))
     with pytest.raises(IndexError, match="past the end"):
         collate(train, range(len(train) - 1, len(train) + 1))
+
+
+SLOW_SCAN_S = 3.0
+
+
+def _build_with_a_slow_scanner(rank: int, store: str, tokenizer: TokenizerInfo, data_path: str, cache: str,
+                               seen: str) -> None:
+    """One of two ranks building one cache. Rank 1 scans the cache slowly and records how many index
+    files existed once its scan was over: a rank that wrote while it scanned would be caught here."""
+    import trainer.data
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    if rank == 1:
+        scan = trainer.data.refuse_unsafe_index_cache
+
+        def slow_scan(cache_dir: Path) -> None:
+            scan(cache_dir)
+            time.sleep(SLOW_SCAN_S)
+            Path(seen).write_text(str(len(list(cache_dir.rglob("*.npy")))))
+        trainer.data.refuse_unsafe_index_cache = slow_scan
+    data = DataConfig(data_path=[data_path])
+    assert len(trainer.data.build_datasets(data, tokenizer, SEQ, SEED, 64, 8, cache).train) >= 64
+    dist.destroy_process_group()
+
+
+def test_no_rank_writes_the_cache_while_another_still_scans_it(prefixes, tokenizer, tmp_path):
+    """Megatron builds the cache on rank 0 while the others wait; a rank still scanning the cache for
+    unsafe files must not meet a half-written one (a race a 4-rank CI run once lost)."""
+    seen = tmp_path / "files_seen_after_scan"
+    torch.multiprocessing.spawn(_build_with_a_slow_scanner, nprocs=2, join=True,
+                                args=(str(tmp_path / "store"), tokenizer, prefixes["train"], str(tmp_path / "cache"),
+                                      str(seen)))
+    assert seen.read_text() == "0"
+    assert list((tmp_path / "cache").rglob("*.npy")), "the build wrote no index cache at all"

@@ -15,11 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from dataprep.dataset_meta import meta_path, read_dataset_meta
 from tokenizer.interface import load_tokenizer, tokenizer_sha256
+from trainer.comm import barrier
 from trainer.config import BatchConfig, DataConfig
 from trainer.errors import ConfigError
 
@@ -134,6 +136,10 @@ def build_datasets(data: DataConfig, tokenizer: TokenizerInfo, seq_length: int, 
     if not data.data_path:
         raise ValueError("no training data: give --data-path PREFIX (the P of P.bin/P.idx)")
     refuse_unsafe_index_cache(Path(cache_dir))
+    if dist.is_initialized():
+        # Megatron's rank 0 writes the cache while the others wait; none may start writing while a
+        # slower rank is still scanning, or that rank would read a half-written file.
+        barrier()
     common = dict(random_seed=seed, sequence_length=seq_length, tokenizer=tokenizer,
                   reset_position_ids=document_masking, reset_attention_mask=document_masking, eod_mask_loss=False,
                   create_attention_mask=document_masking, path_to_cache=cache_dir)
