@@ -1,5 +1,6 @@
 """Checkpoints: exact resume at T=2 P=2 after a crash in the middle of a save (with --keep-last), and
-for MuLoCo K=2 with 2-bit compression and error feedback after a SIGTERM preemption, resharding to
+for streaming MuLoCo K=2 with 2-bit compression and error feedback after a SIGTERM preemption that
+saves with a sync in flight, resharding to
 another T/P, and clear refusals of what cannot fit.
 Multi-process runs are tiny (6 steps) and launched by tests/_ckpt_runs.py."""
 import json
@@ -73,9 +74,11 @@ def test_resume_at_another_tensor_and_pipeline_size_reshards(base, tmp_path):
         assert resumed[step] == pytest.approx(reference[step], abs=1e-4)
 
 
-def test_muloco_k2_with_2bit_error_feedback_preempted_by_sigterm_resumes_exactly(base, tmp_path):
+def test_muloco_k2_streaming_2bit_error_feedback_preempted_by_sigterm_resumes_exactly(base, tmp_path):
     config = json.loads((REPO_ROOT / "ds_configs" / "cpu_tiny_muloco.json").read_text())
-    config["muloco"].update(workers=2, sync_interval=2,
+    # F=2 fragments of H=2 with tau=1: a fragment's sync starts after every step and lands one step
+    # later, so whatever step the preemption stops at, one sync is in flight when it saves.
+    config["muloco"].update(workers=2, sync_interval=2, streaming={"fragments": 2, "overlap_steps": 1},
                             compression={"method": "statistical", "bits": 2, "error_feedback": True})
     ds_config = tmp_path / "muloco_k2.json"
     ds_config.write_text(json.dumps(config))
@@ -93,6 +96,8 @@ def test_muloco_k2_with_2bit_error_feedback_preempted_by_sigterm_resumes_exactly
     stopped = latest_iteration(ckpt)
     assert stopped is not None and 2 <= stopped < TRAIN_ITERS, preempted.output[-3000:]
     assert f"preempted: SIGTERM received by 1 rank(s): stopping after step {stopped}" in preempted.output
+    in_flight = [e["apply_at"] for e in CheckpointReader(ckpt).rank_state(0)["extra"]["muloco"]["pending"]]
+    assert in_flight == [stopped + 1], "the preemption's checkpoint should hold the sync still in flight"
 
     check(launch(base, 2, tmp_path / "run2", "--load", str(ckpt), "--save", str(ckpt), ds_config=str(ds_config)))
     reference, resumed = losses(full / "run"), losses(tmp_path / "run2")
