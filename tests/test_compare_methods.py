@@ -168,3 +168,9 @@ def test_report_from_synthetic_records(tmp_path):
     text = readme.read_text()
     assert "STALE" not in text and text.startswith("# intro") and text.rstrip().endswith("## after")
     assert "| (b) MuLoCo beats DiLoCo at every K |" in text and "Verdict rule" in text
+
+
+def test_a_warmup_longer_than_the_run_is_refused():
+    with pytest.raises(ValueError, match="warm-up 20 must be between 0 and the 10 steps"):
+        Settings(steps=10, sync_interval=5)
+    assert Settings(steps=10, sync_interval=5, warmup=2).protocol()["warmup"] == 2

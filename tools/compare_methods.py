@@ -3,7 +3,7 @@ with pseudogradient compression (statistical 4-bit, statistical / linear 2-bit +
 seeds, on a corpus in Nemotron-CC layout, and the paper's alignment measure.
 
     python tools/compare_methods.py [--out results/compare] [--corpus DIR] [--jobs 2]
-        [--max-runs N] [--deadline-minutes M] [--quick] [--steps N] [--sync-interval H] [--seeds 0 1 2]
+        [--max-runs N] [--deadline-minutes M] [--quick] [--steps N] [--sync-interval H] [--warmup N] [--seeds 0 1 2]
         [--methods dp_adamw muloco_k4 ...] [--no-alignment] [--report-only] [--work-dir runs/compare]
 
 Each method is a ds_config in configs/compare/ and runs as the real trainer, one rank per worker.
@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"{QUICK.lr_grid_size} lrs, one seed, no outer-lr neighbour or alignment, {len(QUICK_METHODS)} methods")
     p.add_argument("--steps", type=int)
     p.add_argument("--sync-interval", type=int)
+    p.add_argument("--warmup", type=int, help=f"warm-up steps (default {Settings.warmup}; keep it with --steps)")
     p.add_argument("--seeds", type=int, nargs="+")
     p.add_argument("--methods", nargs="+", choices=METHOD_ORDER)
     p.add_argument("--no-alignment", action="store_true", help="skip the alignment measurement")
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         report(args.out, None, None, [])
         return 0
-    overrides = {"steps": args.steps, "sync_interval": args.sync_interval,
+    overrides = {"steps": args.steps, "sync_interval": args.sync_interval, "warmup": args.warmup,
                  "seeds": tuple(args.seeds) if args.seeds else None,
                  "methods": tuple(args.methods) if args.methods else None, "alignment": False if args.no_alignment else None}
     try:

@@ -58,6 +58,8 @@ class Settings:
     def __post_init__(self):
         if self.steps % self.sync_interval:
             raise ValueError(f"steps {self.steps} must be a multiple of the sync interval {self.sync_interval}")
+        if not 0 <= self.warmup <= self.steps:
+            raise ValueError(f"warm-up {self.warmup} must be between 0 and the {self.steps} steps")
         if not 2 <= self.lr_grid_size <= 3:
             raise ValueError(f"the lr grid needs 2 or 3 points to have edges, got {self.lr_grid_size}")
 
