@@ -22,6 +22,16 @@ def _generator(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def _step_both(our_opt, their_opt, ours, theirs, g: torch.Generator, steps: int = 4) -> None:
+    """Both optimizers take `steps` steps on the same random gradients."""
+    for _ in range(steps):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        our_opt.step()
+        their_opt.step()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def single_thread():
     """These matrices are tiny: one thread avoids OpenMP spin-waits on a busy, shared CPU."""
@@ -117,12 +127,7 @@ def test_muon_matches_torch_over_steps(momentum, nesterov, torch_adjust, our_sca
     their_opt = torch.optim.Muon(
         theirs, lr=0.02, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, adjust_lr_fn=torch_adjust
     )
-    for _ in range(4):
-        for a, b in zip(ours, theirs):
-            a.grad = torch.randn(a.shape, generator=g)
-            b.grad = a.grad.clone()
-        our_opt.step()
-        their_opt.step()
+    _step_both(our_opt, their_opt, ours, theirs, g)
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a.detach(), b.detach(), **FP32_TOL)
         # torch keeps the moving average (1-mu)*M where we keep the sum M.
@@ -143,12 +148,7 @@ def test_muon_bf16_tracks_stock_torch():
         lr_scaling="torch_original", weight_decay=0.1,
     )
     our_opt, their_opt = Muon(ours, config), torch.optim.Muon(theirs, lr=0.02)  # torch's defaults
-    for _ in range(4):
-        for a, b in zip(ours, theirs):
-            a.grad = torch.randn(a.shape, generator=g)
-            b.grad = a.grad.clone()
-        our_opt.step()
-        their_opt.step()
+    _step_both(our_opt, their_opt, ours, theirs, g)
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-3)
 
