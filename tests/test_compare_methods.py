@@ -4,6 +4,7 @@ sitting's launch budget, the verdict rule, and a report from synthetic records."
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -12,7 +13,8 @@ from tools.compare.protocol import Launch, Method, RunSpec, Settings, best_spec,
 from tools.compare.records import Alignment, RecordError, RecordFile, RunRecord
 from tools.compare.report import BEGIN, END, claims, combined_verdict, summarize, write_corpus, write_readme
 from tools.compare.sweep import Budget
-from tools.compare.verdicts import FAILS, HOLDS, INCONCLUSIVE, Stat, all_of, at_most, less, smaller_increase, within
+from tools.compare.verdicts import (FAILS, HOLDS, INCONCLUSIVE, Stat, all_of, at_most, less, smaller_increase,
+                                    t_quantile, within)
 
 SETTINGS = Settings(steps=20, sync_interval=10, seeds=(0, 1, 2))
 HASHES = {m: Method.load(m).config_sha256 for m in ("dp_muon", "muloco_k2", "diloco_k2", "muloco_k1", "diloco_k1")}
@@ -110,26 +112,50 @@ def test_budget_stops_after_max_runs_and_deadline():
         assert not ok
 
 
-def s(mean, std=0.01, n=3):
-    return Stat(mean, std, n)
+def s(*values: float, seeds=None) -> Stat:
+    return Stat(dict(zip(seeds or range(len(values)), values)))
 
 
-def test_verdict_rule():
-    assert less(s(3.0), s(3.1)) == HOLDS
-    assert less(s(3.1), s(3.0)) == FAILS
-    assert less(s(3.0), s(3.01)) == INCONCLUSIVE  # 0.01 < 2 * sqrt(2 * 0.01^2 / 3)
-    assert less(s(3.0), s(3.1, n=2)) == INCONCLUSIVE  # too few seeds
-    assert less(None, s(3.1)) == INCONCLUSIVE
-    assert at_most(s(3.0), s(3.01)) == HOLDS and at_most(s(3.1), s(3.0)) == FAILS
-    assert within(s(3.01), s(3.0)) == HOLDS  # 0.3% worse, well inside 1%
-    assert within(s(3.2), s(3.0)) == FAILS
-    assert within(s(3.03, std=0.05), s(3.0, std=0.05)) == INCONCLUSIVE
-    assert smaller_increase(s(3.0), s(3.05), s(3.1), s(3.4)) == HOLDS
-    assert smaller_increase(s(3.0), s(3.4), s(3.1), s(3.15)) == FAILS
+def shifted(stat: Stat, by: float, noise=(0.0, 0.0, 0.0)) -> Stat:
+    return Stat({seed: v + by + e for (seed, v), e in zip(sorted(stat.by_seed.items()), noise)})
+
+
+def test_verdict_rule_pairs_seeds():
+    base = s(3.0, 3.3, 3.1)  # the seed moves every method alike, by far more than the differences tested
+    assert less(base, shifted(base, 0.05, (0.01, -0.01, 0.0))) == HOLDS
+    assert less(shifted(base, 0.05, (0.01, -0.01, 0.0)), base) == FAILS
+    assert less(base, shifted(base, 0.01, (0.02, -0.02, 0.0))) == INCONCLUSIVE  # interval 0.01 ± 4.3 * 0.0115
+    assert less(s(3.0, 3.0), s(3.1, 3.1)) == INCONCLUSIVE  # too few seeds
+    assert less(s(3.0, 3.0, 3.0), s(3.1, 3.1, 3.1, seeds=(0, 1, 5))) == INCONCLUSIVE  # two seeds in common
+    assert less(None, base) == INCONCLUSIVE
+    assert at_most(base, shifted(base, -0.001, (0.01, -0.01, 0.0))) == HOLDS
+    assert at_most(shifted(base, 0.1, (0.01, -0.01, 0.0)), base) == FAILS
+    assert at_most(s(3.0, 3.0), s(3.1, 3.1)) == INCONCLUSIVE
+    assert within(shifted(base, 0.01, (0.001, -0.001, 0.0)), base) == HOLDS  # 0.3% worse, well inside 1%
+    assert within(shifted(base, 0.2, (0.001, -0.001, 0.0)), base) == FAILS
+    assert within(shifted(base, 0.03, (0.03, -0.03, 0.0)), base) == INCONCLUSIVE
+    assert smaller_increase(base, shifted(base, 0.05, (0.01, 0, -0.01)), base, shifted(base, 0.3)) == HOLDS
+    assert smaller_increase(base, shifted(base, 0.3), base, shifted(base, 0.05, (0.01, 0, -0.01))) == FAILS
     assert all_of([HOLDS, HOLDS]) == HOLDS and all_of([HOLDS, INCONCLUSIVE]) == INCONCLUSIVE
     assert all_of([HOLDS, FAILS, INCONCLUSIVE]) == FAILS
     assert combined_verdict([HOLDS, HOLDS]) == HOLDS and combined_verdict([HOLDS, INCONCLUSIVE]) == INCONCLUSIVE
     assert combined_verdict([HOLDS, FAILS]) == "mixed"
+
+
+@pytest.mark.parametrize("df", [1, 2, 4, 9, 30])
+def test_t_quantiles_are_the_975th_percentile_of_students_t(df):
+    """Reference: P(T <= q) from Student's t density, integrated here by Simpson's rule."""
+    q = t_quantile(df)
+    log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def density(t: float) -> float:
+        return math.exp(log_norm - (df + 1) / 2 * math.log1p(t * t / df))
+
+    n = 20000
+    h = q / n
+    integral = h / 3 * sum((1 if i in (0, n) else 4 if i % 2 else 2) * density(i * h) for i in range(n + 1))
+    assert 0.5 + integral == pytest.approx(0.975, abs=2e-4)
+    assert t_quantile(1000) == 1.960
 
 
 def _records() -> dict:

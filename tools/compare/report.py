@@ -11,8 +11,8 @@ from pathlib import Path
 from tools.compare.protocol import (LR_GRIDS, LR_STEP, MAX_EXTENSIONS, OUTER_LR_NEIGHBOUR, Method, Settings,
                                     best_spec)
 from tools.compare.records import RunRecord
-from tools.compare.verdicts import (FAILS, HOLDS, INCONCLUSIVE, LOSSLESS_TOLERANCE, MIN_SEEDS, Z, Stat, all_of,
-                                    at_most, less, smaller_increase, within)
+from tools.compare.verdicts import (CONFIDENCE, FAILS, HOLDS, INCONCLUSIVE, LOSSLESS_TOLERANCE, MIN_SEEDS, Stat,
+                                    all_of, at_most, less, smaller_increase, within)
 
 # The paper's 150M column (arXiv 2505.23725) for the methods it reports; K=16 there, not K=4.
 PAPER_150M = {"dp_adamw": 3.158, "dp_muon": 3.124, "muloco_k1": 3.120, "diloco_k1": 3.142}
@@ -57,12 +57,12 @@ def summarize(method: Method, settings: Settings, records: dict) -> Summary | No
     runs = [r for s, r in sorted(mine.items(), key=lambda kv: kv[0].seed)
             if (s.inner_lr, s.outer_lr) == (best.inner_lr, best.outer_lr)]
     tried = sorted({s.inner_lr for s in mine if s.seed == best.seed and s.outer_lr == best.outer_lr})
-    aligned = [r.alignment.mean for r in runs if r.alignment is not None]
+    aligned = {r.seed: r.alignment.mean for r in runs if r.alignment is not None}
     cosines = [r.worker_cosine for r in runs if r.worker_cosine is not None]
     return Summary(method.name, method.workers, method.optimizer, method.compression, best.inner_lr,
                    "-" if best.outer_lr is None else f"{best.outer_lr:g}/{method.outer[1]:g}",
-                   Stat.of([r.final_val_loss for r in runs]), sum(r.bytes_per_worker for r in runs) / len(runs) / 1e6,
-                   sum(cosines) / len(cosines) if cosines else None, Stat.of(aligned) if aligned else None,
+                   Stat({r.seed: r.final_val_loss for r in runs}), sum(r.bytes_per_worker for r in runs) / len(runs) / 1e6,
+                   sum(cosines) / len(cosines) if cosines else None, Stat(aligned) if aligned else None,
                    len(tried) > 1 and best.inner_lr in (tried[0], tried[-1]), PAPER_150M.get(method.name))
 
 
@@ -125,14 +125,15 @@ def claims(s: dict[str, Summary]) -> list[Claim]:
     ]
 
 
-RULE = (f"Verdict rule: an ordering a < b **holds** when the difference of means exceeds {Z:g} combined "
-        f"standard errors (sqrt(s_a²/n_a + s_b²/n_b)) and **does not hold** when it is reversed by that margin; "
-        f"a ≤ b does not hold only when reversed by that margin; 'within {LOSSLESS_TOLERANCE:.0%}' holds when "
-        f"the excess plus {Z:g} SE stays under 1% of the uncompressed loss and does not hold when the excess "
-        f"minus {Z:g} SE is above it; the degradation claim compares K=4 − K=1 differences with the SE of all "
-        f"four means. Everything else is **inconclusive**, and so is any claim needing a method with fewer "
-        f"than {MIN_SEEDS} seeds. A claim of several parts holds when all hold and does not hold when one "
-        f"does not.")
+RULE = (f"Verdict rule: every method runs the same seeds, and a seed fixes the initial weights and the data "
+        f"order, so each test is paired: over the seeds both sides ran, the per-seed margin in the claim's "
+        f"direction (for a < b: b − a; for 'within {LOSSLESS_TOLERANCE:.0%}': 1% of the uncompressed loss minus "
+        f"the excess; for the degradation claim: the difference of the two methods' K=4 − K=1 increases) and "
+        f"its {CONFIDENCE:.0%} Student-t interval. A claim **holds** when the interval lies above 0 and **does "
+        f"not hold** when it lies below 0; a ≤ b does not hold only when b < a holds. Everything else is "
+        f"**inconclusive**, and so is any test with fewer than {MIN_SEEDS} common seeds. A claim of several "
+        f"parts holds when all hold and does not hold when one does not. The ± columns are the spread over "
+        f"seeds, which the pairing removes from the tests.")
 
 
 def _plot(summaries: dict[str, Summary], out: Path, corpus: str) -> list[str]:

@@ -1,13 +1,16 @@
-"""The paper's claims as tests on mean ± std over seeds.
+"""The paper's claims as paired tests over seeds.
 
-Rule (stated in the README): with SE = sqrt(s_a^2/n_a + s_b^2/n_b),
-- "a < b" holds when mean_b - mean_a > Z SE, does not hold when mean_a - mean_b > Z SE;
-- "a <= b" does not hold when mean_a - mean_b > Z SE, and holds otherwise;
-- "a within r of b" (effectively lossless / works) holds when (mean_a - mean_b) + Z SE < r mean_b, does
-  not hold when (mean_a - mean_b) - Z SE > r mean_b;
-- a difference of differences (degradation from K=1 to K=4) uses the SE of all four means;
-- anything else is inconclusive, and so is every test where a method it needs has fewer than
-  MIN_SEEDS seeds. A claim made of several tests holds when all hold, does not hold when one does not.
+Every method runs the same seeds, and a seed fixes the initial weights and the data order, so the
+seed's own effect (most of the spread: the same seed is the best or worst for every method) cancels
+in a per-seed difference. Each test therefore takes, over the seeds both sides ran, the per-seed
+margin in the claim's direction, and its 95% Student-t interval: mean ± t(n-1) sd/sqrt(n).
+- "a < b" (lower is better): margin b - a; holds when the interval lies above 0, does not hold when
+  it lies below 0;
+- "a <= b": does not hold when b < a holds, and holds otherwise;
+- "a within r of b" (effectively lossless / works): margin r b - (a - b);
+- "a degrades less than b from K=1 to K=4": margin (b4 - b1) - (a4 - a1);
+- anything else is inconclusive, and so is every test with fewer than MIN_SEEDS common seeds. A claim
+  made of several tests holds when all hold, does not hold when one does not.
 """
 from __future__ import annotations
 
@@ -15,66 +18,82 @@ import math
 import statistics
 from dataclasses import dataclass
 
-Z = 2.0
 MIN_SEEDS = 3
 LOSSLESS_TOLERANCE = 0.01  # "effectively lossless": within 1% of the uncompressed val loss
+CONFIDENCE = 0.95
+# Two-sided 95% quantiles of Student's t by degrees of freedom; beyond the table the normal's 1.96.
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)
 HOLDS, FAILS, INCONCLUSIVE = "holds", "does not hold", "inconclusive"
+
+
+def t_quantile(degrees_of_freedom: int) -> float:
+    return T_975[degrees_of_freedom - 1] if degrees_of_freedom <= len(T_975) else 1.960
 
 
 @dataclass(frozen=True)
 class Stat:
-    mean: float
-    std: float
-    n: int
+    """One method's value (final val loss, alignment) per seed."""
 
-    @classmethod
-    def of(cls, values: list[float]) -> Stat:
-        return cls(statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0, len(values))
+    by_seed: dict[int, float]
 
     @property
-    def sq_se(self) -> float:
-        return self.std ** 2 / self.n
+    def n(self) -> int:
+        return len(self.by_seed)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.by_seed.values())
+
+    @property
+    def std(self) -> float:
+        return statistics.stdev(self.by_seed.values()) if self.n > 1 else 0.0
 
     def __str__(self) -> str:
         return f"{self.mean:.4f} ± {self.std:.4f} (n={self.n})"
 
 
-def _enough(*stats: Stat | None) -> bool:
-    return all(s is not None and s.n >= MIN_SEEDS for s in stats)
+def _common_seeds(*stats: Stat | None) -> list[int]:
+    if any(s is None for s in stats):
+        return []
+    return sorted(set.intersection(*(set(s.by_seed) for s in stats)))
 
 
-def _signed(margin: float, se: float) -> str:
-    """HOLDS when `margin` (positive = the claim's direction) exceeds Z SE, FAILS below -Z SE."""
-    if margin > Z * se:
+def _paired(margin, *stats: Stat | None) -> str:
+    """HOLDS when the confidence interval of `margin(*values of one seed)` over the seeds every stat
+    has lies above 0, FAILS when it lies below 0."""
+    seeds = _common_seeds(*stats)
+    if len(seeds) < MIN_SEEDS:
+        return INCONCLUSIVE
+    margins = [margin(*(s.by_seed[seed] for s in stats)) for seed in seeds]
+    half_width = t_quantile(len(seeds) - 1) * statistics.stdev(margins) / math.sqrt(len(seeds))
+    mean = statistics.fmean(margins)
+    if mean - half_width > 0:
         return HOLDS
-    return FAILS if margin < -Z * se else INCONCLUSIVE
+    return FAILS if mean + half_width < 0 else INCONCLUSIVE
 
 
 def less(a: Stat | None, b: Stat | None) -> str:
     """a < b (lower is better for losses)."""
-    if not _enough(a, b):
-        return INCONCLUSIVE
-    return _signed(b.mean - a.mean, math.sqrt(a.sq_se + b.sq_se))
+    return _paired(lambda x, y: y - x, a, b)
 
 
 def at_most(a: Stat | None, b: Stat | None) -> str:
     """a <= b: only a clear excess of a over b refutes it."""
-    return INCONCLUSIVE if not _enough(a, b) else (FAILS if less(b, a) == HOLDS else HOLDS)
+    if len(_common_seeds(a, b)) < MIN_SEEDS:
+        return INCONCLUSIVE
+    return FAILS if less(b, a) == HOLDS else HOLDS
 
 
 def within(a: Stat | None, b: Stat | None, ratio: float = LOSSLESS_TOLERANCE) -> str:
     """a is no more than `ratio` (relative) worse than b."""
-    if not _enough(a, b):
-        return INCONCLUSIVE
-    return _signed(ratio * b.mean - (a.mean - b.mean), math.sqrt(a.sq_se + b.sq_se))
+    return _paired(lambda x, y: ratio * y - (x - y), a, b)
 
 
 def smaller_increase(a1: Stat | None, a4: Stat | None, b1: Stat | None, b4: Stat | None) -> str:
     """(a4 - a1) < (b4 - b1): method a degrades less from K=1 to K=4 than method b."""
-    if not _enough(a1, a4, b1, b4):
-        return INCONCLUSIVE
-    margin = (b4.mean - b1.mean) - (a4.mean - a1.mean)
-    return _signed(margin, math.sqrt(a1.sq_se + a4.sq_se + b1.sq_se + b4.sq_se))
+    return _paired(lambda x1, x4, y1, y4: (y4 - y1) - (x4 - x1), a1, a4, b1, b4)
 
 
 def all_of(verdicts: list[str]) -> str:
