@@ -11,9 +11,10 @@ import pytest
 
 from tools.compare.protocol import Launch, Method, RunSpec, Settings, best_spec, extension_lr, next_launch
 from tools.compare.records import Alignment, RecordError, RecordFile, RunRecord
-from tools.compare.report import BEGIN, END, claims, combined_verdict, summarize, write_corpus, write_readme
+from tools.compare.report import (BEGIN, END, SUMMARY_BEGIN, SUMMARY_END, claims, combined_verdict, summarize,
+                                  write_corpus, write_readme, write_verdict_summary)
 from tools.compare.sweep import Budget
-from tools.compare.verdicts import (FAILS, HOLDS, INCONCLUSIVE, Stat, all_of, at_most, less, smaller_increase,
+from tools.compare.verdicts import (FAILS, HOLDS, INCONCLUSIVE, NOT_RUN, Stat, all_of, at_most, less, smaller_increase,
                                     t_quantile, within)
 
 SETTINGS = Settings(steps=20, sync_interval=10, seeds=(0, 1, 2))
@@ -140,6 +141,7 @@ def test_verdict_rule_pairs_seeds():
     assert all_of([HOLDS, FAILS, INCONCLUSIVE]) == FAILS
     assert combined_verdict([HOLDS, HOLDS]) == HOLDS and combined_verdict([HOLDS, INCONCLUSIVE]) == INCONCLUSIVE
     assert combined_verdict([HOLDS, FAILS]) == "mixed"
+    assert combined_verdict([HOLDS, NOT_RUN]) == HOLDS and combined_verdict([NOT_RUN]) == NOT_RUN
 
 
 @pytest.mark.parametrize("df", [1, 2, 4, 9, 30])
@@ -179,8 +181,8 @@ def test_report_from_synthetic_records(tmp_path):
     assert (summary.inner_lr, summary.val_loss.n, summary.alignment.mean) == (0.02, 3, pytest.approx(0.9))
     assert summary.lr_at_edge  # 0.02 is the largest lr tried
     verdicts = {c.key: c.verdict for c in claims({m.name: summarize(m, SETTINGS, records) for m in methods})}
-    assert verdicts["e"] == INCONCLUSIVE  # K=4 not run
-    assert verdicts["a"] == INCONCLUSIVE  # DP AdamW not run
+    assert verdicts["e"] == HOLDS  # on K=2, the only K both methods ran: 0.9 vs 0.7 on every seed
+    assert verdicts["a"] == verdicts["d1"] == NOT_RUN  # DP AdamW, the compressed methods not run
     report = write_corpus("shakespeare", methods, SETTINGS, records, tmp_path / "shakespeare", [])
     rows = (tmp_path / "shakespeare" / "summary.csv").read_text().splitlines()
     assert rows[0].startswith("corpus,method,workers,inner,compression,inner_lr,outer,val_loss_mean,val_loss_std,seeds")
@@ -194,6 +196,13 @@ def test_report_from_synthetic_records(tmp_path):
     text = readme.read_text()
     assert "STALE" not in text and text.startswith("# intro") and text.rstrip().endswith("## after")
     assert "| (b) MuLoCo beats DiLoCo at every K |" in text and "Verdict rule" in text
+    project = tmp_path / "project_README.md"
+    project.write_text(f"# project\n\n{SUMMARY_BEGIN}\nSTALE\n{SUMMARY_END}\n\n## after\n")
+    write_verdict_summary(project, [report], details="results/compare/README.md")
+    text = project.read_text()
+    assert "STALE" not in text and text.rstrip().endswith("## after") and "(20 on shakespeare;" in text
+    assert "| (a) MuLoCo K=1 ≤ DP Muon < DP AdamW | 150M: MuLoCo K=1 3.120, DP Muon 3.124, DP AdamW 3.158 | not run | " \
+        "not run |" in text
 
 
 def test_a_warmup_longer_than_the_run_is_refused():

@@ -32,10 +32,11 @@ from tools.compare.launch import end_live_launches, prepare_data
 from tools.compare.protocol import (CONFIG_DIR, DEFAULT_CORPUS, METHOD_ORDER, QUICK, QUICK_METHODS, REPO, Method,
                                     Settings)
 from tools.compare.records import RecordFile
-from tools.compare.report import CorpusReport, write_corpus, write_readme
+from tools.compare.report import CorpusReport, write_corpus, write_readme, write_verdict_summary
 from tools.compare.sweep import Budget, Context, run_sweeps
 
 RECORDS = "runs.jsonl"
+DEFAULT_OUT = REPO / "results" / "compare"
 
 
 def _config_hashes() -> dict[str, str]:
@@ -71,11 +72,13 @@ def report(out: Path, current: str | None, settings: Settings | None, failures: 
         for name in ("summary.csv", "settings.json"):
             shutil.copyfile(out / primary.corpus / name, out / name)
     write_readme(out / "README.md", reports)
+    if out.resolve() == DEFAULT_OUT.resolve():  # the committed results: the project README shows the verdicts
+        write_verdict_summary(REPO / "README.md", reports, details=str(DEFAULT_OUT.relative_to(REPO) / "README.md"))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=REPO / "results" / "compare")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--work-dir", type=Path, default=REPO / "runs" / "compare")
     p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS,
                    help="a corpus in Nemotron-CC layout (DIR/train, DIR/valid); its name is the folder's")

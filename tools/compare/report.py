@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import csv
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tools.compare.protocol import (LR_GRIDS, LR_STEP, MAX_EXTENSIONS, OUTER_LR_NEIGHBOUR, Method, Settings,
                                     best_spec)
 from tools.compare.records import RunRecord
-from tools.compare.verdicts import (CONFIDENCE, FAILS, HOLDS, INCONCLUSIVE, LOSSLESS_TOLERANCE, MIN_SEEDS, Stat,
-                                    all_of, at_most, less, smaller_increase, within)
+from tools.compare.verdicts import (CONFIDENCE, FAILS, HOLDS, INCONCLUSIVE, LOSSLESS_TOLERANCE, MIN_SEEDS, NOT_RUN,
+                                    Stat, all_of, at_most, less, smaller_increase, within)
 
 # The paper's 150M column (arXiv 2505.23725) for the methods it reports; K=16 there, not K=4.
 PAPER_150M = {"dp_adamw": 3.158, "dp_muon": 3.124, "muloco_k1": 3.120, "diloco_k1": 3.142}
 BEGIN, END = "<!-- results:begin (tools/compare_methods.py writes this section) -->", "<!-- results:end -->"
+SUMMARY_BEGIN = "<!-- compare-verdicts:begin (tools/compare_methods.py writes this table) -->"
+SUMMARY_END = "<!-- compare-verdicts:end -->"
 KS = (1, 2, 4)
 
 
@@ -73,6 +75,7 @@ class Claim:
     paper: str
     ours: str
     verdict: str
+    needs: tuple[str, ...]  # the methods it compares: a corpus that ran fewer has NOT_RUN
 
 
 def claims(s: dict[str, Summary]) -> list[Claim]:
@@ -90,39 +93,52 @@ def claims(s: dict[str, Summary]) -> list[Claim]:
             return "n/a"
         return f"{loss(other).mean - loss(base).mean:+.4f}"
 
+    def compared(ks: tuple[int, ...]) -> list[int]:
+        """The Ks at which both methods ran (a corpus may run a subset); all of them when neither did."""
+        return [k for k in ks if f"muloco_k{k}" in s and f"diloco_k{k}" in s] or list(ks)
+
+    def pairs(ks: list[int]) -> tuple[str, ...]:
+        return tuple(f"{m}_k{k}" for k in ks for m in ("muloco", "diloco"))
+
     degradation = {m: delta(f"{m}_k1", f"{m}_k4") for m in ("muloco", "diloco")}
-    return [
+    beats, aligned = compared(KS), compared(KS[1:])
+    rows = [
         Claim("a", "MuLoCo K=1 ≤ DP Muon < DP AdamW",
               "150M: MuLoCo K=1 3.120, DP Muon 3.124, DP AdamW 3.158",
               show("muloco_k1", "dp_muon", "dp_adamw"),
-              all_of([at_most(loss("muloco_k1"), loss("dp_muon")), less(loss("dp_muon"), loss("dp_adamw"))])),
+              all_of([at_most(loss("muloco_k1"), loss("dp_muon")), less(loss("dp_muon"), loss("dp_adamw"))]),
+              ("muloco_k1", "dp_muon", "dp_adamw")),
         Claim("b", "MuLoCo beats DiLoCo at every K",
               "150M: K=1 MuLoCo 3.120 vs DiLoCo 3.142; K=16 MuLoCo 3.222 vs DiLoCo 3.326",
-              show(*[f"{m}_k{k}" for k in KS for m in ("muloco", "diloco")]),
-              all_of([less(loss(f"muloco_k{k}"), loss(f"diloco_k{k}")) for k in KS])),
+              show(*pairs(beats)),
+              all_of([less(loss(f"muloco_k{k}"), loss(f"diloco_k{k}")) for k in beats]), pairs(beats)),
         Claim("c", "MuLoCo degrades less from K=1 to K=4 than DiLoCo",
               "150M K=1 → K=16: MuLoCo +0.102 (3.120 → 3.222), DiLoCo +0.184 (3.142 → 3.326)",
               f"K=1 → K=4: MuLoCo {degradation['muloco']}, DiLoCo {degradation['diloco']}",
-              smaller_increase(loss("muloco_k1"), loss("muloco_k4"), loss("diloco_k1"), loss("diloco_k4"))),
+              smaller_increase(loss("muloco_k1"), loss("muloco_k4"), loss("diloco_k1"), loss("diloco_k4")),
+              ("muloco_k1", "muloco_k4", "diloco_k1", "diloco_k4")),
         Claim("d1", f"4-bit statistical is effectively lossless (within {LOSSLESS_TOLERANCE:.0%})",
               "qualitative: 4-bit quantization matches the uncompressed loss",
               f"MuLoCo {delta('muloco_k4', 'muloco_k4_stat4')}, DiLoCo {delta('diloco_k4', 'diloco_k4_stat4')} "
               "vs uncompressed K=4",
               all_of([within(loss("muloco_k4_stat4"), loss("muloco_k4")),
-                      within(loss("diloco_k4_stat4"), loss("diloco_k4"))])),
+                      within(loss("diloco_k4_stat4"), loss("diloco_k4"))]),
+              ("muloco_k4_stat4", "muloco_k4", "diloco_k4_stat4", "diloco_k4")),
         Claim("d2", f"2-bit statistical + EF works (MuLoCo, within {LOSSLESS_TOLERANCE:.0%})",
               "qualitative: 2-bit statistical quantization with error feedback stays close to uncompressed",
               f"MuLoCo {delta('muloco_k4', 'muloco_k4_stat2ef')} vs uncompressed K=4",
-              within(loss("muloco_k4_stat2ef"), loss("muloco_k4"))),
+              within(loss("muloco_k4_stat2ef"), loss("muloco_k4")), ("muloco_k4_stat2ef", "muloco_k4")),
         Claim("d3", "2-bit linear + EF degrades (worse than 2-bit statistical + EF, MuLoCo)",
               "qualitative: 2-bit linear quantization degrades the loss",
               f"linear − statistical: {delta('muloco_k4_stat2ef', 'muloco_k4_lin2ef')}",
-              less(loss("muloco_k4_stat2ef"), loss("muloco_k4_lin2ef"))),
+              less(loss("muloco_k4_stat2ef"), loss("muloco_k4_lin2ef")), ("muloco_k4_stat2ef", "muloco_k4_lin2ef")),
         Claim("e", "MuLoCo's pseudogradients are better aligned with the K=1 pseudogradient (K=2, 4)",
               "Fig. 4: higher cosine with the K=1 pseudogradient for MuLoCo than DiLoCo",
-              show(*[f"{m}_k{k}" for k in KS[1:] for m in ("muloco", "diloco")], of=align),
-              all_of([less(align(f"diloco_k{k}"), align(f"muloco_k{k}")) for k in KS[1:]])),
+              show(*pairs(aligned), of=align),
+              all_of([less(align(f"diloco_k{k}"), align(f"muloco_k{k}")) for k in aligned]), pairs(aligned)),
     ]
+    # A claim whose methods this corpus did not run says so, and does not count across corpora.
+    return [c if all(n in s for n in c.needs) else replace(c, ours="-", verdict=NOT_RUN) for c in rows]
 
 
 RULE = (f"Verdict rule: every method runs the same seeds, and a seed fixes the initial weights and the data "
@@ -132,7 +148,8 @@ RULE = (f"Verdict rule: every method runs the same seeds, and a seed fixes the i
         f"its {CONFIDENCE:.0%} Student-t interval. A claim **holds** when the interval lies above 0 and **does "
         f"not hold** when it lies below 0; a ≤ b does not hold only when b < a holds. Everything else is "
         f"**inconclusive**, and so is any test with fewer than {MIN_SEEDS} common seeds. A claim of several "
-        f"parts holds when all hold and does not hold when one does not. The ± columns are the spread over "
+        f"parts holds when all hold and does not hold when one does not; a corpus that did not run a claim's "
+        f"methods shows **not run**, and the verdict across corpora is over those that did. The ± columns are the spread over "
         f"seeds, which the pairing removes from the tests.")
 
 
@@ -245,27 +262,51 @@ def write_corpus(corpus: str, methods: list[Method], settings: Settings, records
 
 
 def combined_verdict(verdicts: list[str]) -> str:
-    """Across corpora: holds where it holds on every corpus that decides it and fails on none."""
+    """Across the corpora that ran the claim's methods: holds where it holds on every one, fails
+    where it fails on every one that decides it."""
+    verdicts = [v for v in verdicts if v != NOT_RUN]
+    if not verdicts:
+        return NOT_RUN
     decided = [v for v in verdicts if v != INCONCLUSIVE]
     if FAILS in decided:
         return FAILS if all(v == FAILS for v in decided) else "mixed"
     return HOLDS if decided and len(decided) == len(verdicts) else INCONCLUSIVE
 
 
-def write_readme(readme: Path, reports: list[CorpusReport]) -> None:
-    header = "| claim | paper | " + " | ".join(f"{r.corpus}: ours | {r.corpus}: verdict" for r in reports) + \
-        " | verdict |"
-    lines = [header, "|" + "---|" * (3 + 2 * len(reports))]
+def _verdicts_table(reports: list[CorpusReport], evidence: bool) -> str:
+    """One row per claim: the paper's numbers, per corpus (our numbers and) the verdict, and the verdict
+    across corpora."""
+    per_corpus = [f"{r.corpus}: ours | {r.corpus}: verdict" if evidence else f"{r.corpus}" for r in reports]
+    lines = ["| claim | paper | " + " | ".join(per_corpus) + " | verdict |",
+             "|" + "---|" * (3 + (2 if evidence else 1) * len(reports))]
     for i, claim in enumerate(reports[0].claims if reports else []):
         row = [r.claims[i] for r in reports]
         lines.append(f"| ({claim.key}) {claim.text} | {claim.paper} | "
-                     + " | ".join(f"{c.ours} | {c.verdict}" for c in row)
+                     + " | ".join(f"{c.ours} | {c.verdict}" if evidence else c.verdict for c in row)
                      + f" | {combined_verdict([c.verdict for c in row])} |")
-    section = "\n\n".join([BEGIN, "## Results", RULE, "### Verdicts (all corpora)", "\n".join(lines),
-                           *[r.markdown for r in reports], END])
-    text = readme.read_text() if readme.exists() else "# Method comparison at CPU scale\n"
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    return "\n".join(lines)
+
+
+def _replace_section(path: Path, begin: str, end: str, body: str, new_file: str) -> None:
+    """Rewrite what stands between the markers (appended with them where they are missing)."""
+    section = "\n\n".join([begin, body, end])
+    text = path.read_text() if path.exists() else new_file
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + section + text[text.index(end) + len(end):]
     else:
         text = text.rstrip("\n") + "\n\n" + section
-    readme.write_text(text.rstrip("\n") + "\n")
+    path.write_text(text.rstrip("\n") + "\n")
+
+
+def write_readme(readme: Path, reports: list[CorpusReport]) -> None:
+    body = "\n\n".join(["## Results", RULE, "### Verdicts (all corpora)", _verdicts_table(reports, evidence=True),
+                         *[r.markdown for r in reports]])
+    _replace_section(readme, BEGIN, END, body, "# Method comparison at CPU scale\n")
+
+
+def write_verdict_summary(readme: Path, reports: list[CorpusReport], details: str) -> None:
+    """The project README's short form: the verdicts alone, and where the evidence is."""
+    runs = ", ".join(f"{r.runs} on {r.corpus}" for r in reports)
+    body = "\n\n".join([f"Verdicts of the paper's claims from the committed runs ({runs}; numbers, plots and "
+                         f"the paired-seed rule in `{details}`):", _verdicts_table(reports, evidence=False)])
+    _replace_section(readme, SUMMARY_BEGIN, SUMMARY_END, body, "")
