@@ -10,7 +10,7 @@ Each method is a ds_config in configs/compare/ and runs as the real trainer, one
 Protocol (tools/compare/protocol.py): B sequences per step for N steps, split over the K workers;
 inner lr tuned per method on the first seed over a grid that extends itself while the best lr is at
 its edge; one outer-lr neighbour of the paper's tuned point; the best setting rerun with every other
-seed; validation loss on the same E*B sequences after every outer sync; for K > 1 the alignment of the
+seed; validation loss on the same E*B sequences (for a given seed) after every outer sync; for K > 1 the alignment of the
 averaged pseudogradient with the one-worker full-batch pseudogradient (tools/compare/alignment.py).
 
 Finished runs are appended to <out>/<corpus>/runs.jsonl (tools/compare/records.py): a rerun skips

@@ -141,16 +141,17 @@ def claims(s: dict[str, Summary]) -> list[Claim]:
     return [c if all(n in s for n in c.needs) else replace(c, ours="-", verdict=NOT_RUN) for c in rows]
 
 
-RULE = (f"Verdict rule: every method runs the same seeds, and a seed fixes the initial weights and the data "
-        f"order, so each test is paired: over the seeds both sides ran, the per-seed margin in the claim's "
-        f"direction (for a < b: b − a; for 'within {LOSSLESS_TOLERANCE:.0%}': 1% of the uncompressed loss minus "
-        f"the excess; for the degradation claim: the difference of the two methods' K=4 − K=1 increases) and "
-        f"its {CONFIDENCE:.0%} Student-t interval. A claim **holds** when the interval lies above 0 and **does "
-        f"not hold** when it lies below 0; a ≤ b does not hold only when b < a holds. Everything else is "
-        f"**inconclusive**, and so is any test with fewer than {MIN_SEEDS} common seeds. A claim of several "
-        f"parts holds when all hold and does not hold when one does not; a corpus that did not run a claim's "
-        f"methods shows **not run**, and the verdict across corpora is over those that did. The ± columns are the spread over "
-        f"seeds, which the pairing removes from the tests.")
+RULE = (f"Verdict rule: every method runs the same seeds, and a seed fixes the initial weights, the data "
+        f"order and the validation sample, so each test is paired: over the seeds both sides ran, the "
+        f"per-seed margin in the claim's direction (for a < b: b − a; for 'within "
+        f"{LOSSLESS_TOLERANCE:.0%}': 1% of the uncompressed loss minus the excess; for the degradation claim: "
+        f"the difference of the two methods' K=4 − K=1 increases) and its {CONFIDENCE:.0%} Student-t "
+        f"interval. A claim **holds** when the interval lies above 0 and **does not hold** when it lies "
+        f"below 0; a ≤ b does not hold only when b < a holds. Everything else is **inconclusive**, and so "
+        f"is any test with fewer than {MIN_SEEDS} common seeds. A claim of several parts holds when all "
+        f"hold and does not hold when one does not; a corpus that did not run a claim's methods shows "
+        f"**not run**, and the verdict across corpora is over those that did. The ± columns are the spread "
+        f"over seeds, which the pairing removes from the tests.")
 
 
 def _plot(summaries: dict[str, Summary], out: Path, corpus: str) -> list[str]:

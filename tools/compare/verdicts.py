@@ -1,7 +1,7 @@
 """The paper's claims as paired tests over seeds.
 
-Every method runs the same seeds, and a seed fixes the initial weights and the data order, so the
-seed's own effect (most of the spread: the same seed is the best or worst for every method) cancels
+Every method runs the same seeds, and a seed fixes the initial weights, the data order and the
+validation sample (Megatron shuffles the valid split with it), so the seed's own effect (most of the spread: the same seed is the best or worst for every method) cancels
 in a per-seed difference. Each test therefore takes, over the seeds both sides ran, the per-seed
 margin in the claim's direction, and its 95% Student-t interval: mean ± t(n-1) sd/sqrt(n).
 - "a < b" (lower is better): margin b - a; holds when the interval lies above 0, does not hold when
