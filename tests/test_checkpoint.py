@@ -1,7 +1,6 @@
 """Checkpoints: exact resume at T=2 P=2 after a crash in the middle of a save (with --keep-last), and
 for streaming MuLoCo K=2 with 2-bit compression and error feedback after a SIGTERM preemption that
-saves with a sync in flight, resharding to
-another T/P, and clear refusals of what cannot fit.
+saves with a sync in flight, resharding to another T/P, and clear refusals of what cannot fit.
 Multi-process runs are tiny (6 steps) and launched by tests/_ckpt_runs.py."""
 import json
 import os

@@ -3,15 +3,17 @@ with pseudogradient compression (statistical 4-bit, statistical / linear 2-bit +
 seeds, on a corpus in Nemotron-CC layout, and the paper's alignment measure.
 
     python tools/compare_methods.py [--out results/compare] [--corpus DIR] [--jobs 2]
-        [--max-runs N] [--deadline-minutes M] [--quick] [--steps N] [--sync-interval H] [--warmup N] [--seeds 0 1 2]
-        [--methods dp_adamw muloco_k4 ...] [--no-alignment] [--report-only] [--work-dir runs/compare]
+        [--max-runs N] [--deadline-minutes M] [--quick] [--steps N] [--sync-interval H] [--warmup N]
+        [--seeds 0 1 2] [--methods dp_adamw muloco_k4 ...] [--no-alignment] [--report-only]
+        [--work-dir runs/compare]
 
 Each method is a ds_config in configs/compare/ and runs as the real trainer, one rank per worker.
 Protocol (tools/compare/protocol.py): B sequences per step for N steps, split over the K workers;
 inner lr tuned per method on the first seed over a grid that extends itself while the best lr is at
 its edge; one outer-lr neighbour of the paper's tuned point; the best setting rerun with every other
-seed; validation loss on the same E*B sequences (for a given seed) after every outer sync; for K > 1 the alignment of the
-averaged pseudogradient with the one-worker full-batch pseudogradient (tools/compare/alignment.py).
+seed; validation loss on the same E*B sequences (for a given seed) after every outer sync; for K > 1
+the alignment of the averaged pseudogradient with the one-worker full-batch pseudogradient
+(tools/compare/alignment.py).
 
 Finished runs are appended to <out>/<corpus>/runs.jsonl (tools/compare/records.py): a rerun skips
 them, so the protocol completes over several sittings (--max-runs / --deadline-minutes end a sitting

@@ -277,7 +277,7 @@ def combined_verdict(verdicts: list[str]) -> str:
 def _verdicts_table(reports: list[CorpusReport], evidence: bool) -> str:
     """One row per claim: the paper's numbers, per corpus (our numbers and) the verdict, and the verdict
     across corpora."""
-    per_corpus = [f"{r.corpus}: ours | {r.corpus}: verdict" if evidence else f"{r.corpus}" for r in reports]
+    per_corpus = [f"{r.corpus}: ours | {r.corpus}: verdict" if evidence else r.corpus for r in reports]
     lines = ["| claim | paper | " + " | ".join(per_corpus) + " | verdict |",
              "|" + "---|" * (3 + (2 if evidence else 1) * len(reports))]
     for i, claim in enumerate(reports[0].claims if reports else []):
