@@ -11,7 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trainer.diloco.collectives import Bucket, BucketLayout, CollectiveError, Wire, average_buckets
+from trainer.diloco.collectives import CLAIM_BYTES, Bucket, BucketLayout, CollectiveError, GroupWire, average_buckets
 from trainer.diloco.compression import CompressionConfig, Compressor, ErrorFeedback, rows_shape
 from trainer.diloco import vote
 
@@ -76,13 +76,14 @@ def reference(compressor: Compressor, layout: BucketLayout, sent_by_worker: list
 
 def expected_bytes(compressor: Compressor, collective: str, rank: int, workers: int) -> tuple[int, int]:
     """(sent, received) by the formulas in trainer/diloco/collectives.py, for fixed-size payloads,
-    with a header of HEADER_BYTES in the first collective."""
-    headers = (workers - 1) * HEADER_BYTES
+    with a header of HEADER_BYTES (behind the payload claim) in the first collective, and the owners'
+    verdicts (one byte per worker) and claims in front of the re-quantized chunks."""
+    headers = (workers - 1) * (CLAIM_BYTES + HEADER_BYTES)
     if collective == "all_gather":
         total = sum(compressor.bucket_nbytes(layout.chunks[0]) for layout in layouts(1))
         return (workers - 1) * total + headers, (workers - 1) * total + headers
     per_chunk = [sum(compressor.bucket_nbytes(layout.chunks[j]) for layout in layouts(workers)) for j in range(workers)]
-    gather = (workers - 1) * max(per_chunk)
+    gather = (workers - 1) * (max(per_chunk) + workers + CLAIM_BYTES)
     return sum(per_chunk) - per_chunk[rank] + gather + headers, (workers - 1) * per_chunk[rank] + gather + headers
 
 
@@ -91,7 +92,7 @@ def header_of(rank: int, step: int) -> torch.Tensor:
 
 
 def check_collectives(rank: int, workers: int) -> None:
-    wire = Wire(None, link=None)
+    wire = GroupWire(None, link=None)
     for config in CONFIGS:
         compressor = Compressor(config)
         for collective in ("all_gather", "reduce_scatter"):
@@ -133,7 +134,7 @@ def check_collectives(rank: int, workers: int) -> None:
 
 def bytes_for_one_large_tensor(rank: int, workers: int) -> dict[str, int]:
     compressor = Compressor(CompressionConfig(method="statistical", bits=4))
-    wire = Wire(None, link=None)
+    wire = GroupWire(None, link=None)
     delta = torch.randn(72, 320, generator=torch.Generator().manual_seed(rank))
     sent = {}
     for collective, parts in (("all_gather", 1), ("reduce_scatter", workers)):
@@ -141,13 +142,13 @@ def bytes_for_one_large_tensor(rank: int, workers: int) -> dict[str, int]:
         average_buckets([Bucket(compressor, layout, layout.flatten([delta]))], wire, collective, "bytes")
         sent[collective] = wire.take_stats().bytes_sent
     return {"all_gather_sent": sent["all_gather"], "reduce_scatter_sent": sent["reduce_scatter"],
-            "payload": compressor.payload_nbytes((72, 320))}
+            "payload": CLAIM_BYTES + compressor.payload_nbytes((72, 320))}  # a rank's part: its claim, its payload
 
 
 def check_skip_vote(rank: int, workers: int) -> None:
     """The ballots reach every rank in the exchange's header (here with no buckets: the header alone
     still travels, in one round trip); every rank counts them alike."""
-    wire = Wire(None, link=None)
+    wire = GroupWire(None, link=None)
 
     def decide(nonfinite: bool, sq_norm: float) -> tuple[list[float], str | None]:
         ballot = vote.ballot(nonfinite, sq_norm).view(torch.uint8)
@@ -168,7 +169,7 @@ def check_failure_names_context(rank: int, workers: int) -> None:
     if rank == 0:
         layout = BucketLayout(((1, 3),), 1)
         try:
-            average_buckets([Bucket(Compressor(CompressionConfig()), layout, torch.ones(3))], Wire(lonely, None),
+            average_buckets([Bucket(Compressor(CompressionConfig()), layout, torch.ones(3))], GroupWire(lonely, None),
                             "all_gather", "outer group 7, outer step 42")
         except CollectiveError as error:
             assert "outer group 7, outer step 42" in str(error), str(error)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer.diloco.collectives import Bucket, BucketLayout, Wire, average_buckets
+from trainer.diloco.collectives import Bucket, BucketLayout, GroupWire, average_buckets
 from trainer.diloco.compression import CompressionConfig, Compressor
 from trainer.diloco.link import SlowLink
 
@@ -66,7 +66,7 @@ def test_a_single_worker_averages_to_its_own_decoding_and_sends_nothing(config, 
     flat = torch.randn(46)
     once = compressor.decode_bucket(compressor.encode_bucket(flat, layout.chunks[0]).data, layout.chunks[0])
     twice = compressor.decode_bucket(compressor.encode_bucket(once, layout.chunks[0]).data, layout.chunks[0])
-    wire = Wire(None, link=None)
+    wire = GroupWire(None, link=None)
     for collective, expected in (("all_gather", once), ("reduce_scatter", twice)):  # reduce-scatter re-quantizes
         (result,) = average_buckets([Bucket(compressor, layout, flat)], wire, collective, "K=1").averaged
         assert torch.equal(result.average, expected), collective

@@ -21,6 +21,19 @@ whether to apply a sync costs no round trip of its own. Error feedback only cove
 With zstd, payload sizes depend on the data: each collective is preceded by an all-gather of the
 sizes (one more round trip), and all-gather buffers are padded to the largest rank's.
 
+Nothing received is believed. With a job key (trainer/diloco/auth.py) every rank's part of every
+collective carries a tag, and a part whose tag fails is dropped. Every payload is decoded within the
+size its layout allows (a zstd frame that would inflate past it is malformed, not a crash), and the
+decoding is checked before it is averaged: it must be finite, its squared norm must equal the one its
+sender claims in the header of the same collective (the sender computes it from its own decoding,
+which is bit-identical to the receivers'), and its norm must stay within `max_norm_ratio` of the
+others'. A sender that fails any check is rejected; since every rank checks the same bytes with the
+same code, every rank rejects the same senders. The caller chooses what a rejection means: the
+single-world outer loop skips the sync for everyone (as for a non-finite worker), the elastic one
+averages over the others (`leave_out=True`, all-gather only). With reduce-scatter each chunk's owner
+checks the chunks it receives and sends its verdicts with its re-quantized chunk, whose receivers
+check it in turn: every rank learns every rejection.
+
 Byte accounting (CollectiveStats, per rank, what it puts on / takes off the wire; the same for a ring
 and for direct sends): an all-gather of n bytes per rank sends and receives (K-1)*n; an all-to-all
 sends the blocks addressed to the other K-1 ranks and receives theirs; an all-reduce of n bytes
@@ -28,18 +41,28 @@ sends and receives 2 (K-1)/K * n (a ring). With S = this rank's payload bytes, S
 chunk j and Q_j = the re-quantized chunk j:
   all_gather:      sent = (K-1) * max_r S_r                      (grows with K)
   reduce_scatter:  sent = sum_{j != rank} S_j + (K-1) * max_j Q_j ~ 2 (K-1)/K * S (flat in K)
+S includes the claim (8 bytes) and the caller's header, Q_j the owner's verdicts (K bytes) and
+claim; with a job key every part sent adds a 32-byte tag.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from trainer import comm
-from trainer.diloco.compression import Compressor, Encoded, Layout
+from trainer.diloco.auth import EVERY_RANK, TAG_BYTES, JobKey, Scope
+from trainer.diloco.compression import Compressor, Encoded, Layout, PayloadError
 from trainer.diloco.link import SlowLink
+
+CLAIM_BYTES = 8  # a sender's squared norm of its own decoding (float64), ahead of the caller's header
+# Relative difference allowed between a claimed and a measured squared norm: the two are computed by
+# the same code on the same bytes (equal on one device type; this covers a mix of devices).
+CLAIM_TOLERANCE = 1e-4
 
 
 @dataclass
@@ -61,32 +84,57 @@ def row_split(n_rows: int, parts: int) -> list[int]:
 
 
 class Wire:
-    """A cross-datacenter group as seen by one rank. Not thread-safe: one caller at a time."""
+    """A cross-datacenter group as seen by one rank. Not thread-safe: one caller at a time.
 
-    def __init__(self, group, link: SlowLink | None):
-        self.group = group
+    With a job key, `begin` names the sync the next messages belong to, and each rank's part of every
+    collective is sent with its tag; the collectives return None in place of a part whose tag fails.
+    Subclasses provide the two raw collectives on their kind of group (GroupWire: a torch.distributed
+    group; trainer/elastic's QuorumWire: torchft's reconfigurable group)."""
+
+    def __init__(self, rank: int, size: int, device: torch.device, link: SlowLink | None,
+                 key: JobKey | None = None, channel: str = "outer"):
+        self.rank, self.size, self.device = rank, size, device
         self.link = link
-        self.device = comm.group_device(group)
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
         self.stats = CollectiveStats()
+        self.key, self.channel = key, channel
+        self.begin(outer_step=0, fragment=0)
 
-    # The raw collectives on the group; a wire over another kind of group (trainer/elastic's
-    # reconfigurable quorum group) overrides these three.
     def _all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        dist.all_gather_into_tensor(output, input, group=self.group)
+        raise NotImplementedError
 
     def _all_to_all_into(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
                          input_sizes: list[int]) -> None:
-        dist.all_to_all_single(output, input, output_sizes, input_sizes, group=self.group)
-
-    def _all_reduce(self, buffer: torch.Tensor) -> None:
-        dist.all_reduce(buffer, group=self.group)
+        raise NotImplementedError
 
     def take_stats(self) -> CollectiveStats:
         """The counts since the last call (one sync's)."""
         stats, self.stats = self.stats, CollectiveStats()
         return stats
+
+    def begin(self, outer_step: int, fragment: int, epoch: int = 0) -> None:
+        """The next messages belong to this sync (every rank of the group calls it alike)."""
+        self._scope = Scope(self.channel, epoch, outer_step, fragment)
+        self._sequence = 0
+
+    @property
+    def tag_bytes(self) -> int:
+        return TAG_BYTES if self.key is not None else 0
+
+    def _sealed(self, data: torch.Tensor, receiver: int) -> torch.Tensor:
+        """`data` (uint8) followed by its tag, on the wire's device."""
+        data = data.to(self.device)
+        if self.key is None:
+            return data
+        tag = self.key.tag(self._scope, self._sequence, self.rank, receiver, data)
+        return torch.cat([data, torch.frombuffer(bytearray(tag), dtype=torch.uint8).to(self.device)])
+
+    def _opened(self, part: torch.Tensor, sender: int, receiver: int) -> torch.Tensor | None:
+        """A received part without its tag, or None when the tag does not verify."""
+        if self.key is None:
+            return part
+        data, tag = part[:-TAG_BYTES], part[-TAG_BYTES:]
+        tag_bytes = tag.cpu().numpy().tobytes()
+        return data if self.key.verify(tag_bytes, self._scope, self._sequence, sender, receiver, data) else None
 
     def _run(self, op: str, context: str, collective: Callable[[], object], sent: int, received: int) -> None:
         try:
@@ -99,56 +147,86 @@ class Wire:
         if self.link is not None:
             self.link.wait(sent)
 
-    def all_gather(self, buffer: torch.Tensor, context: str) -> list[torch.Tensor]:
-        """All-gather equal-size 1-D buffers; returns one per rank, in rank order, on the wire's device."""
-        n = buffer.numel()
-        if self.size == 1 or n == 0:
-            return [buffer.to(self.device)] * self.size
-        buffer = buffer.to(self.device)
-        gathered = torch.empty(self.size * n, dtype=buffer.dtype, device=self.device)
-        nbytes = (self.size - 1) * n * buffer.element_size()
-        self._run("all_gather", context, lambda: self._all_gather_into(gathered, buffer), nbytes, nbytes)
-        return list(gathered.split(n))
+    def all_gather(self, buffer: torch.Tensor, context: str) -> list[torch.Tensor | None]:
+        """All-gather equal-size 1-D uint8 buffers; returns one per rank, in rank order, on the wire's
+        device (None: its tag failed)."""
+        if self.size == 1:
+            return [buffer.to(self.device)]
+        sealed = self._sealed(buffer.reshape(-1).view(torch.uint8), EVERY_RANK)
+        n = sealed.numel()
+        if n == 0:
+            return [sealed] * self.size
+        gathered = torch.empty(self.size * n, dtype=torch.uint8, device=self.device)
+        nbytes = (self.size - 1) * n
+        self._run("all_gather", context, lambda: self._all_gather_into(gathered, sealed), nbytes, nbytes)
+        parts = [self._opened(part, sender, EVERY_RANK) for sender, part in enumerate(gathered.split(n))]
+        self._sequence += 1
+        return parts
 
-    def all_gather_padded(self, buffer: torch.Tensor, sizes: Sequence[int], context: str) -> list[torch.Tensor]:
+    def all_gather_padded(self, buffer: torch.Tensor, sizes: Sequence[int], context: str
+                          ) -> list[torch.Tensor | None]:
         """All-gather byte buffers whose per-rank sizes every rank knows."""
         width = max(sizes)
+        buffer = buffer[:sizes[self.rank]]  # more only where every rank refused this rank's sizes
         padded = torch.cat([buffer.to(self.device), buffer.new_zeros(width - buffer.numel(), device=self.device)])
-        return [part[:size] for part, size in zip(self.all_gather(padded, context), sizes)]
+        return [None if part is None else part[:size]
+                for part, size in zip(self.all_gather(padded, context), sizes)]
 
-    def all_gather_ints(self, values: Sequence[int], context: str) -> list[list[int]]:
-        gathered = self.all_gather(torch.tensor(list(values), dtype=torch.int64), context)
-        return [part.tolist() for part in gathered]
+    def all_gather_ints(self, values: Sequence[int], context: str) -> list[list[int] | None]:
+        gathered = self.all_gather(torch.tensor(list(values), dtype=torch.int64).view(torch.uint8), context)
+        return [None if part is None else part.cpu().clone().view(torch.int64).tolist() for part in gathered]
+
+    def all_gather_floats(self, values: Sequence[float], context: str) -> list[list[float] | None]:
+        """Every rank's float64 values (a few statistics), in rank order."""
+        gathered = self.all_gather(torch.tensor(list(values), dtype=torch.float64).view(torch.uint8), context)
+        return [None if part is None else part.cpu().clone().view(torch.float64).tolist() for part in gathered]
 
     def all_to_all(self, blocks: Sequence[torch.Tensor], receive_sizes: Sequence[int], context: str
-                   ) -> list[torch.Tensor]:
-        """Send blocks[j] to rank j; returns the block from each rank, in rank order."""
+                   ) -> list[torch.Tensor | None]:
+        """Send blocks[j] (uint8) to rank j; returns the block from each rank, in rank order (None:
+        its tag failed). `receive_sizes` are the blocks' sizes without tags."""
         if self.size == 1:
             return [blocks[0].to(self.device)]
-        send_sizes = [block.numel() for block in blocks]
+        sealed = [self._sealed(block, receiver) for receiver, block in enumerate(blocks)]
+        send_sizes = [block.numel() for block in sealed]
+        receive_sizes = [size + self.tag_bytes for size in receive_sizes]
         received = torch.empty(sum(receive_sizes), dtype=torch.uint8, device=self.device)
-        send = torch.cat([block.to(self.device) for block in blocks])
+        send = torch.cat(sealed)
         sent = sum(send_sizes) - send_sizes[self.rank]
         taken = sum(receive_sizes) - receive_sizes[self.rank]
         self._run("all_to_all", context, lambda: self._all_to_all_into(received, send, list(receive_sizes), send_sizes),
                   sent, taken)
-        return list(received.split(list(receive_sizes)))
+        parts = [self._opened(part, sender, self.rank)
+                 for sender, part in enumerate(received.split(list(receive_sizes)))]
+        self._sequence += 1
+        return parts
 
-    def sum(self, values: torch.Tensor, context: str) -> torch.Tensor:
-        """All-reduce (sum) a small float64 vector; returns it on the host."""
-        if self.size == 1:
-            return values.cpu()
-        buffer = values.to(self.device)
-        nbytes = 2 * (self.size - 1) * buffer.numel() * buffer.element_size() // self.size
-        self._run("all_reduce", context, lambda: self._all_reduce(buffer), nbytes, nbytes)
-        return buffer.cpu()
+    def sum_per_worker(self, values: Sequence[float], workers: int, context: str) -> list[list[float]]:
+        """Each worker's sums of `values` over its ranks (result[k][i]), for a group that spans every
+        rank with the worker index slowest: every rank's values gathered, summed in rank order. A
+        rank whose tag fails counts as zeros (these are statistics, not weights)."""
+        rows = self.all_gather_floats(values, context)
+        per_worker = self.size // workers
+        sums = [[0.0] * len(values) for _ in range(workers)]
+        for rank, row in enumerate(rows):
+            if row is not None:
+                sums[rank // per_worker] = [a + b for a, b in zip(sums[rank // per_worker], row)]
+        return sums
 
-    def sum_per_worker(self, values: Sequence[float], worker: int, workers: int, context: str) -> list[list[float]]:
-        """Each worker's sums of `values` over its ranks (result[k][i]): every rank puts its values in
-        its worker's slot of one vector, summed over the group (which must span every rank)."""
-        slots = torch.zeros(workers, len(values), dtype=torch.float64)
-        slots[worker] = torch.tensor(list(values), dtype=torch.float64)
-        return self.sum(slots.reshape(-1), context).view(workers, len(values)).tolist()
+
+class GroupWire(Wire):
+    """A Wire over a torch.distributed process group (None: the default group)."""
+
+    def __init__(self, group, link: SlowLink | None, key: JobKey | None = None, channel: str = "outer"):
+        super().__init__(dist.get_rank(group), dist.get_world_size(group), comm.group_device(group), link, key, channel)
+        self.group = group
+
+    def _all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        dist.all_gather_into_tensor(output, input, group=self.group)
+
+    def _all_to_all_into(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
+                         input_sizes: list[int]) -> None:
+        dist.all_to_all_single(output, input, output_sizes, input_sizes, group=self.group)
 
 
 @dataclass(frozen=True)
@@ -200,10 +278,32 @@ class Averaged:
     residual: torch.Tensor  # flat fp32: what this rank's payload did not carry (flat - its decoding)
 
 
+# Why a sender's payload is not averaged; every rank finds the same reasons for the same bytes (the
+# reduce-scatter owners send them as codes, an index into this tuple plus one).
+REJECTIONS = ("failed authentication", "malformed payload", "payload decodes to non-finite values",
+              "payload norm differs from the norm its sender claims", "payload norm is over max_norm_ratio x its peers'")
+AUTHENTICATION, MALFORMED, NONFINITE, CLAIM_MISMATCH, OUTLIER = REJECTIONS
+
+
 @dataclass
 class Exchanged:
-    averaged: list[Averaged]  # one per bucket
-    headers: list[torch.Tensor]  # every group rank's header (uint8), in rank order
+    averaged: list[Averaged]  # one per bucket; empty when a rejection dropped the average
+    headers: list[torch.Tensor | None]  # every group rank's header (uint8), in rank order; None: not received
+    rejected: dict[int, str] = field(default_factory=dict)  # group rank -> why its payload was not averaged
+
+
+def squared_norm(t: torch.Tensor) -> float:
+    """Sum of squares accumulated in fp64 (without an fp64 copy of the tensor); inf when an entry is
+    non-finite or its square overflows."""
+    return float(t.square().sum(dtype=torch.float64))
+
+
+def _claim(sq_norm: float) -> torch.Tensor:
+    return torch.tensor([sq_norm], dtype=torch.float64).view(torch.uint8)
+
+
+def _read_claim(head: torch.Tensor) -> float:
+    return head[:CLAIM_BYTES].cpu().clone().view(torch.float64).item()
 
 
 def _encode_chunks(bucket: Bucket) -> list[Encoded]:
@@ -212,92 +312,230 @@ def _encode_chunks(bucket: Bucket) -> list[Encoded]:
             for chunk, layout_j in zip(bucket.flat.split(layout.chunk_numels), layout.chunks)]
 
 
-def _sizes_by_rank(wire: Wire, own: Sequence[int], fixed: Sequence[int | None], context: str) -> list[list[int]]:
-    """Every rank's payload sizes: `fixed` (the same on every rank) unless zstd makes them data-dependent."""
+def _sizes_by_rank(wire: Wire, own: Sequence[int], fixed: Sequence[int | None], limits: Sequence[int], context: str
+                   ) -> tuple[list[list[int]], dict[int, str]]:
+    """Every rank's payload sizes: `fixed` (the same on every rank) unless zstd makes them
+    data-dependent, when they are gathered; a rank whose sizes fail their tag or exceed `limits` is
+    rejected (its sizes count as zeros, on every rank alike)."""
     if None not in fixed:
-        return [list(fixed)] * wire.size
-    return wire.all_gather_ints(own, context)
+        return [list(fixed)] * wire.size, {}
+    sizes, rejected = [], {}
+    for rank, claimed in enumerate(wire.all_gather_ints(own, context)):
+        if claimed is None:
+            rejected[rank] = AUTHENTICATION
+        elif len(claimed) != len(limits) or any(not 0 <= size <= limit for size, limit in zip(claimed, limits)):
+            rejected[rank] = MALFORMED
+        sizes.append([0] * len(limits) if rank in rejected else claimed)
+    return sizes, rejected
 
 
-def _average_in_rank_order(decoded: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Sum in rank order, then divide: the same fp32 operations on every rank. Takes the decodings
-    one at a time, so only one is alive besides the running sum."""
-    total, count = None, 0
-    for tensor in decoded:
-        total = tensor.clone() if total is None else total.add_(tensor)
-        count += 1
-    return total.div_(count)
+def _verdicts(senders: Sequence[int], failed: dict[int, str], measured: dict[int, float], claims: dict[int, float],
+              max_norm_ratio: float) -> dict[int, str]:
+    """Sender -> why it is rejected: `failed` already, a squared norm that is not the claimed one, or a
+    norm over max_norm_ratio times the median of the other accepted senders'."""
+    reasons = dict(failed)
+    for r in senders:
+        if r not in reasons:
+            m, c = measured.get(r, 0.0), claims[r]
+            if not (math.isfinite(c) and abs(m - c) <= CLAIM_TOLERANCE * max(abs(m), abs(c))):
+                reasons[r] = CLAIM_MISMATCH
+    accepted = [r for r in senders if r not in reasons]
+    for r in accepted:
+        others = [math.sqrt(measured.get(j, 0.0)) for j in accepted if j != r]
+        if others and math.sqrt(measured.get(r, 0.0)) > max_norm_ratio * max(statistics.median(others), 1e-12):
+            reasons[r] = OUTLIER
+    return reasons
+
+
+class _Decodings:
+    """The payloads of one layout from several senders, decoded and checked one at a time: each
+    sender's squared norm is accumulated over the buckets, and a sender whose payload is malformed or
+    non-finite is marked failed and skipped from then on."""
+
+    def __init__(self):
+        self.failed: dict[int, str] = {}
+        self.measured: dict[int, float] = {}
+
+    def decode(self, sender: int, compressor: Compressor, data: torch.Tensor, layout: Layout, device
+               ) -> torch.Tensor | None:
+        if sender in self.failed:
+            return None
+        try:
+            decoded = compressor.decode_bucket(data.to(device), layout)
+        except PayloadError:
+            self.failed[sender] = MALFORMED
+            return None
+        sq = squared_norm(decoded)
+        if not math.isfinite(sq):
+            self.failed[sender] = NONFINITE
+            return None
+        self.measured[sender] = self.measured.get(sender, 0.0) + sq
+        return decoded
+
+    def sum_in_rank_order(self, senders: Sequence[int], payloads: Callable[[int], torch.Tensor],
+                          compressor: Compressor, layout: Layout, device) -> tuple[torch.Tensor | None, list[int]]:
+        """(sum of the senders' decodings that pass, the senders summed). Sums in rank order, so every
+        rank does the same fp32 operations; only one decoding is alive besides the running sum."""
+        total, summed = None, []
+        for sender in senders:
+            if sender in self.failed:
+                continue
+            decoded = self.decode(sender, compressor, payloads(sender), layout, device)
+            if decoded is not None:
+                total = decoded.clone() if total is None else total.add_(decoded)
+                summed.append(sender)
+        return total, summed
+
+
+def _average_over(kept: list[int], totals: list[tuple[torch.Tensor | None, list[int]]], buckets: Sequence[Bucket],
+                  layouts: Sequence[Layout], payloads: Callable[[int, int], torch.Tensor]) -> list[torch.Tensor]:
+    """Each bucket's average over the `kept` senders: the running sums where they hold exactly those
+    senders, else summed again (a sender rejected after its bucket was summed: rare, the failure path)."""
+    averages = []
+    for i, ((total, summed), bucket, layout) in enumerate(zip(totals, buckets, layouts)):
+        if summed != kept:
+            total, _ = _Decodings().sum_in_rank_order(kept, lambda r: payloads(r, i), bucket.compressor, layout,
+                                                      bucket.flat.device)
+        averages.append(total.div_(len(kept)))
+    return averages
 
 
 def average_buckets(buckets: Sequence[Bucket], wire: Wire, collective: str, context: str,
-                    members: Sequence[int] | None = None, header: torch.Tensor | None = None) -> Exchanged:
+                    members: Sequence[int] | None = None, header: torch.Tensor | None = None,
+                    max_norm_ratio: float = math.inf, leave_out: bool = False) -> Exchanged:
     """Average each bucket over the wire's group (or over the group ranks `members` only: the others
     still take part in the collectives, and receive the average), and deliver every rank's `header`
-    (uint8, the same size on every rank); decoding happens on each bucket's own device. With a
-    header the collectives run even when there are no buckets."""
+    (uint8, the same size on every rank); decoding happens on each bucket's own device. Every payload
+    is checked (see the module docstring); with `leave_out` the average is over the senders that pass,
+    else any rejection drops it (`averaged` is empty). With a header the collectives run even when
+    there are no buckets."""
     header = torch.empty(0, dtype=torch.uint8) if header is None else header
     if collective == "all_gather":
-        return _all_gather_average(buckets, wire, context, members, header)
-    if members is not None:
+        return _all_gather_average(buckets, wire, context, members, header, max_norm_ratio, leave_out)
+    if members is not None or leave_out:
         raise ValueError("averaging over a subset of the group is implemented for the all_gather collective only")
-    return _reduce_scatter_average(buckets, wire, context, header)
+    return _reduce_scatter_average(buckets, wire, context, header, max_norm_ratio)
 
 
 def _all_gather_average(buckets: Sequence[Bucket], wire: Wire, context: str, members: Sequence[int] | None,
-                        header: torch.Tensor) -> Exchanged:
+                        header: torch.Tensor, max_norm_ratio: float, leave_out: bool) -> Exchanged:
     encoded = [_encode_chunks(bucket)[0] for bucket in buckets]
-    fixed = [header.numel()] + [b.compressor.bucket_nbytes(b.layout.chunks[0]) for b in buckets]
-    sizes = _sizes_by_rank(wire, [header.numel()] + [e.nbytes for e in encoded], fixed, context)
-    payload = torch.cat([header.to(wire.device)] + [e.data.to(wire.device) for e in encoded])
+    layouts = [bucket.layout.chunks[0] for bucket in buckets]
+    head = torch.cat([_claim(sum(squared_norm(e.decoded) for e in encoded)), header.cpu()])
+    fixed = [head.numel()] + [b.compressor.bucket_nbytes(layout) for b, layout in zip(buckets, layouts)]
+    limits = [head.numel()] + [b.compressor.max_bucket_nbytes(layout) for b, layout in zip(buckets, layouts)]
+    sizes, failed = _sizes_by_rank(wire, [head.numel()] + [e.nbytes for e in encoded], fixed, limits, context)
+    payload = torch.cat([head.to(wire.device)] + [e.data.to(wire.device) for e in encoded])
     buffers = wire.all_gather_padded(payload, [sum(s) for s in sizes], context)
-    received = [buffer.split(rank_sizes) for buffer, rank_sizes in zip(buffers, sizes)]
-    out = []
-    for i, (bucket, own) in enumerate(zip(buckets, encoded), start=1):
-        device, chunk = bucket.flat.device, bucket.layout.chunks[0]
-        decoded = (bucket.compressor.decode_bucket(received[rank][i].to(device), chunk)
-                   for rank in (range(wire.size) if members is None else members))
-        out.append(Averaged(_average_in_rank_order(decoded), bucket.flat - own.decoded))
-    return Exchanged(out, [parts[0] for parts in received])
+    parts = {r: buffer.split(sizes[r]) for r, buffer in enumerate(buffers) if buffer is not None and r not in failed}
+    headers = [parts[r][0][CLAIM_BYTES:] if r in parts else None for r in range(wire.size)]
+
+    senders = list(range(wire.size)) if members is None else list(members)
+    decodings = _Decodings()
+    decodings.failed.update({r: failed.get(r, AUTHENTICATION) for r in senders if r not in parts})
+    totals = [decodings.sum_in_rank_order(senders, lambda r: parts[r][i], bucket.compressor, layout, bucket.flat.device)
+              for i, (bucket, layout) in enumerate(zip(buckets, layouts), start=1)]
+    claims = {r: _read_claim(parts[r][0]) for r in senders if r in parts}
+    rejected = _verdicts(senders, decodings.failed, decodings.measured, claims, max_norm_ratio)
+    kept = [r for r in senders if r not in rejected]
+    if not kept or (rejected and not leave_out):
+        return Exchanged([], headers, rejected)
+    averages = _average_over(kept, totals, buckets, layouts, lambda r, i: parts[r][i + 1])
+    return Exchanged([Averaged(average, bucket.flat - own.decoded)
+                      for average, bucket, own in zip(averages, buckets, encoded)], headers, rejected)
 
 
-def _reduce_scatter_average(buckets: Sequence[Bucket], wire: Wire, context: str, header: torch.Tensor) -> Exchanged:
+def _reduce_scatter_average(buckets: Sequence[Bucket], wire: Wire, context: str, header: torch.Tensor,
+                            max_norm_ratio: float) -> Exchanged:
     size, me, n = wire.size, wire.rank, len(buckets)
     encoded = [_encode_chunks(bucket) for bucket in buckets]  # [bucket][chunk]
 
-    # Phase 1: rank j receives every worker's header and payload for chunk j. A block holds n + 1
-    # entries (the header, then the buckets); sizes are indexed [rank][j*(n+1) + entry].
-    fixed = [size_ for j in range(size) for size_ in
-             [header.numel()] + [buckets[i].compressor.bucket_nbytes(buckets[i].layout.chunks[j]) for i in range(n)]]
-    own = [size_ for j in range(size) for size_ in [header.numel()] + [encoded[i][j].nbytes for i in range(n)]]
-    sizes = _sizes_by_rank(wire, own, fixed, context)
-    blocks = [torch.cat([header.to(wire.device)] + [encoded[i][j].data.to(wire.device) for i in range(n)])
+    # Phase 1: rank j receives every worker's claim, header and payload for chunk j. A block holds
+    # n + 1 entries (claim and header, then the buckets); sizes are indexed [rank][j*(n+1) + entry].
+    heads = [torch.cat([_claim(sum(squared_norm(encoded[i][j].decoded) for i in range(n))), header.cpu()])
+             for j in range(size)]
+    head_size = heads[0].numel()
+    chunks = [bucket.layout.chunks for bucket in buckets]  # [bucket][chunk]
+    fixed = [x for j in range(size) for x in [head_size] + [buckets[i].compressor.bucket_nbytes(chunks[i][j])
+                                                            for i in range(n)]]
+    limits = [x for j in range(size) for x in [head_size] + [buckets[i].compressor.max_bucket_nbytes(chunks[i][j])
+                                                             for i in range(n)]]
+    own = [x for j in range(size) for x in [head_size] + [encoded[i][j].nbytes for i in range(n)]]
+    sizes, failed = _sizes_by_rank(wire, own, fixed, limits, context)
+    blocks = [torch.cat([heads[j].to(wire.device)] + [encoded[i][j].data.to(wire.device) for i in range(n)])
               for j in range(size)]
     receive_sizes = [sizes[src][me * (n + 1):(me + 1) * (n + 1)] for src in range(size)]
     received = wire.all_to_all(blocks, [sum(s) for s in receive_sizes], context)
-    from_rank = [buffer.split(s) for buffer, s in zip(received, receive_sizes)]
+    parts = {src: buffer.split(receive_sizes[src]) for src, buffer in enumerate(received)
+             if buffer is not None and src not in failed}
+    headers = [parts[src][0][CLAIM_BYTES:] if src in parts else None for src in range(size)]
 
-    # Phase 2: average own chunk in rank order and re-quantize it.
-    requantized = []
-    for i, bucket in enumerate(buckets):
-        own_chunk, device = bucket.layout.chunks[me], bucket.flat.device
-        decoded = (bucket.compressor.decode_bucket(from_rank[src][i + 1].to(device), own_chunk) for src in range(size))
-        requantized.append(bucket.compressor.encode_bucket(_average_in_rank_order(decoded), own_chunk))
+    # Phase 2: check the chunks this rank owns, average them in rank order and re-quantize.
+    senders, owned = list(range(size)), [chunks[i][me] for i in range(n)]
+    decodings = _Decodings()
+    decodings.failed.update({src: failed.get(src, AUTHENTICATION) for src in senders if src not in parts})
+    totals = [decodings.sum_in_rank_order(senders, lambda src: parts[src][i], bucket.compressor, layout,
+                                          bucket.flat.device)
+              for i, (bucket, layout) in enumerate(zip(buckets, owned), start=1)]
+    claims = {src: _read_claim(parts[src][0]) for src in parts}
+    verdicts = _verdicts(senders, decodings.failed, decodings.measured, claims, max_norm_ratio)
+    kept = [src for src in senders if src not in verdicts]
+    averages = (_average_over(kept, totals, buckets, owned, lambda src, i: parts[src][i + 1]) if kept
+                else [torch.zeros(sum(r * c for r, c in layout), device=b.flat.device) for b, layout in zip(buckets, owned)])
+    requantized = [bucket.compressor.encode_bucket(average, layout)
+                   for bucket, average, layout in zip(buckets, averages, owned)]
 
-    # Phase 3: all-gather the re-quantized chunks; every rank decodes all of them, its own included.
-    q_fixed = [buckets[i].compressor.bucket_nbytes(buckets[i].layout.chunks[me]) for i in range(n)]
+    # Phase 3: all-gather the verdicts and the re-quantized chunks; every rank checks and decodes all
+    # of them, its own included. A part holds the K verdict codes and the claim, then the buckets.
+    codes = torch.tensor([REJECTIONS.index(verdicts[src]) + 1 if src in verdicts else 0 for src in senders],
+                         dtype=torch.uint8)
+    q_head = torch.cat([codes, _claim(sum(squared_norm(q.decoded) for q in requantized))])
+    q_fixed = [q_head.numel()] + [buckets[i].compressor.bucket_nbytes(owned[i]) for i in range(n)]
     if None in q_fixed:
-        q_sizes = wire.all_gather_ints([q.nbytes for q in requantized], context)
+        q_limits = [[q_head.numel()] + [buckets[i].compressor.max_bucket_nbytes(chunks[i][j]) for i in range(n)]
+                    for j in range(size)]
+        q_sizes, q_failed = [], {}
+        for j, claimed in enumerate(wire.all_gather_ints([q_head.numel()] + [q.nbytes for q in requantized], context)):
+            ok = claimed is not None and len(claimed) == n + 1 and all(0 <= a <= b for a, b in zip(claimed, q_limits[j]))
+            if not ok:
+                q_failed[j] = AUTHENTICATION if claimed is None else MALFORMED
+            q_sizes.append(claimed if ok else [0] * (n + 1))
     else:
-        q_sizes = [[buckets[i].compressor.bucket_nbytes(buckets[i].layout.chunks[j]) for i in range(n)]
+        q_sizes = [[q_head.numel()] + [buckets[i].compressor.bucket_nbytes(chunks[i][j]) for i in range(n)]
                    for j in range(size)]
-    q_payload = torch.cat([q.data.to(wire.device) for q in requantized]) if requantized \
-        else torch.empty(0, dtype=torch.uint8, device=wire.device)
-    buffers = wire.all_gather_padded(q_payload, [sum(s) for s in q_sizes], context)
-    owned = [buffer.split(s) for buffer, s in zip(buffers, q_sizes)]
+        q_failed = {}
+    q_payload = torch.cat([q_head.to(wire.device)] + [q.data.to(wire.device) for q in requantized])
+    q_buffers = wire.all_gather_padded(q_payload, [sum(s) for s in q_sizes], context)
+    rejected: dict[int, str] = {}
+    checked = _Decodings()
+    checked.failed.update(q_failed)
+    decoded_chunks = []
+    for j, buffer in enumerate(q_buffers):
+        if buffer is None or j in q_failed:
+            checked.failed.setdefault(j, AUTHENTICATION)
+            decoded_chunks.append(None)
+            continue
+        q_parts = buffer.split(q_sizes[j])
+        for src, code in enumerate(q_parts[0][:size].tolist()):
+            if 0 < code <= len(REJECTIONS):
+                rejected.setdefault(src, f"{REJECTIONS[code - 1]} (found by the owner of chunk {j})")
+            elif code:
+                checked.failed[j] = MALFORMED
+        decoded_chunks.append([checked.decode(j, buckets[i].compressor, q_parts[i + 1], chunks[i][j],
+                                              buckets[i].flat.device) for i in range(n)])
+        if j not in checked.failed:
+            checked.measured.setdefault(j, 0.0)
+            q_claim = _read_claim(q_parts[0][size:])
+            if not (math.isfinite(q_claim) and abs(checked.measured[j] - q_claim)
+                    <= CLAIM_TOLERANCE * max(abs(checked.measured[j]), abs(q_claim))):
+                checked.failed[j] = CLAIM_MISMATCH
+    for j, reason in checked.failed.items():
+        rejected.setdefault(j, f"{reason} (its re-quantized chunk {j})")
+    if rejected:
+        return Exchanged([], headers, rejected)
     out = []
     for i, bucket in enumerate(buckets):
-        device, chunks = bucket.flat.device, bucket.layout.chunks
-        average = torch.cat([bucket.compressor.decode_bucket(owned[j][i].to(device), chunks[j]) for j in range(size)])
+        average = torch.cat([decoded_chunks[j][i] for j in range(size)])
         sent = torch.cat([chunk.decoded for chunk in encoded[i]])
         out.append(Averaged(average, bucket.flat - sent))
-    return Exchanged(out, [parts[0] for parts in from_rank])
+    return Exchanged(out, headers, rejected)

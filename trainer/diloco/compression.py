@@ -29,6 +29,11 @@ order, R = rows of the bucket, N = its elements; numbers little-endian:
 
 With `zstd` the payload is the zstd frame of those bytes, so its size depends on the data.
 
+Payloads come from other datacenters, so decoding trusts nothing in them: a payload must have exactly
+its layout's size, a zstd frame is inflated only up to that size (a frame that would grow past it is
+refused before it is allocated), and every index it carries must fall inside its row. Anything else
+raises PayloadError, which the receiver turns into a rejection of that sender.
+
 At 8 bits the statistical quantizer's 256 bins are fine enough that their centres replace the
 codebook, which would otherwise cost more than the codes on rows shorter than 1024. Top-k values are
 sent in fp32 so the kept entries arrive exactly: top-k only drops, and error feedback carries exactly
@@ -66,6 +71,10 @@ EFForm = Literal["plain", "paper"]
 StatisticalRounding = Literal["centred", "paper"]
 
 Layout = tuple[tuple[int, int], ...]  # (rows, columns) of each block of a bucket, in buffer order
+
+
+class PayloadError(ValueError):
+    """A payload that is not a valid encoding of its layout under this config."""
 
 
 @dataclass(frozen=True)
@@ -228,7 +237,7 @@ class _ByteReader:
 
     def take(self, nbytes: int) -> torch.Tensor:
         if self.offset + nbytes > self.data.numel():
-            raise ValueError(
+            raise PayloadError(
                 f"payload too short: need {self.offset + nbytes} bytes, have {self.data.numel()}")
         chunk = self.data[self.offset:self.offset + nbytes]
         self.offset += nbytes
@@ -428,6 +437,8 @@ class _TopK:
         out = []
         for (rows, cols), values in zip(runs, kept):
             index = reader.packed(self.index_bits(cols), values.numel()).view(values.shape)
+            if index.numel() and int(index.max()) >= cols:  # checked here: out of range it would fault a GPU
+                raise PayloadError(f"top-k payload holds a column index beyond its row of {cols}")
             out.append(torch.zeros(rows, cols, device=values.device).scatter_(1, index, values).reshape(-1))
         return torch.cat(out) if out else torch.zeros(0, device=reader.data.device)
 
@@ -463,16 +474,24 @@ class Compressor:
         return Encoded(_zstd_compress(data, self.config.zstd_level) if self.config.zstd else data, flat_decoded)
 
     def decode_bucket(self, data: torch.Tensor, layout: Layout) -> torch.Tensor:
-        data = _zstd_decompress(data) if self.config.zstd else data
-        reader = _ByteReader(data)
-        flat = self._runs.decode(reader, runs_of(layout))
-        if reader.offset != data.numel():
-            raise ValueError(f"payload has {data.numel()} bytes, layout {layout} needs {reader.offset}")
-        return flat
+        """The fp32 buffer a payload encodes; PayloadError for anything that is not a payload of
+        this layout (it may come from anyone)."""
+        runs = runs_of(layout)
+        expected = self._runs.nbytes(runs)
+        if self.config.zstd:
+            data = _zstd_decompress(data, expected)
+        if data.numel() != expected:
+            raise PayloadError(f"payload has {data.numel()} bytes, layout {layout} needs {expected}")
+        return self._runs.decode(_ByteReader(data), runs)
 
     def bucket_nbytes(self, layout: Layout) -> int | None:
         """Bytes of a bucket's payload; None when zstd makes it data-dependent."""
         return None if self.config.zstd else self._runs.nbytes(runs_of(layout))
+
+    def max_bucket_nbytes(self, layout: Layout) -> int:
+        """The most bytes a valid payload of this layout can have (a zstd frame: zstd's bound)."""
+        raw = self._runs.nbytes(runs_of(layout))
+        return _zstd_bound(raw) if self.config.zstd else raw
 
     # One tensor: a bucket of one block.
     def encode(self, x: torch.Tensor) -> Encoded:
@@ -519,8 +538,27 @@ def _zstd_compress(data: torch.Tensor, level: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(frame), dtype=torch.uint8).to(data.device)
 
 
-def _zstd_decompress(frame: torch.Tensor) -> torch.Tensor:
-    raw = zstandard.ZstdDecompressor().decompress(frame.cpu().numpy().tobytes())
+def _zstd_bound(nbytes: int) -> int:
+    """zstd's worst-case frame size for `nbytes` of input (ZSTD_COMPRESSBOUND), plus the frame header."""
+    small = ((128 << 10) - nbytes) >> 11 if nbytes < (128 << 10) else 0
+    return nbytes + (nbytes >> 8) + small + 64
+
+
+def _zstd_decompress(frame: torch.Tensor, limit: int) -> torch.Tensor:
+    """Inflate at most `limit` bytes: a frame that holds more is refused after limit + 1 bytes, whatever
+    content size its header declares (a few KB can otherwise ask for gigabytes)."""
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(frame.cpu().numpy().tobytes()) as reader:
+            raw = bytearray()
+            while len(raw) <= limit:
+                chunk = reader.read(limit + 1 - len(raw))
+                if not chunk:
+                    break
+                raw += chunk
+    except zstandard.ZstdError as err:
+        raise PayloadError(f"malformed zstd frame: {err}") from None
+    if len(raw) > limit:
+        raise PayloadError(f"zstd frame inflates past the {limit} bytes its layout allows")
     if not raw:
         return torch.empty(0, dtype=torch.uint8, device=frame.device)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(frame.device)
+    return torch.frombuffer(raw, dtype=torch.uint8).to(frame.device)

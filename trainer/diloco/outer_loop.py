@@ -48,7 +48,9 @@ import torch
 
 from trainer import comm
 from trainer.diloco import vote
-from trainer.diloco.collectives import Averaged, Bucket, BucketLayout, Wire, average_buckets
+from trainer.diloco.auth import JobKey
+from trainer.diloco.collectives import (Averaged, Bucket, BucketLayout, GroupWire, Wire, average_buckets,
+                                        squared_norm)
 from trainer.diloco.compression import Compressor, ErrorFeedback, compression_group, rows_shape
 from trainer.diloco.config import MuLoCoConfig
 from trainer.diloco.sync_metrics import LocalSums, sync_record
@@ -96,11 +98,6 @@ def _state_copy(t: torch.Tensor, on_device: bool) -> torch.Tensor:
     return t.detach().to("cpu", torch.float32).pin_memory()
 
 
-def _sum_sq(t: torch.Tensor) -> float:
-    """Sum of squares accumulated in fp64 (without an fp64 copy of the tensor)."""
-    return float(t.square().sum(dtype=torch.float64))
-
-
 @dataclass
 class _BucketSpec:
     """Owned parameters of one fragment that travel together: the same compression group (so the same
@@ -135,8 +132,9 @@ class _Pending:
 class OuterLoop:
     def __init__(self, config: MuLoCoConfig, named_params: list[tuple[str, torch.nn.Parameter]],
                  canonical: dict[str, str], topology: Topology, tp_rank: int, num_layers: int,
-                 log: Callable[[dict, int], None], timeout: timedelta = comm.COLLECTIVE_TIMEOUT):
-        self.config, self.topology, self.log = config, topology, log
+                 log: Callable[[dict, int], None], timeout: timedelta = comm.COLLECTIVE_TIMEOUT,
+                 key: JobKey | None = None):
+        self.config, self.topology, self.log, self.key = config, topology, log, key
         F = config.streaming.fragments
         self.params: list[SyncedParam] = []
         for local_name, p in named_params:
@@ -171,7 +169,8 @@ class OuterLoop:
         mine = comm.new_subgroups(outer_ranks(sizes), timeout, backend=backend)
         every_rank = comm.new_group(list(range(sizes.world)), timeout, backend=backend)
         worker = comm.new_subgroups(worker_ranks(sizes), timeout, backend=backend) if sizes.ranks_per_worker > 1 else None
-        return Wire(mine, self.config.link), Wire(every_rank, self.config.link), worker
+        return (GroupWire(mine, self.config.link, self.key, "outer"),
+                GroupWire(every_rank, self.config.link, self.key, "metrics"), worker)
 
     def _wire_shape(self, i: int) -> tuple[int, int]:
         shape = self.params[i].param.shape
@@ -268,10 +267,14 @@ class OuterLoop:
         buckets = [Bucket(spec.compressor, spec.layout,
                           spec.error_feedback.accumulate(d) if spec.error_feedback else d)
                    for spec, d in zip(specs, deltas)]
+        self.outer_wire.begin(outer_step, fragment)
         exchanged = average_buckets(buckets, self.outer_wire, self.config.collective, context,
-                                    header=ballot.view(torch.uint8))
+                                    header=ballot.view(torch.uint8), max_norm_ratio=self.config.max_norm_ratio)
         exchange = self.outer_wire.take_stats()
-        norms, reason = vote.count(exchanged.headers, self.config.max_norm_ratio)
+        if exchanged.rejected:  # every rank of the outer group rejects the same workers
+            norms, reason = [], "; ".join(f"worker {k}: {why}" for k, why in sorted(exchanged.rejected.items()))
+        else:
+            norms, reason = vote.count(exchanged.headers, self.config.max_norm_ratio)
         record = {"outer_step": outer_step, "fragment": fragment, "step": step,
                   "pseudograd_norm": statistics.fmean(norms) if reason is None else None,
                   "round_trips": exchange.round_trips, "sync_seconds": time.perf_counter() - start}
@@ -280,15 +283,15 @@ class OuterLoop:
 
         def reduce_metrics() -> dict:  # reads the sync's buffers, which nothing changes after the exchange
             local = self._local_sums(specs, deltas, buckets, exchanged.averaged, exchange.bytes_sent)
-            reduced = sync_record(self.metrics_wire, self.topology.coords.worker, self.topology.sizes.workers,
-                                  norms, local, context)
+            self.metrics_wire.begin(outer_step, fragment)
+            reduced = sync_record(self.metrics_wire, self.topology.sizes.workers, norms, local, context)
             return {**record, **reduced, "background_round_trips": self.metrics_wire.take_stats().round_trips}
         return SyncResult(exchanged.averaged, record, reduce_metrics)
 
     @staticmethod
     def _vote_share(specs: list[_BucketSpec], deltas: list[torch.Tensor]) -> tuple[bool, float]:
         """(any non-finite entry, squared norm) of this rank's share of a fragment's pseudogradient."""
-        sq = sum(_sum_sq(d) for spec, d in zip(specs, deltas) if spec.counts_once)
+        sq = sum(squared_norm(d) for spec, d in zip(specs, deltas) if spec.counts_once)
         return any(not bool(torch.isfinite(d).all()) for d in deltas), sq
 
     @staticmethod
@@ -298,10 +301,10 @@ class OuterLoop:
         for spec, delta, bucket, result in zip(specs, deltas, buckets, averaged):
             if spec.counts_once:
                 local.dot += float((delta * result.average).sum(dtype=torch.float64))
-                local.average_sq += _sum_sq(result.average)
+                local.average_sq += squared_norm(result.average)
                 if spec.compressed:
-                    local.residual_sq += _sum_sq(result.residual)
-                    local.sent_sq += _sum_sq(bucket.flat)
+                    local.residual_sq += squared_norm(result.residual)
+                    local.sent_sq += squared_norm(bucket.flat)
         return local
 
     @torch.no_grad()

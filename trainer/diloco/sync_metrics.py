@@ -1,4 +1,4 @@
-"""What each outer sync logs, reduced over every rank with one all-reduce.
+"""What each outer sync logs, gathered from every rank in one collective.
 
     pseudograd_norm      mean over workers of ||delta_k|| (from the skip vote)
     pseudograd_cosine    mean over workers of cos(delta_k, average): the paper's alignment mechanism
@@ -26,8 +26,8 @@ class LocalSums:
     sent_sq: float = 0.0  # over compressed buckets
 
 
-def sync_record(wire: Wire, worker: int, workers: int, norms: list[float], local: LocalSums, context: str) -> dict:
-    sums = wire.sum_per_worker(list(astuple(local)), worker, workers, f"sync metrics, {context}")
+def sync_record(wire: Wire, workers: int, norms: list[float], local: LocalSums, context: str) -> dict:
+    sums = wire.sum_per_worker(list(astuple(local)), workers, f"sync metrics, {context}")
     dots, average_sq = [s[0] for s in sums], sums[0][1]  # every worker holds the same average
     residual_sq, sent_sq = sum(s[3] for s in sums), sum(s[4] for s in sums)
     return {

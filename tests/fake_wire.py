@@ -1,0 +1,66 @@
+"""A fake outer link for in-process tests: K ranks as K threads of this process, meeting on a shared
+board, so the outer exchange (trainer/diloco/collectives.py) runs with its real code and no launch.
+
+`run_ranks(K, fn)` runs fn(rank) in K threads and returns their results in rank order (re-raising
+the first failure). A FakeWire's `tamper(op, sequence, data) -> data` sees every buffer its rank puts
+on the link and may replace it: the attacker's seat. A board can also record what crossed it, so a
+test can replay an earlier sync's messages."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from trainer.diloco.auth import JobKey
+from trainer.diloco.collectives import Wire
+
+TIMEOUT_S = 30
+
+
+class Board:
+    def __init__(self, size: int):
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=TIMEOUT_S)
+        self.slots: list = [None] * size
+
+    def exchange(self, rank: int, item) -> list:
+        """Every rank's item, once all ranks have put theirs."""
+        self.slots[rank] = item
+        self.barrier.wait()
+        items = list(self.slots)
+        self.barrier.wait()  # nobody overwrites a slot before every rank has read it
+        return items
+
+
+class FakeWire(Wire):
+    def __init__(self, board: Board, rank: int, key: JobKey | None = None, channel: str = "outer",
+                 tamper: Callable[[str, int, torch.Tensor], torch.Tensor] | None = None):
+        super().__init__(rank, board.size, torch.device("cpu"), link=None, key=key, channel=channel)
+        self.board, self.tamper = board, tamper
+
+    def _put(self, op: str, data: torch.Tensor) -> torch.Tensor:
+        data = data.clone()
+        return self.tamper(op, self._sequence, data) if self.tamper is not None else data
+
+    def _all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        parts = self.board.exchange(self.rank, self._put("all_gather", input))
+        if any(part.numel() != input.numel() for part in parts):
+            raise RuntimeError(f"all_gather: ranks sent buffers of different sizes {[p.numel() for p in parts]}")
+        output.copy_(torch.cat(parts))
+
+    def _all_to_all_into(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
+                         input_sizes: list[int]) -> None:
+        blocks = list(self._put("all_to_all", input).split(input_sizes))
+        everyone = self.board.exchange(self.rank, blocks)
+        received = [everyone[src][self.rank] for src in range(self.size)]
+        if [block.numel() for block in received] != list(output_sizes):
+            raise RuntimeError("all_to_all: a block of an unexpected size")
+        output.copy_(torch.cat(received))
+
+
+def run_ranks(size: int, fn: Callable[[int], object]) -> list:
+    with ThreadPoolExecutor(max_workers=size) as pool:
+        futures = [pool.submit(fn, rank) for rank in range(size)]
+        return [future.result(timeout=TIMEOUT_S * 4) for future in futures]
