@@ -20,7 +20,6 @@ import os
 import subprocess
 import sys
 import tempfile
-from datetime import timedelta
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +34,6 @@ COMPRESSIONS = {
     "top-2% + EF": {"method": "topk", "topk_fraction": 0.02, "error_feedback": True},
 }
 COLLECTIVES = ("all_gather", "reduce_scatter")
-TIMEOUT = timedelta(minutes=10)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,25 +59,15 @@ def measure(args: argparse.Namespace) -> list[dict]:
     """One rank of a K-rank launch: every sync of the grid on the real model; rank 0 returns the rows."""
     import torch
     import torch.distributed as dist
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_patches import apply_cpu_shims_if_needed, initialize_megatron_groups
+    from benchmarks.outer_worker import worker_model
     from trainer.diloco.compression import CompressionConfig
     from trainer.diloco.config import MuLoCoConfig
     from trainer.diloco.outer_loop import OuterLoop
-    from trainer.model.builder import build_model, canonical_names, initialize_weights, padded_vocab_size
-    from trainer.model.presets import PRESETS
-    from trainer.topology import ParallelSizes, build_topology
+    from trainer.model.builder import canonical_names
 
-    dist.init_process_group("gloo", timeout=TIMEOUT)
-    apply_cpu_shims_if_needed()
+    model, topology, shape = worker_model(args.model, args.vocab_size)
     K = dist.get_world_size()
-    topology = build_topology(ParallelSizes(K, 1, 1, 1), TIMEOUT)
-    initialize_megatron_groups(topology, TIMEOUT)
-    model_parallel_cuda_manual_seed(0)
-    shape = PRESETS[args.model]
-    model = build_model(shape, padded_vocab_size(args.vocab_size, 1))
-    initialize_weights(model, shape, seed=0)
     params = sum(p.numel() for p in model.parameters())
     dp_bytes = 2 * (K - 1) / K * 4 * params * args.sync_interval
     generator = torch.Generator().manual_seed(dist.get_rank())
@@ -91,7 +79,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
                                   compression=CompressionConfig(**compression))
             records = []
             outer = OuterLoop(config, list(model.named_parameters()), canonical_names(model), topology, 0,
-                              shape.num_layers, log=lambda record, step: records.append(record), timeout=TIMEOUT)
+                              shape.num_layers, log=lambda record, step: records.append(record))
             with torch.no_grad():  # this worker's H inner steps, as far as the sync can tell
                 for p in model.parameters():
                     p.add_(torch.randn(p.shape, generator=generator), alpha=1e-3)

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         pickled, safe = Path(work) / "rank.pt", Path(work) / "rank.safetensors"
         r = {"pickle_write_s": best(lambda: fsynced(pickled, lambda f: torch.save(state, f)), args.repeats),
              "safetensors_write_s": best(lambda: fsynced(safe, lambda f: write_rank_file(f, state)), args.repeats),
-             "pickle_read_s": best(lambda: touch_all(torch.load(pickled, mmap=True, weights_only=False)), args.repeats),
+             "pickle_read_s": best(lambda: touch_all(torch.load(pickled, mmap=True, weights_only=True)), args.repeats),
              "safetensors_read_s": best(lambda: touch_all(to_plain(read_rank_file(safe))), args.repeats),
              "sha256_s": best(lambda: sha256_of(safe), args.repeats),
              "file_mib": safe.stat().st_size / 2 ** 20}

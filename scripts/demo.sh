@@ -47,6 +47,9 @@ else
     # Two processes share the cores: more threads than cores would only slow both down.
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( ($(nproc) + 1) / 2 ))}"
     master_port="$(python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')"
+    # The K=2 workers tag every message with the job secret (made once, kept beside the data).
+    [ -f "$DATA/job.key" ] || python -m trainer.diloco.auth new-key "$DATA/job.key"
+    export MULOCO_AUTH_KEY_FILE="$(cd "$DATA" && pwd)/job.key"
     deepspeed --num_gpus 2 --master_port "$master_port" trainer/pretrain.py --ds_config "$DS_CONFIG" \
         --model tiny --train-iters "$TRAIN_ITERS" --eval-interval "$EVAL_INTERVAL" --eval-iters 4 --log-interval 10 \
         --data-path "$DATA/data/train_text_document" --valid-data-path "$DATA/data/valid_text_document" \

@@ -6,7 +6,8 @@
 # (K_eff, who was missing, each worker's global-weight checksum) and ends with one JSON line. The
 # config emulates a WAN link (500 ms per round trip), which also keeps the survivors from finishing
 # before worker 2 is back.
-# Loopback only; every process it starts is killed on exit.
+# Authentication on: the lighthouse and the workers share a fresh job secret. Loopback only; every
+# process it starts is killed on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,7 +16,7 @@ WORK="${ELASTIC_DEMO_DIR:-runs/elastic_demo}"
 DS_CONFIG=ds_configs/cpu_tiny_elastic.json
 
 . scripts/venv.sh
-export OMP_NUM_THREADS=1 MULOCO_ELASTIC_HOST=127.0.0.1
+export OMP_NUM_THREADS=1
 free_port() { python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 GROUPS_STARTED=()
@@ -30,6 +31,9 @@ rm -rf "$WORK" && mkdir -p "$WORK" && touch "$WORK/.started"
 echo "[elastic 1/4] data: a learnable synthetic token stream -> $WORK/markov"
 python -c "import sys; sys.path.insert(0, 'tests'); from synthetic_data import write_markov_dataset; write_markov_dataset('$WORK/markov')"
 
+# One secret for the lighthouse and every worker: nobody without it can join or send a message.
+python -m trainer.diloco.auth new-key "$WORK/job.key"
+export MULOCO_AUTH_KEY_FILE="$(cd "$WORK" && pwd)/job.key"
 LIGHTHOUSE_PORT="$(free_port)"
 export TORCHFT_LIGHTHOUSE="http://127.0.0.1:$LIGHTHOUSE_PORT"
 echo "[elastic 2/4] lighthouse on 127.0.0.1:$LIGHTHOUSE_PORT, workers 0 1 2 (one deepspeed launch each)"

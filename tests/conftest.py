@@ -3,10 +3,13 @@
 `--sample-corpus-only` runs just the tests that read the sample corpus (those requesting the
 `shakespeare` fixture, directly or through another fixture): test_fresh_clone runs them in a clone
 with nothing beside it, proving the repository carries everything they need."""
+import os
 import time
 from pathlib import Path
 
 import pytest
+
+from trainer.diloco.auth import KEY_FILE_ENV, write_new_key
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_CORPUS = REPO_ROOT / "corpus" / "shakespeare"
@@ -28,6 +31,21 @@ def remove_deepspeed_shm_buffers():
                 path.unlink()
         except FileNotFoundError:  # another process removed it first
             pass
+
+
+@pytest.fixture(scope="session", autouse=True)
+def job_secret(tmp_path_factory) -> Path:
+    """Workers that talk need a job secret: the suite runs with one (authentication on, the default),
+    in $MULOCO_AUTH_KEY_FILE for every run and launch it starts."""
+    path = tmp_path_factory.mktemp("secret") / "job.key"
+    write_new_key(path)
+    previous = os.environ.get(KEY_FILE_ENV)
+    os.environ[KEY_FILE_ENV] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop(KEY_FILE_ENV, None)
+    else:
+        os.environ[KEY_FILE_ENV] = previous
 
 
 @pytest.fixture(scope="session")

@@ -83,7 +83,7 @@ class Scenario:
 def _spawn(name: str, command: list[str], work: Path) -> Job:
     log = work / f"{name}.log"
     env = {**os.environ, **EXTENSIONS_ENV, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO_ROOT), "MULOCO_ELASTIC_HOST": "127.0.0.1", "ELASTIC_PROBE_NAN_AT": NAN_AT}
+           "PYTHONPATH": str(REPO_ROOT), "ELASTIC_PROBE_NAN_AT": NAN_AT}
     with log.open("w") as sink:
         proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # its own process group: killed as a whole

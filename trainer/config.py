@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from trainer.diloco.auth import read_job_key, resolve_key_file
 from trainer.diloco.config import MuLoCoConfig
 from trainer.elastic.config import check_worker_id
 from trainer.errors import ConfigError, TopologyError
@@ -269,6 +270,7 @@ class RunConfig:
     deterministic: bool = False
     ds_config: dict[str, Any] = field(default_factory=dict)  # the keys DeepSpeed itself reads
     muloco: MuLoCoConfig | None = None  # None: the data-parallel baseline
+    auth_key_file: str | None = None  # the job secret's file when workers talk and auth is on (read at start)
     recipe_table: str | None = None  # what --recipe filled in, printed at start
 
     def __post_init__(self):
@@ -489,6 +491,11 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
     # Mixed precision is Megatron's autocast over fp32 parameters (the optimizers need whole fp32
     # tensors, not DeepSpeed's flattened bf16 partitions), so DeepSpeed never sees the bf16 block.
     bf16 = _bf16_from_ds(ds.pop("bf16", None))
+    auth_key_file = None
+    if muloco is not None and muloco.talks and muloco.auth != "none":
+        key_path = resolve_key_file(muloco.auth, Path(args.ds_config).parent)
+        read_job_key(key_path, muloco.auth.job_id)  # a missing or bad secret stops the run here, with one line
+        auth_key_file = str(key_path)
     return RunConfig(
         model_preset=args.model, model=shape, tensor_parallel=tp, pipeline_parallel=pp, batch=batch,
         optimizer=optimizer, schedule=schedule,
@@ -499,7 +506,8 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
         save=args.save, load=args.load, load_worker=args.load_worker, save_interval=args.save_interval,
         **_fault_settings(args),
         bf16=bf16, distributed_backend=args.distributed_backend,
-        deterministic=args.deterministic_mode, ds_config=ds, muloco=muloco, recipe_table=recipe_table,
+        deterministic=args.deterministic_mode, ds_config=ds, muloco=muloco, auth_key_file=auth_key_file,
+        recipe_table=recipe_table,
         worker_id=args.worker_id)
 
 

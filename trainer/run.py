@@ -21,6 +21,7 @@ from trainer import comm
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.config import RunConfig
 from trainer.data import StreamPosition, build_datasets, tokenizer_info
+from trainer.diloco.auth import JobKey, key_file_is_private, read_job_key
 from trainer.diloco.outer_loop import OuterLoop
 from trainer.engine import Engine
 from trainer.metrics import MetricsLogger
@@ -33,6 +34,20 @@ from trainer.schedule import lr_multiplier
 from trainer.topology import ParallelSizes, build_topology
 from trainer.training import Trainer
 from trainer.watchdog import Watchdog
+
+
+def _job_key(config: RunConfig, is_logger: bool) -> JobKey | None:
+    """The job secret that tags the outer messages (None: the workers do not talk, or auth is off)."""
+    muloco = config.muloco
+    if config.auth_key_file is None:
+        if muloco.talks and is_logger:
+            print('WARNING: muloco.auth is "none": messages between workers are not authenticated, so anyone who '
+                  "reaches the outer link can change the weights", flush=True)
+        return None
+    path = Path(config.auth_key_file)
+    if is_logger and not key_file_is_private(path):
+        print(f"WARNING: the job secret {path} is readable by other users (chmod 600 it)", flush=True)
+    return read_job_key(path, muloco.auth.job_id)
 
 
 def _seed_everything(seed: int) -> None:
@@ -114,7 +129,8 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
             from trainer.elastic.outer_loop import ElasticOuterLoop as loop_class
         outer = loop_class(config.muloco, list(model.named_parameters()), canonical, topology,
                            mps.get_tensor_model_parallel_rank(), config.model.num_layers,
-                           log=lambda record, step: logger.log(record, step, prefix="outer"))
+                           log=lambda record, step: logger.log(record, step, prefix="outer"),
+                           key=_job_key(config, is_logger))
         trainer.extra_state["muloco"] = outer
     if is_logger:
         print(f"global batch {config.batch.global_batch} sequences ({config.batch.per_worker} per worker x "

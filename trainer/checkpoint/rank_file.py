@@ -16,6 +16,7 @@ rename it over the old one, which leaves existing mappings intact).
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import struct
 from collections.abc import Iterator, Mapping
@@ -25,6 +26,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 from safetensors import safe_open
+from safetensors.torch import load as load_safetensors
 
 STATE_KEY = "muloco_state"
 TENSOR, TUPLE, NDARRAY, ITEMS = "__tensor__", "__tuple__", "__ndarray__", "__items__"
@@ -144,3 +146,33 @@ def to_plain(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return tuple(to_plain(v) for v in obj)
     return obj
+
+
+def state_to_bytes(state: dict) -> bytes:
+    """`state` as the bytes of a rank file (what a rejoining elastic worker receives from a peer)."""
+    buffer = io.BytesIO()
+    write_rank_file(buffer, state)
+    return buffer.getvalue()
+
+
+class _Tensors:
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+
+def state_from_bytes(data: bytes, what: str) -> dict:
+    """The state in rank-file bytes, fully read (plain dicts); RankFileError naming `what` for anything
+    that is not such bytes. Parsing is the safetensors library's and JSON: nothing can run code."""
+    try:
+        (header_size,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8:8 + header_size])
+        structure = json.loads(header["__metadata__"][STATE_KEY])
+        state = to_plain(_decode(structure, _Tensors(load_safetensors(data))))
+    except Exception as err:  # noqa: BLE001 - malformed input surfaces as many exception types
+        raise RankFileError(f"{what} is not a state in safetensors format ({type(err).__name__}: {err})") from None
+    if not isinstance(state, dict):
+        raise RankFileError(f"{what} holds no state tree")
+    return state

@@ -70,10 +70,6 @@ class Scope:
     fragment: int
 
 
-def _field(value: bytes) -> bytes:
-    return struct.pack("<Q", len(value)) + value
-
-
 class JobKey:
     """The job's secret; computes and checks tags."""
 
@@ -86,14 +82,17 @@ class JobKey:
     def __repr__(self) -> str:  # never the secret
         return f"JobKey(job_id={self.job_id!r})"
 
-    def tag(self, scope: Scope, sequence: int, sender: int, receiver: int, data: torch.Tensor | bytes) -> bytes:
+    def mac(self, *fields: bytes | memoryview) -> bytes:
+        """HMAC-SHA256 under the secret over the job id and `fields`, each length-prefixed."""
         mac = hmac.new(self._secret, digestmod=hashlib.sha256)
-        mac.update(_field(self.job_id.encode()) + _field(scope.channel.encode()))
-        mac.update(struct.pack("<qqqqqq", scope.epoch, scope.outer_step, scope.fragment, sequence, sender, receiver))
-        body = _host_bytes(data)
-        mac.update(struct.pack("<Q", len(body)))
-        mac.update(body)
+        for value in (self.job_id.encode(), *fields):
+            mac.update(struct.pack("<Q", len(value)))
+            mac.update(value)
         return mac.digest()
+
+    def tag(self, scope: Scope, sequence: int, sender: int, receiver: int, data: torch.Tensor | bytes) -> bytes:
+        place = struct.pack("<qqqqqq", scope.epoch, scope.outer_step, scope.fragment, sequence, sender, receiver)
+        return self.mac(scope.channel.encode(), place, _host_bytes(data))
 
     def verify(self, tag: bytes, scope: Scope, sequence: int, sender: int, receiver: int,
                data: torch.Tensor | bytes) -> bool:

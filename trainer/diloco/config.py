@@ -23,6 +23,11 @@
       "link": {"bandwidth_gbit_s": 10, "latency_ms": 50},   optional slow-link emulation for benchmarks
       "identical_worker_data": false,  every worker reads worker 0's data (a test identity)
       "sync_timeout_s": 60,         elastic workers: a peer silent this long is dropped from the sync
+      "auth": {"key_file": "job.key", "job_id": "run-42"} | "none",
+                                    the job secret that tags every message between workers
+                                    (trainer/diloco/auth.py); required whenever workers talk (K > 1 or
+                                    elastic): absent, the key file is $MULOCO_AUTH_KEY_FILE; "none"
+                                    sends everything unauthenticated (a warning at start)
       "elastic": {...}              each worker its own job, a fault-tolerant outer group (trainer/elastic/config.py)
     }
 The inner optimizer (muon or adamw) is the ds_config's "optimizer" block, so DP AdamW, DP Muon,
@@ -31,9 +36,10 @@ DiLoCo and MuLoCo are one program with different configs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 from trainer.errors import ConfigError
+from trainer.diloco.auth import AuthConfig
 from trainer.diloco.compression import CompressionConfig
 from trainer.diloco.link import SlowLink
 from trainer.elastic.config import ElasticConfig
@@ -73,6 +79,7 @@ class MuLoCoConfig:
     link: SlowLink | None = None
     identical_worker_data: bool = False
     sync_timeout_s: float = 60.0
+    auth: AuthConfig | Literal["none"] = field(default_factory=AuthConfig)
     elastic: ElasticConfig | None = None
 
     def __post_init__(self):
@@ -98,6 +105,11 @@ class MuLoCoConfig:
         if self.elastic is not None:
             self.elastic.check_compatible(self)
 
+    @property
+    def talks(self) -> bool:
+        """Whether workers exchange messages (and so need the job secret)."""
+        return self.workers > 1 or self.elastic is not None
+
     @classmethod
     def from_dict(cls, block: dict[str, Any]) -> "MuLoCoConfig":
         known = {f.name for f in fields(cls)}
@@ -110,6 +122,8 @@ class MuLoCoConfig:
             values["streaming"] = StreamingConfig(**block.get("streaming", {}))
             values["link"] = SlowLink(**block["link"]) if block.get("link") else None
             values["elastic"] = ElasticConfig(**block["elastic"]) if "elastic" in block else None
+            if isinstance(block.get("auth"), dict):
+                values["auth"] = AuthConfig(**block["auth"])
         except (TypeError, ValueError) as err:
             raise ConfigError(f"muloco block: {err}") from err
         return cls(**values)

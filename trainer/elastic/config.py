@@ -8,7 +8,10 @@ meet only in a fault-tolerant outer group (trainer/elastic/__init__.py).
         "lighthouse": "http://10.0.0.1:29510",   the torchft lighthouse; "" reads $TORCHFT_LIGHTHOUSE
         "quorum_timeout_s": 600,      the longest a worker waits at a sync for its quorum (a restarted
                                       worker waits for its peers' next sync)
-        "max_attempts": 3             attempts of one sync (each with a fresh quorum) before the job stops
+        "max_attempts": 3,            attempts of one sync (each with a fresh quorum) before the job stops
+        "manager_host": "127.0.0.1"   the address torchft's manager server binds on the worker's rank 0 (its
+                                      clients are the worker's own ranks: a worker on several nodes needs
+                                      an address its other nodes reach inside the datacenter)
       }
     }
 Each launch names its worker with `--worker-id k`.
@@ -28,6 +31,7 @@ class ElasticConfig:
     lighthouse: str = ""
     quorum_timeout_s: float = 600.0
     max_attempts: int = 3
+    manager_host: str = "127.0.0.1"
 
     def __post_init__(self):
         if self.quorum_timeout_s <= 0:

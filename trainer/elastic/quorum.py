@@ -1,44 +1,48 @@
 """This rank's place in the fault-tolerant outer group, on torchft.
 
 Every rank of an elastic worker runs a torchft `Manager`; the worker's local rank 0 also runs the
-worker's `ManagerServer`, which heartbeats to the lighthouse and asks it for a quorum on behalf of
-the worker's D x P x T ranks. A quorum is the set of workers that are alive and at the sync; the
-Manager then reconfigures its gloo group so that it joins rank (d, p, t) of every worker in the
-quorum (a fresh rendezvous per quorum, through a live member's store), and a worker that is behind
-the others (its Manager has committed fewer syncs) receives their state from a live peer over
-torchft's HTTP checkpoint transport before the sync goes on.
+worker's `ManagerServer`, which heartbeats to the lighthouse (through an authenticated tunnel,
+trainer/elastic/tunnel.py) and asks it for a quorum on behalf of the worker's D x P x T ranks. A
+quorum is the set of workers that are alive and at the sync; the Manager then reconfigures its gloo
+group so that it joins rank (d, p, t) of every worker in the quorum (a fresh rendezvous per quorum,
+through a live member's store).
+
+What is not torchft's here: healing. torchft would send a behind worker the state over its HTTP
+transport, which unpickles what it receives (so any peer could run code in it) and listens on every
+interface; here torchft heals nobody, and the outer loop (trainer/elastic/outer_loop.py) sends the
+state itself over the quorum's group, tagged and in safetensors. The ManagerServer binds the address
+the config names (its clients are this worker's own ranks).
 
 Why torchft and not a home-made protocol: its Rust lighthouse already does quorum with heartbeats
-and join timeouts, its Manager already does peer-to-peer state transfer, reconfigurable process
-groups and a per-worker commit agreement; the outer loop only decides what is averaged.
+and join timeouts, and its Manager reconfigurable process groups and a per-worker commit agreement;
+the outer loop decides what is averaged and who receives what.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-import socket
-from collections.abc import Callable
 from datetime import timedelta
 
 import torch
-from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
+import torchft.manager
+from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 from torchft import Manager
+from torchft.checkpointing import CheckpointTransport
 from torchft.process_group import ProcessGroupGloo
 
-from trainer.diloco.collectives import CollectiveStats, Wire
+from trainer.diloco.auth import JobKey
+from trainer.diloco.collectives import Wire
 from trainer.diloco.link import SlowLink
-
-ADVERTISE_ENV = "MULOCO_ELASTIC_HOST"  # the address peers reach this worker's servers at (default: hostname)
+from trainer.elastic.tunnel import Tunnel, host_port
 
 
 class QuorumWire(Wire):
     """The outer exchange (trainer.diloco.collectives.Wire) on the current quorum's gloo group: the
     rank is this worker's place in the quorum, the size the quorum's size. Valid for one quorum."""
 
-    def __init__(self, group: ProcessGroupGloo, rank: int, size: int, link: SlowLink | None):
-        self.group, self.link = group, link
-        self.device = torch.device("cpu")
-        self.rank, self.size = rank, size
-        self.stats = CollectiveStats()
+    def __init__(self, group: ProcessGroupGloo, rank: int, size: int, link: SlowLink | None, key: JobKey | None):
+        super().__init__(rank, size, torch.device("cpu"), link, key, channel="quorum")
+        self.group = group
 
     def _all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
         self.group.allgather_into_tensor_coalesced([output], [input], AllgatherOptions()).wait()
@@ -47,38 +51,92 @@ class QuorumWire(Wire):
                          input_sizes: list[int]) -> None:
         self.group.alltoall_base(output, input, output_sizes, input_sizes, AllToAllOptions()).wait()
 
-    def _all_reduce(self, buffer: torch.Tensor) -> None:
-        self.group.allreduce([buffer], AllreduceOptions()).wait()
+
+class _QuorumGloo(ProcessGroupGloo):
+    """torchft's reconfigurable gloo group, remembering this rank's place in the last quorum (the
+    Manager's own view of it counts only the members at the highest step, and healing is ours)."""
+    quorum_id, rank_in_quorum, quorum_size = -1, 0, 0
+
+    def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None, *args, **kwargs) -> None:
+        super().configure(store_addr, replica_id, rank, world_size, quorum_id, *args, **kwargs)
+        self.quorum_id, self.rank_in_quorum, self.quorum_size = quorum_id, rank, world_size
+
+
+class _NoTransport(CheckpointTransport):
+    """Stands where torchft would put its HTTP transport (an all-interfaces server that unpickles what it
+    receives): the outer loop moves a rejoining worker's state itself, tagged, in safetensors."""
+
+    def metadata(self) -> str:
+        return "state moves over the quorum group"
+
+    def send_checkpoint(self, dst_ranks, step, state_dict, timeout) -> None:
+        raise RuntimeError("elastic MuLoCo moves state over the quorum group, not torchft's transport")
+
+    def recv_checkpoint(self, src_rank, metadata, step, timeout):
+        raise RuntimeError("elastic MuLoCo moves state over the quorum group, not torchft's transport")
+
+
+@contextlib.contextmanager
+def _manager_server_bound_to(host: str):
+    """torchft's Manager binds its ManagerServer to every interface ("[::]:port"); bind it to `host`.
+    The server's clients are this worker's own ranks, so it needs to be reachable inside the
+    datacenter only."""
+    original = torchft.manager.ManagerServer
+
+    def bound(**kwargs):
+        port = kwargs["bind"].rsplit(":", 1)[1]
+        return original(**{**kwargs, "bind": f"{host}:{port}", "hostname": host})
+    torchft.manager.ManagerServer = bound
+    try:
+        yield
+    finally:
+        torchft.manager.ManagerServer = original
 
 
 class QuorumGroup:
-    def __init__(self, worker: int, group_rank: int, group_size: int, lighthouse: str, sync_timeout: timedelta,
-                 quorum_timeout: timedelta, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None]):
-        self.group = ProcessGroupGloo(timeout=sync_timeout)
+    def __init__(self, worker: int, group_rank: int, group_size: int, lighthouse: str, manager_host: str,
+                 key: JobKey | None, sync_timeout: timedelta, quorum_timeout: timedelta):
+        self.group = _QuorumGloo(timeout=sync_timeout)
+        self.key = key
+        # Only the worker's rank 0 talks to the lighthouse (its ManagerServer does); with a job key
+        # through an authenticated tunnel, since the lighthouse admits nobody else.
+        self.tunnel = Tunnel(host_port(lighthouse), key).start() if key is not None and group_rank == 0 else None
+        if self.tunnel is not None:
+            lighthouse = f"http://127.0.0.1:{self.tunnel.address[1]}"
         # The worker's own rendezvous store (the launcher's) carries the ManagerServer's address to
         # the worker's other ranks. init_sync=False: every worker initializes the weights from the
         # same seed, so nobody needs the first quorum's state.
-        self.manager = Manager(
-            pg=self.group, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
-            use_async_quorum=False, init_sync=False, timeout=sync_timeout, quorum_timeout=quorum_timeout,
-            connect_timeout=sync_timeout, rank=group_rank, world_size=group_size,
-            store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
-            lighthouse_addr=lighthouse, replica_id=f"worker{worker}",
-            hostname=os.environ.get(ADVERTISE_ENV, socket.gethostname()))
+        with _manager_server_bound_to(manager_host):
+            self.manager = Manager(
+                pg=self.group, load_state_dict=None, state_dict=None, min_replica_size=1,
+                use_async_quorum=False, init_sync=False, timeout=sync_timeout, quorum_timeout=quorum_timeout,
+                connect_timeout=sync_timeout, rank=group_rank, world_size=group_size,
+                store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
+                lighthouse_addr=lighthouse, replica_id=f"worker{worker}", hostname=manager_host,
+                checkpoint_transport=_NoTransport())
 
     def start(self) -> None:
-        """Block until this worker is in a quorum (healing from a peer first if it is behind);
-        raises when the quorum or the state transfer failed."""
-        self.manager.start_quorum()
+        """Block until this worker is in a quorum; raises when the quorum failed. torchft heals
+        nobody (allow_heal=False): who is behind, and the state it receives, is the outer loop's."""
+        self.manager.start_quorum(allow_heal=False)
         if self.manager.errored() is not None:
             raise self.manager.errored().original_exception
 
+    @property
+    def epoch(self) -> int:
+        """The quorum's id, the same on every member: tags of an earlier quorum do not verify in this one."""
+        return self.group.quorum_id
+
     def wire(self, link: SlowLink | None) -> QuorumWire:
-        return QuorumWire(self.group, self.manager.participating_rank(), self.manager.num_participants(), link)
+        return QuorumWire(self.group, self.group.rank_in_quorum, self.group.quorum_size, link, self.key)
 
     @property
     def committed_syncs(self) -> int:
         return self.manager.current_step()
+
+    def caught_up_to(self, committed_syncs: int) -> None:
+        """After loading a peer's state: count its committed syncs as ours."""
+        self.manager.load_state_dict({"step": committed_syncs, "batches_committed": self.manager.batches_committed()})
 
     def report_error(self, exc: Exception) -> None:
         self.manager.report_error(exc)
@@ -90,3 +148,5 @@ class QuorumGroup:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+        if self.tunnel is not None:
+            self.tunnel.close()

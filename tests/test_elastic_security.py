@@ -1,0 +1,249 @@
+"""The elastic mode against a stranger who knows the lighthouse's address but not the job secret, and
+against crafted state, without launching a trainer: the lighthouse's gateway and the workers' tunnel
+(trainer/elastic/tunnel.py) in front of a real torchft lighthouse, the state transfer's parser and
+checks, torchft's manager server bound where the config says, and a walk over the code for anything
+that could unpickle what it receives."""
+from __future__ import annotations
+
+import ast
+import pickle
+import socket
+import struct
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torchft.coordination import LighthouseClient, LighthouseServer
+
+from trainer.checkpoint.rank_file import RankFileError, state_from_bytes, state_to_bytes
+from trainer.diloco.auth import JobKey
+from trainer.elastic.tunnel import Gateway, Tunnel, TunnelError, _Direction, host_port
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+KEY = JobKey(b"k" * 32, "test-job")
+TIMEOUT = timedelta(seconds=5)
+
+
+@pytest.fixture
+def lighthouse():
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=200)
+    gateway = Gateway("127.0.0.1", 0, ("127.0.0.1", host_port(server.address())[1]), KEY).start()
+    yield gateway
+    gateway.close()
+    server.shutdown()
+
+
+def ask_quorum(address: str, replica: str, step: int):
+    client = LighthouseClient(addr=address, connect_timeout=TIMEOUT)
+    return client.quorum(replica_id=replica, timeout=TIMEOUT, address="http://127.0.0.1:1", store_address="127.0.0.1:2",
+                         step=step, world_size=1)
+
+
+def test_only_a_worker_holding_the_secret_joins_the_quorum(lighthouse):
+    worker = Tunnel(lighthouse.address, KEY).start()
+    impostor = Tunnel(lighthouse.address, JobKey(b"x" * 32, "test-job")).start()
+    try:
+        assert [m.replica_id for m in ask_quorum(f"http://127.0.0.1:{worker.address[1]}", "worker0", 3).participants] \
+            == ["worker0"]
+        # A stranger speaking torchft's protocol straight to the lighthouse's port, and one with another
+        # secret (claiming a far-ahead step, which would make every worker heal from it): both refused.
+        with pytest.raises(RuntimeError):
+            ask_quorum(f"http://{lighthouse.address[0]}:{lighthouse.address[1]}", "worker9", 10**6)
+        with pytest.raises(RuntimeError):
+            ask_quorum(f"http://127.0.0.1:{impostor.address[1]}", "worker8", 10**6)
+        deadline = time.monotonic() + 10  # the gateway counts a refusal when its side of the handshake ends
+        while lighthouse.refused < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lighthouse.refused >= 2
+        quorum = ask_quorum(f"http://127.0.0.1:{worker.address[1]}", "worker0", 4)
+        assert [m.replica_id for m in quorum.participants] == ["worker0"]
+    finally:
+        worker.close()
+        impostor.close()
+
+
+def test_a_connection_that_sends_nothing_is_closed_and_does_not_hold_the_gateway(lighthouse, monkeypatch):
+    monkeypatch.setattr("trainer.elastic.tunnel.HANDSHAKE_TIMEOUT_S", 0.5)
+    idle = socket.create_connection(lighthouse.address)
+    idle.settimeout(5)
+    assert idle.recv(1) == b""  # the gateway hung up on it
+    idle.close()
+
+
+def test_frames_that_were_altered_reordered_or_replayed_are_refused():
+    a, b = socket.socketpair()
+    sender, receiver = _Direction(b"s" * 32), _Direction(b"s" * 32)
+    sender.send(a, b"hello")
+    assert receiver.receive(b) == b"hello"
+    # Altered: one bit of the payload.
+    payload = b"world"
+    frame = struct.pack("<I", 5) + payload + sender._tag(payload)
+    a.sendall(frame[:4] + b"w0rld" + frame[9:])
+    with pytest.raises(TunnelError, match="failed authentication"):
+        receiver.receive(b)
+    # Replayed: the first frame again (its sequence number is behind the receiver's).
+    a2, b2 = socket.socketpair()
+    sender2, receiver2 = _Direction(b"s" * 32), _Direction(b"s" * 32)
+    sender2.send(a2, b"one")
+    first = struct.pack("<I", 3) + b"one" + _Direction(b"s" * 32)._tag(b"one")
+    receiver2.receive(b2)
+    a2.sendall(first)
+    with pytest.raises(TunnelError, match="failed authentication"):
+        receiver2.receive(b2)
+    for s in (a, b, a2, b2):
+        s.close()
+
+
+def test_the_tunnel_relays_bytes_both_ways():
+    echo = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        conn, _ = echo.accept()
+        while data := conn.recv(65536):
+            conn.sendall(data[::-1])
+        conn.close()
+    threading.Thread(target=serve, daemon=True).start()
+    gateway = Gateway("127.0.0.1", 0, echo.getsockname()[:2], KEY).start()
+    tunnel = Tunnel(gateway.address, KEY).start()
+    try:
+        with socket.create_connection(tunnel.address, timeout=10) as conn:
+            message = bytes(range(256)) * 5000  # more than one frame
+            conn.sendall(message)
+            received = b""
+            while len(received) < len(message):
+                received += conn.recv(1 << 20)
+            # The echo reverses each chunk it reads; concatenated, the multiset of bytes is the same.
+            assert sorted(received) == sorted(message) and len(received) == len(message)
+    finally:
+        tunnel.close()
+        gateway.close()
+        echo.close()
+
+
+class _CreatesMarker:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_pickled_state_is_refused_and_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+    with pytest.raises(RankFileError, match="not a state in safetensors format"):
+        state_from_bytes(pickle.dumps({"global_weights": _CreatesMarker(marker)}), "the state from quorum member 1")
+    assert not marker.exists()
+
+
+def test_state_bytes_round_trip_and_truncations_are_refused():
+    state = {"outer_step": 3, "skipped": 0, "step": 12, "global_weights": {"w": torch.randn(4, 5)},
+             "momentum": {"w": torch.zeros(4, 5)}, "scheduler": {"last_epoch": 12, "lr_lambdas": [None]}}
+    data = state_to_bytes(state)
+    back = state_from_bytes(data, "x")
+    assert torch.equal(back["global_weights"]["w"], state["global_weights"]["w"]) and back["step"] == 12
+    for cut in (0, 7, 9, len(data) // 2, len(data) - 1):
+        with pytest.raises(RankFileError):
+            state_from_bytes(data[:cut], "x")
+
+
+def _loop_with_state(shape=(4, 5)):
+    """An ElasticOuterLoop's state-checking part over one owned (4, 5) parameter."""
+    from trainer.elastic.outer_loop import ElasticOuterLoop
+    loop = ElasticOuterLoop.__new__(ElasticOuterLoop)
+    loop.params = [SimpleNamespace(name="w")]
+    loop.global_weights, loop.momentum = {0: torch.zeros(shape)}, {0: torch.zeros(shape)}
+    loop.outer_step, loop.skipped = 2, 0
+    scheduler = SimpleNamespace(state_dict=lambda: {"last_epoch": 8, "lr_lambdas": [None]})
+    loop._trainer = SimpleNamespace(step=8, engine=SimpleNamespace(lr_scheduler=scheduler))
+    return loop
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: s["global_weights"].update(w=torch.zeros(5)), r"global_weights\[w\] is not a torch.float32 tensor"),
+    (lambda s: s["momentum"].update(w=torch.zeros(4, 5, dtype=torch.float64)), r"momentum\[w\]"),
+    (lambda s: s["global_weights"].update(extra=torch.zeros(1)), "other parameters"),
+    (lambda s: s.update(step=-5), "step -5 is not a count"),
+    (lambda s: s.update(outer_step="3"), "outer_step '3' is not a count"),
+    (lambda s: s.pop("scheduler"), "keys"),
+    (lambda s: s.update(scheduler={"x": 1}), "lr schedule"),
+])
+def test_a_crafted_peer_state_is_refused_before_anything_is_loaded(change, message):
+    loop = _loop_with_state()
+    state = state_from_bytes(state_to_bytes(loop._peer_state()), "x")
+    change(state)
+    with pytest.raises(RankFileError, match=message):
+        loop._check_peer_state(state)
+    loop._check_peer_state(state_from_bytes(state_to_bytes(loop._peer_state()), "x"))  # the honest one passes
+
+
+def _non_loopback_address() -> str | None:
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("10.255.255.255", 1))
+        address = probe.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return None if address.startswith("127.") else address
+
+
+def test_the_manager_server_binds_the_configured_address_only():
+    import torchft.manager
+    from trainer.elastic.quorum import _manager_server_bound_to
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    try:
+        with _manager_server_bound_to("127.0.0.1"):
+            server = torchft.manager.ManagerServer(
+                replica_id="worker0", lighthouse_addr=lighthouse.address(), hostname="ignored", bind="[::]:0",
+                store_addr="127.0.0.1:1", world_size=1, heartbeat_interval=timedelta(seconds=1),
+                connect_timeout=TIMEOUT, quorum_retries=0)
+        try:
+            host, port = host_port(server.address())
+            assert host == "127.0.0.1"
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+            other = _non_loopback_address()
+            if other is not None:
+                with pytest.raises(OSError):
+                    socket.create_connection((other, port), timeout=2).close()
+        finally:
+            server.shutdown()
+    finally:
+        lighthouse.shutdown()
+
+
+CODE_DIRS = ("trainer", "tools", "dataprep", "tokenizer", "megatron_patches", "scripts", "benchmarks")
+
+
+def test_nothing_in_the_project_can_unpickle_what_it_reads():
+    """No pickle import, no torch.load without weights_only=True, no torchft Manager left with its
+    default (HTTP, pickling) checkpoint transport, anywhere outside the tests."""
+    problems = []
+    for path in sorted(p for d in CODE_DIRS for p in (REPO_ROOT / d).rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        where = path.relative_to(REPO_ROOT)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+                if any(n and n.split(".")[0] in ("pickle", "cPickle", "dill", "cloudpickle") for n in names):
+                    problems.append(f"{where}:{node.lineno} imports a pickler")
+                if any(n == "HTTPTransport" for n in names):
+                    problems.append(f"{where}:{node.lineno} imports torchft's HTTPTransport")
+            if isinstance(node, ast.Call):
+                name = ast.unparse(node.func)
+                keywords = {k.arg: k.value for k in node.keywords}
+                if name.endswith("torch.load") or name == "load" and "weights_only" in keywords:
+                    value = keywords.get("weights_only")
+                    if not (isinstance(value, ast.Constant) and value.value is True):
+                        problems.append(f"{where}:{node.lineno} torch.load without weights_only=True")
+                if name in ("Manager", "torchft.Manager") and "checkpoint_transport" not in keywords:
+                    problems.append(f"{where}:{node.lineno} torchft Manager with its default checkpoint transport")
+                if name.endswith(("np.load", "numpy.load")) and isinstance(keywords.get("allow_pickle"), ast.Constant) \
+                        and keywords["allow_pickle"].value:
+                    problems.append(f"{where}:{node.lineno} numpy.load(allow_pickle=True)")
+    assert not problems, "\n".join(problems)
