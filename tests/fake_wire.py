@@ -48,6 +48,7 @@ class FakeWire(Wire):
         parts = self.board.exchange(self.rank, self._put("all_gather", input))
         if any(part.numel() != input.numel() for part in parts):
             raise RuntimeError(f"all_gather: ranks sent buffers of different sizes {[p.numel() for p in parts]}")
+        parts[self.rank] = input  # as in gloo: a rank's own part is copied locally, never over the link
         output.copy_(torch.cat(parts))
 
     def _all_to_all_into(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
@@ -55,6 +56,7 @@ class FakeWire(Wire):
         blocks = list(self._put("all_to_all", input).split(input_sizes))
         everyone = self.board.exchange(self.rank, blocks)
         received = [everyone[src][self.rank] for src in range(self.size)]
+        received[self.rank] = input.split(input_sizes)[self.rank]  # its own block stays local
         if [block.numel() for block in received] != list(output_sizes):
             raise RuntimeError("all_to_all: a block of an unexpected size")
         output.copy_(torch.cat(received))

@@ -7,6 +7,8 @@ torchft's lighthouse, through one failure scenario shared by every test:
 3. while it is down, workers 0 and 1 sync on their own (K_eff = 2);
 4. worker 2 is restarted (a new launch) once they have; it loads the outer state from a live peer and syncs with them again;
 5. worker 1 is frozen (SIGSTOP) and never answers again: workers 0 and 2 drop it and finish the run.
+All along a stranger who knows the lighthouse's address but not the job secret keeps asking to join
+as "worker9" at a far-ahead step (which, let in, would make every worker load its state).
 
 Uncompressed payloads, so the outer step can be checked against a plain fp32 computation.
 """
@@ -17,8 +19,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -72,6 +76,8 @@ class Job:
 class Scenario:
     jobs: dict[str, Job]
     returncodes: dict[str, int] = field(default_factory=dict)
+    stranger_refusals: int = 0
+    stranger_admitted: int = 0
 
     def syncs(self, name: str) -> dict[int, dict]:
         return self.jobs[name].syncs()
@@ -110,6 +116,19 @@ def _wait(scenario: Scenario, what: str, done) -> None:
         time.sleep(0.5)
 
 
+def _stranger(lighthouse: str, scenario: Scenario, stop: threading.Event) -> None:
+    """Asks the lighthouse for a quorum as worker 9, 10**6 steps ahead, until told to stop."""
+    from torchft.coordination import LighthouseClient
+    while not stop.wait(2.0):
+        try:
+            LighthouseClient(addr=lighthouse, connect_timeout=timedelta(seconds=2)).quorum(
+                replica_id="worker9", timeout=timedelta(seconds=2), address="http://127.0.0.1:1",
+                store_address="127.0.0.1:2", step=10**6, world_size=1)
+            scenario.stranger_admitted += 1
+        except RuntimeError:
+            scenario.stranger_refusals += 1
+
+
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory) -> Scenario:
     work = tmp_path_factory.mktemp("elastic")
@@ -121,9 +140,12 @@ def scenario(tmp_path_factory) -> Scenario:
                                                 f"127.0.0.1:{port}", "--join-timeout-s", str(LIGHTHOUSE_TIMEOUT_S),
                                                 "--heartbeat-timeout-s", str(LIGHTHOUSE_TIMEOUT_S)], work)}
     scenario = Scenario(jobs)
+    stop = threading.Event()
+    stranger = threading.Thread(target=_stranger, args=(f"http://127.0.0.1:{port}", scenario, stop), daemon=True)
     try:
         for k in range(WORKERS):
             jobs[f"w{k}"] = _worker(f"w{k}", k, work, data, config)
+        stranger.start()
         _wait(scenario, "worker 2's first sync", lambda: len(scenario.syncs("w2")) >= 1)
         jobs["w2"].signal(signal.SIGKILL)
         jobs["w2"].proc.wait(timeout=30)
@@ -137,8 +159,11 @@ def scenario(tmp_path_factory) -> Scenario:
         for name in ("w0", "w2b"):
             _wait(scenario, f"{name} to finish", lambda job=jobs[name]: job.proc.poll() is not None)
             scenario.returncodes[name] = jobs[name].proc.returncode
+        stop.set()
+        stranger.join(timeout=30)
         yield scenario
     finally:
+        stop.set()
         for job in jobs.values():
             job.signal(signal.SIGKILL)
             job.proc.wait(timeout=30)
@@ -207,6 +232,14 @@ def test_a_nonfinite_pseudogradient_is_left_out_while_the_others_proceed(scenari
     assert record["workers_in_sync"] == len(record["quorum"]) - 1 and record["outer_step"] == 2
     assert w1[2]["sha_after"] == w0[2]["sha_after"]  # it takes the others' step and goes on
     assert w0[3]["record"]["left_out"] == {} and w0[3]["record"]["workers_in_sync"] == len(w0[3]["record"]["quorum"])
+
+
+def test_a_stranger_without_the_secret_never_joins_and_nobody_heals_from_it(scenario):
+    assert scenario.stranger_refusals >= 3 and scenario.stranger_admitted == 0
+    assert "refused" in scenario.jobs["lighthouse"].log.read_text()
+    for name in ("w0", "w1", "w2b"):
+        for record in _records(scenario.syncs(name)):
+            assert 9 not in record["quorum"] and "unauthenticated" not in record, (name, record)
 
 
 # -- without launches ----------------------------------------------------------------------------

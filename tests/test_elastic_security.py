@@ -247,3 +247,22 @@ def test_nothing_in_the_project_can_unpickle_what_it_reads():
                         and keywords["allow_pickle"].value:
                     problems.append(f"{where}:{node.lineno} numpy.load(allow_pickle=True)")
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("name", ["../../outside/secret.model", "/etc/passwd", "sub/../../x.model", "link.model"])
+def test_a_checkpoint_whose_tokenizer_path_leaves_its_folder_is_refused(tmp_path, name):
+    from trainer.checkpoint import CheckpointReader
+    from trainer.checkpoint.format import CheckpointError
+
+    folder = tmp_path / "ckpt" / "iter_0000010"
+    folder.mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "secret.model").write_text("secret")
+    (folder / "link.model").symlink_to(tmp_path / "outside" / "secret.model")
+    (folder / "tokenizer.model").write_text("ours")
+    reader = CheckpointReader.__new__(CheckpointReader)
+    reader.directory, reader.meta = folder, SimpleNamespace(tokenizer_model=name)
+    with pytest.raises(CheckpointError, match="is not a file in the checkpoint's folder"):
+        reader.tokenizer_path
+    reader.meta = SimpleNamespace(tokenizer_model="tokenizer.model")
+    assert reader.tokenizer_path.read_text() == "ours"

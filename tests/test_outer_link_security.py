@@ -98,7 +98,10 @@ def test_flipping_one_bit_on_the_wire_fails_the_tag():
         data[5] ^= 1
         return data
     results, _ = exchange(3, wires={1: lambda board, r: FakeWire(board, r, KEY, tamper=flip)})
-    assert_all_reject(results, {1: AUTHENTICATION})
+    assert_all_reject([results[0], results[2]], {1: AUTHENTICATION})
+    # The sender's own part never crossed the link: it sees nothing wrong. The sync's metrics round
+    # finds that disagreement (test_workers_that_disagree_on_a_rejection_stop_the_run).
+    assert results[1].rejected == {}
 
 
 def test_a_replayed_message_of_an_earlier_sync_fails_its_tag():
@@ -111,7 +114,7 @@ def test_a_replayed_message_of_an_earlier_sync_fails_its_tag():
     exchange(3, step=1, wires={1: lambda board, r: FakeWire(board, r, KEY, tamper=record)})
     replay = lambda op, sequence, data: recorded[sequence].clone()  # noqa: E731 - step 1's bytes at step 2
     results, _ = exchange(3, step=2, wires={1: lambda board, r: FakeWire(board, r, KEY, tamper=replay)})
-    assert_all_reject(results, {1: AUTHENTICATION})
+    assert_all_reject([results[0], results[2]], {1: AUTHENTICATION})
     # The same bytes at the step they were made for pass: the step is what the tag refused.
     results, _ = exchange(3, step=1, wires={1: lambda board, r: FakeWire(board, r, KEY, tamper=replay)})
     assert all(not r.rejected for r in results)
@@ -238,3 +241,24 @@ def test_tags_are_counted_in_the_bytes_sent():
             return wire.take_stats().bytes_sent
         return run_ranks(3, rank)
     assert [a - b for a, b in zip(sent(KEY), sent(None))] == [2 * TAG_BYTES] * 3
+
+
+def test_workers_that_disagree_on_a_rejection_stop_the_run():
+    """A message altered on its way to some receivers only: those reject its sender, the sender does
+    not, so their weights part. The metrics round compares the verdicts and every rank stops."""
+    from trainer.diloco.collectives import CollectiveError
+    from trainer.diloco.sync_metrics import LocalSums, sync_record, verdict_digest
+
+    verdicts = [verdict_digest({1: AUTHENTICATION}), verdict_digest({}), verdict_digest({1: AUTHENTICATION})]
+    board = Board(3)
+
+    def rank(r):
+        try:
+            sync_record(FakeWire(board, r, KEY, channel="metrics"), 3, [1.0] * 3, LocalSums(verdict=verdicts[r]), "t")
+        except CollectiveError as err:
+            return str(err)
+    assert all("disagree on which outer payloads to reject" in message for message in run_ranks(3, rank))
+    same = Board(3)
+    agreeing = run_ranks(3, lambda r: sync_record(FakeWire(same, r, KEY, channel="metrics"), 3, [1.0] * 3,
+                                                  LocalSums(verdict=verdicts[0]), "t"))
+    assert all("averaged_norm" in record for record in agreeing)

@@ -31,7 +31,10 @@ Bytes per outer sync per rank: the compression module's `Compressor.payload_nbyt
 tensor as the outer loop sends it (row-parallel weights transposed; embeddings/head and 1-D tensors
 at `embedding_bits` / `vector_bits`, via `compression_group`), put through the formulas of
 trainer/diloco/collectives.py (all_gather: (K-1) * S; reduce_scatter: sum_{j != k} S_j + (K-1) * max_j S_j),
-plus (K-1) * 16 bytes of skip-vote ballot in the header of the first collective.
+plus (K-1) * (8 + 16) bytes of header in the first collective (the payload's norm claim and the
+skip-vote ballot), K + 8 bytes of verdicts and claim ahead of each re-quantized chunk
+(reduce_scatter), and with the job secret (on unless `"auth": "none"`) a 32-byte tag on every part
+sent (all_gather: K-1 of them; reduce_scatter: 2 (K-1)).
 
 Wall-clock model (idealised): compute is 6 * N * tokens FLOPs at `--mfu` of `--gpu-tflops` per GPU,
 on the same K*D*P*T GPUs for every method, stretched by the pipeline bubble (M + P - 1) / M.
@@ -66,6 +69,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer.config import check_model_shape  # noqa: E402
 from trainer.diloco.collectives import row_split  # noqa: E402
 from trainer.diloco.compression import Compressor, CompressionConfig, compression_group, rows_shape  # noqa: E402
+from trainer.diloco.auth import TAG_BYTES  # noqa: E402
+from trainer.diloco.collectives import CLAIM_BYTES  # noqa: E402
 from trainer.diloco.vote import BALLOT_BYTES  # noqa: E402
 from trainer.errors import ConfigError, TopologyError  # noqa: E402
 from trainer.model.layout import layout_of  # noqa: E402
@@ -161,6 +166,7 @@ class PlanInputs:
     muon_ns_dtype: str = "float32"  # Muon's pieces travel in the Newton-Schulz dtype
     muon_nesterov: bool = False
     codec: CodecThroughput | None = None  # None: the codec's time is not modelled
+    authenticated: bool = True  # every outer message tagged (muloco.auth; off only with "none")
 
     @property
     def micro_batches(self) -> int:
@@ -301,12 +307,14 @@ def _wire_shape(p: ShardParam) -> tuple[int, ...]:
 
 
 def sync_bytes_sent(params: list[ShardParam], compression: CompressionConfig, collective: str, workers: int,
-                    outer_rank: int) -> int:
-    """Bytes one rank sends in one outer sync of `params` (collectives.py's accounting), the skip
-    vote's ballot included (a header every rank sends to the K-1 others, with or without params)."""
+                    outer_rank: int, authenticated: bool = True) -> int:
+    """Bytes one rank sends in one outer sync of `params` (collectives.py's accounting), the header
+    (norm claim and skip-vote ballot: every rank sends it to the K-1 others, with or without params)
+    and, when authenticated, the tags included."""
     if workers == 1:
         return 0
-    ballots = (workers - 1) * BALLOT_BYTES
+    headers = (workers - 1) * (CLAIM_BYTES + BALLOT_BYTES)
+    tags = (workers - 1) * TAG_BYTES if authenticated else 0
 
     def nbytes(p: ShardParam, shape) -> int:
         size = Compressor(_group_config(p, compression)).payload_nbytes(shape)
@@ -315,13 +323,15 @@ def sync_bytes_sent(params: list[ShardParam], compression: CompressionConfig, co
         return size
 
     if collective == "all_gather":
-        return (workers - 1) * sum(nbytes(p, _wire_shape(p)) for p in params) + ballots
+        return (workers - 1) * sum(nbytes(p, _wire_shape(p)) for p in params) + headers + tags
     chunk = [0] * workers  # S_j: bytes of row chunk j over all tensors
     for p in params:
         rows, cols = rows_shape(_wire_shape(p))
         for j, count in enumerate(row_split(rows, workers)):
             chunk[j] += nbytes(p, (count, cols))
-    return sum(s for j, s in enumerate(chunk) if j != outer_rank) + (workers - 1) * max(chunk) + ballots
+    verdicts = workers + CLAIM_BYTES  # ahead of each owner's re-quantized chunk
+    return (sum(s for j, s in enumerate(chunk) if j != outer_rank) + (workers - 1) * (max(chunk) + verdicts)
+            + headers + 2 * tags)
 
 
 @dataclass
@@ -336,7 +346,7 @@ def outer_sync_bytes(stages: list[list[ShardParam]], inputs: PlanInputs) -> Sync
     def per_rank(compression: CompressionConfig) -> list[int]:
         # TP ranks of a stage hold identically shaped shards, so stage 0's TP rank 0 stands for all T.
         K, D = inputs.sizes.workers, inputs.sizes.data
-        return [sync_bytes_sent(_owned(stage, D, d), compression, inputs.collective, K, k)
+        return [sync_bytes_sent(_owned(stage, D, d), compression, inputs.collective, K, k, inputs.authenticated)
                 for k in range(K) for stage in stages for d in range(D)]
 
     sent = per_rank(inputs.compression)
@@ -485,7 +495,8 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         overlap_steps=muloco.get("streaming", {}).get("overlap_steps", 0), vocab_size=args.vocab_size,
         gpu_memory_gib=args.gpu_memory_gib,
         muon_ns_dtype=ds.get("optimizer", {}).get("params", {}).get("ns_dtype", "float32"),
-        muon_nesterov=bool(ds.get("optimizer", {}).get("params", {}).get("nesterov", False)), codec=codec)
+        muon_nesterov=bool(ds.get("optimizer", {}).get("params", {}).get("nesterov", False)), codec=codec,
+        authenticated=muloco.get("auth") != "none")
 
 
 # -- which layouts fit a node ---------------------------------------------------------------------

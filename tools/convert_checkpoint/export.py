@@ -27,9 +27,9 @@ class ExportResult:
 
 
 def _special_ids(reader: CheckpointReader) -> dict[str, int]:
-    if reader.meta.tokenizer_model is None:
+    if reader.tokenizer_path is None:
         return {}
-    tok = load_tokenizer(reader.directory / reader.meta.tokenizer_model)
+    tok = load_tokenizer(reader.tokenizer_path)
     ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eod_id, "pad_token_id": tok.pad_id}
     return {k: v for k, v in ids.items() if v is not None and v >= 0}
 
@@ -46,6 +46,6 @@ def export(reader: CheckpointReader, out_dir: str | Path, max_shard_bytes: int =
         for hf_name, tensor in hf_tensors(name, full, reader.meta).items():
             writer.add(hf_name, tensor)
     files = writer.close()
-    if reader.meta.tokenizer_model is not None:
-        export_hf_tokenizer(reader.directory / reader.meta.tokenizer_model, out)
+    if reader.tokenizer_path is not None:
+        export_hf_tokenizer(reader.tokenizer_path, out)
     return ExportResult(out, config.architectures[0], files, writer.total_bytes, bool(special))

@@ -85,7 +85,7 @@ def verify(reader: CheckpointReader, hf_dir: str | Path) -> VerifyReport:
     report = VerifyReport()
     probe_tokens, recorded = recorded_probe(reader)
     sample = probe_tokens
-    if reader.meta.tokenizer_model is not None:
+    if reader.tokenizer_path is not None:
         sample = _check_tokenizer(reader, hf_dir, report, fallback=probe_tokens)
     megatron = _megatron_model_at_t1(reader)
 
@@ -107,7 +107,7 @@ def _check_tokenizer(reader: CheckpointReader, hf_dir, report: VerifyReport, fal
 
     from tokenizer.interface import load_tokenizer
 
-    expected = load_tokenizer(reader.directory / reader.meta.tokenizer_model).encode(SAMPLE_TEXT)
+    expected = load_tokenizer(reader.tokenizer_path).encode(SAMPLE_TEXT)
     got = AutoTokenizer.from_pretrained(hf_dir)(SAMPLE_TEXT, add_special_tokens=False)["input_ids"]
     if got != expected:
         report.problems.append(f"AutoTokenizer ids {got[:12]}... differ from the training tokenizer's {expected[:12]}...")

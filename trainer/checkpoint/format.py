@@ -163,6 +163,21 @@ class CheckpointReader:
         self.verify_checksums = verify_checksums
         self._open: dict[int, dict] = {}
 
+    @property
+    def tokenizer_path(self) -> Path | None:
+        """The tokenizer file saved with the checkpoint. meta.json names it; a name that leads outside
+        the iteration's folder (`../`, an absolute path, a link) is refused: a crafted checkpoint must
+        not make an export copy someone else's file."""
+        name = self.meta.tokenizer_model
+        if name is None:
+            return None
+        folder = self.directory.resolve()
+        path = (folder / str(name)).resolve()
+        if path.parent != folder:
+            raise CheckpointError(f"{self.directory / 'meta.json'}: tokenizer_model {name!r} is not a file in the "
+                                  f"checkpoint's folder")
+        return path
+
     def rank_state(self, rank: int) -> Mapping:
         if rank not in self._open:
             path = rank_file(self.directory, rank)

@@ -17,8 +17,9 @@ A sync of one fragment:
    cross-datacenter round trip;
 4. Nesterov SGD on the global weights; every worker restarts from them (or, when the sync overlapped
    tau inner steps, mixes them into its local weights with weight alpha); inner optimizer state is kept;
-5. the sync's metrics (sync_metrics.py), one all-reduce over every rank, in a background thread
+5. the sync's metrics (sync_metrics.py), one all-gather over every rank, in a background thread
    after the result is applied, so their round trip is off the critical path; logged when they land.
+   It also checks that every worker rejected the same payloads (a skipped sync runs it too).
 
 Compression groups are vectors each rank holds whole, so results do not depend on T: rows of
 column-parallel (and vocabulary-parallel) weights, columns of row-parallel ones (sent transposed).
@@ -53,7 +54,7 @@ from trainer.diloco.collectives import (Averaged, Bucket, BucketLayout, GroupWir
                                         squared_norm)
 from trainer.diloco.compression import Compressor, ErrorFeedback, compression_group, rows_shape
 from trainer.diloco.config import MuLoCoConfig
-from trainer.diloco.sync_metrics import LocalSums, sync_record
+from trainer.diloco.sync_metrics import LocalSums, sync_record, verdict_digest
 from trainer.errors import ConfigError
 from trainer.model.layout import layout_of
 from trainer.optim.ownership import assign_owners
@@ -279,14 +280,18 @@ class OuterLoop:
                   "pseudograd_norm": statistics.fmean(norms) if reason is None else None,
                   "round_trips": exchange.round_trips, "sync_seconds": time.perf_counter() - start}
         if reason is not None:
-            return SyncResult(None, {**record, "skipped": reason})
+            record["skipped"] = reason
+        verdict = verdict_digest(exchanged.rejected)
 
         def reduce_metrics() -> dict:  # reads the sync's buffers, which nothing changes after the exchange
-            local = self._local_sums(specs, deltas, buckets, exchanged.averaged, exchange.bytes_sent)
+            local = (LocalSums(verdict=verdict) if reason is not None else
+                     self._local_sums(specs, deltas, buckets, exchanged.averaged, exchange.bytes_sent, verdict))
             self.metrics_wire.begin(outer_step, fragment)
-            reduced = sync_record(self.metrics_wire, self.topology.sizes.workers, norms, local, context)
+            reduced = sync_record(self.metrics_wire, self.topology.sizes.workers, norms if reason is None else [],
+                                  local, context)
             return {**record, **reduced, "background_round_trips": self.metrics_wire.take_stats().round_trips}
-        return SyncResult(exchanged.averaged, record, reduce_metrics)
+        # A skipped sync's metrics round runs too: it checks that every worker skipped it.
+        return SyncResult(None if reason is not None else exchanged.averaged, record, reduce_metrics)
 
     @staticmethod
     def _vote_share(specs: list[_BucketSpec], deltas: list[torch.Tensor]) -> tuple[bool, float]:
@@ -296,8 +301,8 @@ class OuterLoop:
 
     @staticmethod
     def _local_sums(specs: list[_BucketSpec], deltas: list[torch.Tensor], buckets: list[Bucket],
-                    averaged: list[Averaged], bytes_sent: int) -> LocalSums:
-        local = LocalSums(bytes_sent=bytes_sent)
+                    averaged: list[Averaged], bytes_sent: int, verdict: float = 0.0) -> LocalSums:
+        local = LocalSums(bytes_sent=bytes_sent, verdict=verdict)
         for spec, delta, bucket, result in zip(specs, deltas, buckets, averaged):
             if spec.counts_once:
                 local.dot += float((delta * result.average).sum(dtype=torch.float64))

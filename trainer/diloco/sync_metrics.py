@@ -1,4 +1,5 @@
-"""What each outer sync logs, gathered from every rank in one collective.
+"""What each outer sync logs, gathered from every rank in one collective, which also checks that
+every worker rejected the same payloads.
 
     pseudograd_norm      mean over workers of ||delta_k|| (from the skip vote)
     pseudograd_cosine    mean over workers of cos(delta_k, average): the paper's alignment mechanism
@@ -11,9 +12,11 @@ from __future__ import annotations
 
 import math
 import statistics
+import hashlib
+import json
 from dataclasses import astuple, dataclass
 
-from trainer.diloco.collectives import Wire
+from trainer.diloco.collectives import CollectiveError, Wire
 
 
 @dataclass
@@ -24,10 +27,30 @@ class LocalSums:
     bytes_sent: float = 0.0
     residual_sq: float = 0.0  # over compressed buckets
     sent_sq: float = 0.0  # over compressed buckets
+    verdict: float = 0.0  # verdict_digest of the payloads this rank's outer group rejected
+
+
+def verdict_digest(rejected: dict[int, str]) -> float:
+    """A 32-bit digest of which senders an outer group rejected and why (exact as a float, and its
+    sums over a worker's ranks stay exact)."""
+    text = json.dumps(sorted(rejected.items()))
+    return float(int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little"))
 
 
 def sync_record(wire: Wire, workers: int, norms: list[float], local: LocalSums, context: str) -> dict:
+    """The sync's statistics (empty for a sync nobody applied: then only the verdicts are checked).
+
+    Every rank of an outer group checks the same received bytes, so the groups' verdicts agree unless
+    a message was altered on its way to some receivers only; then those receivers' weights now differ
+    from the others', and the run stops here, on every rank, rather than train on apart."""
     sums = wire.sum_per_worker(list(astuple(local)), workers, f"sync metrics, {context}")
+    verdicts = {s[5] for s in sums}
+    if len(verdicts) > 1:
+        raise CollectiveError(f"the workers disagree on which outer payloads to reject in {context} (a message was "
+                              f"altered on its way to some of them): their weights now differ; restart from the last "
+                              f"checkpoint")
+    if not norms:
+        return {}
     dots, average_sq = [s[0] for s in sums], sums[0][1]  # every worker holds the same average
     residual_sq, sent_sq = sum(s[3] for s in sums), sum(s[4] for s in sums)
     return {

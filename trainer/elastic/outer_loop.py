@@ -46,7 +46,7 @@ from trainer import comm
 from trainer.checkpoint.rank_file import RankFileError, state_from_bytes, state_to_bytes
 from trainer.diloco.collectives import Averaged, Bucket, CollectiveError, Wire, average_buckets
 from trainer.diloco.outer_loop import OuterLoop, SyncResult
-from trainer.diloco.sync_metrics import sync_record
+from trainer.diloco.sync_metrics import sync_record, verdict_digest
 from trainer.elastic.membership import Member, left_out
 from trainer.elastic.quorum import QuorumGroup
 
@@ -309,7 +309,8 @@ class ElasticOuterLoop(OuterLoop):
         if wire.rank not in contributors:  # its error feedback restarts from zero
             averaged = [Averaged(a.average, torch.zeros_like(a.average)) for a in averaged]
         exchange = wire.take_stats()
-        local = self._local_sums(specs, deltas, buckets, averaged, exchange.bytes_sent)
+        local = self._local_sums(specs, deltas, buckets, averaged, exchange.bytes_sent,
+                                 verdict_digest(exchanged.rejected))
         norms = [members[i].norm for i in contributors]
         metrics = _ContributorSums(wire, self.topology.worker_group, per_worker, contributors)
         record.update(pseudograd_norm=statistics.fmean(norms),
