@@ -180,7 +180,12 @@ def test_the_checkpoint_probe_is_fp32_under_bf16_training(monkeypatch):
     from trainer.model.builder import build_model, initialize_weights, padded_vocab_size
     from trainer.model.presets import PRESETS
 
-    monkeypatch.setattr(schedules.torch, "autocast", lambda device, dtype: torch.autocast("cpu", dtype=dtype))
+    from megatron_patches import apply_cpu_shims_if_needed
+
+    apply_cpu_shims_if_needed()  # Megatron's schedules then see a stand-in `torch` of their own
+    assert schedules.torch is not torch
+    cpu_autocast = torch.autocast
+    monkeypatch.setattr(schedules.torch, "autocast", lambda device, dtype: cpu_autocast("cpu", dtype=dtype))
     with megatron_world_of_one():
         model = build_model(PRESETS["tiny"], padded_vocab_size(TINY_VOCAB, 1), bf16_autocast=True)
         initialize_weights(model, PRESETS["tiny"], 1234)
