@@ -579,7 +579,7 @@ STAGES = [
     Stage("d", "2 processes, K=2 MuLoCo 4-bit+EF on gloo, 20 steps: identical weights after syncs", "stage_d",
           {"gpu": 50, "cpu": 180}),
     Stage("e", "DP Muon and DP AdamW, 10 steps each, largest preset that fits, shipped lr: tokens/s, MFU, "
-               "Muon overhead, memory vs plan", "stage_e", {"gpu": 110, "cpu": 240}),
+               "Muon overhead, memory vs plan", "stage_e", {"gpu": 150, "cpu": 240}),
     Stage("f", "T=2 x P=2 x K=2 (8 processes) over gloo: distributed Muon, 1F1B, 2 outer syncs", "stage_f",
           {"gpu": 60, "cpu": 300}),
     Stage("g", "K=1, outer_backend nccl, outer state on device, streaming F=2 tau=1", "stage_g",
