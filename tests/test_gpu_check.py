@@ -4,6 +4,7 @@ The whole check runs on CPU (`--cpu`: gloo, fp32, the tiny preset, the same stag
 it cannot rot between the sessions that have a GPU. The GPU-only defects are shown on CPU with stand-ins:
 the meta device for the CUDA device Megatron allocates its buffers on, CPU bf16 autocast for Megatron's
 CUDA autocast, a fake accelerator with fewer devices than processes."""
+import contextlib
 import importlib.util
 import json
 import os
@@ -103,11 +104,18 @@ def _start_check_and_wait_for_its_trainer(tmp_path: Path) -> tuple[subprocess.Po
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         children = psutil.Process(check.pid).children(recursive=True)
-        if any("pretrain.py" in " ".join(c.cmdline()) for c in children if c.is_running()):
+        if any("pretrain.py" in _command_line(c) for c in children):
             return check, children
         time.sleep(0.2)
     check.kill()
     raise AssertionError("the check started no trainer within 120 s")
+
+
+def _command_line(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:  # gone, or a zombie, since it was listed
+        return ""
 
 
 def _gone(process: psutil.Process) -> bool:
@@ -129,14 +137,17 @@ def test_a_killed_check_leaves_no_process_behind(tmp_path, how):
     """SIGTERM (the device tool's timeout): the check kills its stage's processes and writes the
     report; SIGKILL: its children die with it (they are in its session, bound to its life)."""
     check, children = _start_check_and_wait_for_its_trainer(tmp_path)
-    sessions = {os.getsid(c.pid) for c in children if not _gone(c)}
+    sessions = set()
+    for child in children:
+        with contextlib.suppress(ProcessLookupError):  # one that already exited has no session to leak
+            sessions.add(os.getsid(child.pid))
     assert sessions <= {os.getsid(check.pid)}, "a child in a session of its own would outlive the device command"
     check.send_signal(how)
     check.wait(timeout=60)
     survivors = _wait_until_gone(children)
     for p in survivors:
         p.kill()
-    assert not survivors, [p.cmdline() for p in survivors]
+    assert not survivors, [_command_line(p) for p in survivors]
     if how == signal.SIGTERM:
         report = json.loads((tmp_path / "gpu_check.json").read_text())
         assert check.returncode == 128 + signal.SIGTERM and report["result"].startswith("killed")
