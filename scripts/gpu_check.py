@@ -234,10 +234,17 @@ def shipped_config(name: str) -> dict:
 def muloco_ds_config(path: Path, mode: Mode, workers: int, sync_interval: int = 10, **muloco) -> Path:
     """The shipped 150m MuLoCo K=1 config (tiny CPU config with --cpu), with 4-bit statistical
     compression + error feedback, H=`sync_interval`, K workers, the outer groups on gloo unless
-    `muloco` says otherwise, and 5 warm-up steps (the stages train 20-40 steps)."""
+    `muloco` says otherwise, the job secret in a key file beside it (authentication on, as users run
+    it), and 5 warm-up steps (the stages train 20-40 steps)."""
+    from trainer.diloco.auth import write_new_key
+
+    key = path.parent / "job.key"
+    if not key.exists():
+        write_new_key(key)
     ds = shipped_config("cpu_tiny_muloco.json" if mode.cpu else "gpu_150m_muloco_k1.json")
     ds["muloco"].update({"workers": workers, "sync_interval": sync_interval, "outer_backend": "gloo",
-                         "compression": {"method": "statistical", "bits": 4, "error_feedback": True}, **muloco})
+                         "compression": {"method": "statistical", "bits": 4, "error_feedback": True},
+                         "auth": {"key_file": key.name, "job_id": "gpu-check"}, **muloco})
     ds.setdefault("scheduler", {}).setdefault("params", {})["warmup_iters"] = 5
     path.write_text(json.dumps(ds, indent=2))
     return path
