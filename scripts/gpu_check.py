@@ -696,6 +696,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.gloo_probe:
         gloo_probe(args.gloo_probe)
         return 0
+    unknown = set(args.stages or "") - {s.key for s in STAGES}
+    if unknown:
+        parser.error(f"--stages: no stage {', '.join(sorted(unknown))} (the stages are {''.join(s.key for s in STAGES)})")
     mode = CPU if args.cpu else GPU
     budget = Budget(args.budget_s or mode.budget_s, float(os.environ.get(STARTED_ENV) or time.time()))
     out = Path(args.out or (tempfile.mkdtemp(prefix="muloco_cpu_check_") if mode.cpu else REPO / "results"))
