@@ -78,10 +78,9 @@ def test_each_stage_gets_the_smaller_of_its_cap_and_what_is_left():
     assert budget.left() == 60 and budget.stage_timeout(70) == 60 - gpu_check.REPORT_RESERVE_S
     now[0] = 1000.0 + 400
     assert budget.stage_timeout(70) == 0.0
-    # The GPU stages' caps, each at least MIN_STAGE_S, add up to the 6 minutes with the install's share
-    # to spare only if stages end early; the budget, not the caps, bounds the whole check.
-    caps = [s.cap_s["gpu"] for s in gpu_check.STAGES]
-    assert min(caps) >= gpu_check.MIN_STAGE_S and gpu_check.GPU.budget_s == 360
+    # The caps may add up past the budget (a stage that ends early leaves its time to the next): the
+    # budget, 6 minutes on the GPU, bounds the whole check.
+    assert min(s.cap_s["gpu"] for s in gpu_check.STAGES) >= gpu_check.MIN_STAGE_S and gpu_check.GPU.budget_s == 360
 
 
 def test_a_spent_budget_starts_no_stage_and_reports_each(tmp_path):
@@ -135,7 +134,8 @@ def _wait_until_gone(processes: list[psutil.Process], timeout_s: float = 30) -> 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
 def test_a_killed_check_leaves_no_process_behind(tmp_path, how):
     """SIGTERM (the device tool's timeout): the check kills its stage's processes and writes the
-    report; SIGKILL: its children die with it (they are in its session, bound to its life)."""
+    report; SIGKILL: its children die with it (they are in its session, bound to its life), and the
+    report written when the stage started remains."""
     check, children = _start_check_and_wait_for_its_trainer(tmp_path)
     sessions = set()
     for child in children:
@@ -148,10 +148,12 @@ def test_a_killed_check_leaves_no_process_behind(tmp_path, how):
     for p in survivors:
         p.kill()
     assert not survivors, [_command_line(p) for p in survivors]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
     if how == signal.SIGTERM:
-        report = json.loads((tmp_path / "gpu_check.json").read_text())
         assert check.returncode == 128 + signal.SIGTERM and report["result"].startswith("killed")
         assert report["stages"][0]["status"].startswith("killed")
+    else:  # no last word: the report written as the stage started is what comes back
+        assert report["result"] == "running" and report["stages"][0]["status"] == "running"
 
 
 def test_memory_above_the_plan_by_more_than_15_percent_fails_the_stage():
