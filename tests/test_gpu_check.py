@@ -98,7 +98,8 @@ def test_a_spent_budget_starts_no_stage_and_reports_each(tmp_path):
 
 def _start_check_and_wait_for_its_trainer(tmp_path: Path) -> tuple[subprocess.Popen, list[psutil.Process]]:
     check = subprocess.Popen(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--cpu", "--stages", "a", "--out",
-                              str(tmp_path)], cwd=tmp_path, env=_check_env(), stdout=subprocess.DEVNULL,
+                              str(tmp_path)], cwd=tmp_path, env=dict(_check_env(), TMPDIR=str(tmp_path)),
+                             stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
