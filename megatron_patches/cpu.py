@@ -82,6 +82,13 @@ class _TorchOnCpu(types.ModuleType):
         return torch.zeros(*size, device="cpu" if device == "cuda" else device, **kwargs)
 
 
+def megatron_device() -> torch.device:
+    """The device megatron-core allocates its own buffers on (RoPE's frequencies, masks): the current
+    CUDA device where an accelerator exists, the CPU under the shims. A model built elsewhere must run there."""
+    apply_cpu_shims_if_needed()
+    return torch.device(torch.cuda.current_device())
+
+
 def apply_cpu_shims_if_needed() -> bool:
     """Install the shims once when running without an accelerator; return whether they are active."""
     global _applied

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Fills .gpu_wheels/ (git-ignored; it travels with the working tree to the GPU machine) with the wheels
-# scripts/gpu_check.sh installs there: what the trainer imports beyond the machine's own packages
-# (Python 3.12, torch, transformers, sentencepiece, safetensors, tensorboard, numpy, pyarrow), with
-# their whole dependency closure, at the versions the CPU suite runs. Needs the package index once.
+# Fills .gpu_wheels/ with the wheels scripts/gpu_check.sh installs on the GPU machine: what the trainer
+# imports beyond the machine's own packages (Python 3.12, torch, transformers, sentencepiece,
+# safetensors, tensorboard, numpy, pyarrow), with their whole dependency closure, at the versions the
+# CPU suite runs. Needs the package index once. .gpu_wheels/ is git-ignored, so it reaches the GPU
+# machine only when the run names it to be carried:
+#     run  command: bash scripts/gpu_check.sh --out "$OUT"   carry: [".gpu_wheels"]   timeout_s: 420
+# (the report, gpu_check.md and gpu_check.json, comes back from $OUT; scripts/gpu_twin.sh rehearses it here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=.gpu_wheels

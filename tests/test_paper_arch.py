@@ -29,7 +29,7 @@ def _logits(model, batch):
 
     with torch.no_grad():
         # _forward_step computes the loss; the logits come from the same call without labels.
-        output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
+        output = model(batch["tokens"], batch["position_ids"], batch.get("document_ids"))
         assert _forward_step(iter([batch]), model)[0].shape == batch["tokens"].shape  # the trainer's path runs
     return output
 
@@ -55,8 +55,8 @@ def masked_sample(tmp_path_factory):
 
 def test_document_masking_isolates_documents(masked_sample):
     batch, eod = masked_sample
-    mask = batch["attention_mask"]
-    assert mask.shape == (1, 1, PAPER.seq_length, PAPER.seq_length) and mask.dtype == torch.bool
+    ids = batch["document_ids"]  # no [s, s] mask leaves the loader: attention builds it from these
+    assert ids.shape == (1, PAPER.seq_length) and ids[0, eod] == ids[0, 0] and ids[0, eod + 1] == ids[0, 0] + 1
     assert batch["position_ids"][0, eod + 1] == 0  # positions restart at the next document
     changed = dict(batch, tokens=batch["tokens"].clone())
     # Replace the preceding document's tokens (not its end-of-document token, which defines the mask).
@@ -64,9 +64,9 @@ def test_document_masking_isolates_documents(masked_sample):
     with megatron_world_of_one():
         model = _paper_model()
         before, after = _logits(model, batch), _logits(model, changed)
-        unmasked = _logits(model, {**changed, "attention_mask": None,
+        unmasked = _logits(model, {**changed, "document_ids": None,
                                    "position_ids": torch.arange(PAPER.seq_length).unsqueeze(0)})
-        plain = _logits(model, {**batch, "attention_mask": None,
+        plain = _logits(model, {**batch, "document_ids": None,
                                 "position_ids": torch.arange(PAPER.seq_length).unsqueeze(0)})
     # Tokens of the next document do not see the change...
     assert torch.equal(before[0, eod + 1:], after[0, eod + 1:]) or \

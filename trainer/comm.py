@@ -29,7 +29,9 @@ _compute_device: torch.device | None = None
 
 def init_compute_device(local_rank: int) -> torch.device:
     """Pick this process's device: accelerator `local_rank` where there is one (modulo the number of
-    accelerators, so several processes may share one when their groups are on gloo), else the CPU."""
+    accelerators, so several processes may share one when their groups are on gloo), else the CPU.
+    DeepSpeed takes LOCAL_RANK for the device index (its engine calls set_device(LOCAL_RANK)), so
+    where the two differ LOCAL_RANK is rewritten to the device this process uses."""
     global _compute_device
     from deepspeed.accelerator import get_accelerator
 
@@ -40,7 +42,28 @@ def init_compute_device(local_rank: int) -> torch.device:
         index = local_rank % accelerator.device_count()
         accelerator.set_device(index)
         _compute_device = torch.device(accelerator.device_name(index))
+        os.environ["LOCAL_RANK"] = str(index)
     return _compute_device
+
+
+def default_group_options(backend: str, world_size: int) -> dict:
+    """init_process_group's device binding: NCCL's communicator is bound to this process's device (an
+    eager connect, as DeepSpeed does; none for a world of one, which has no peer); a gloo group is
+    bound to no device (its collectives take host tensors; DeepSpeed would bind it to cuda:LOCAL_RANK)."""
+    return {"device_id": compute_device()} if backend == "nccl" and world_size > 1 else {}
+
+
+def init_distributed(backend: str) -> None:
+    """The default process group (env:// rendezvous, as the deepspeed and torchrun launchers set it up)
+    on this process's device, then DeepSpeed's communication layer over it. Without a launcher's
+    variables (mpirun, AzureML) DeepSpeed's own discovery makes the group."""
+    import deepspeed
+
+    launched = all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    if launched and not dist.is_initialized():
+        dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT,
+                                **default_group_options(backend, int(os.environ.get("WORLD_SIZE", "1"))))
+    deepspeed.init_distributed(dist_backend=backend, timeout=COLLECTIVE_TIMEOUT)
 
 
 def default_backend() -> str:

@@ -131,8 +131,9 @@ def build_datasets(data: DataConfig, tokenizer: TokenizerInfo, seq_length: int, 
                    train_samples: int, valid_samples: int, cache_dir: str,
                    document_masking: bool = False) -> Datasets:
     """Every rank must call this (Megatron builds on rank 0 first, then the others read its cache).
-    With `document_masking` each sample carries Megatron's block-causal attention mask (no token
-    attends across an end-of-document token) and positions restart at each document."""
+    With `document_masking` positions restart at each document and each micro-batch carries its
+    tokens' document ids (`collate`), from which attention builds its block-causal mask on the
+    compute device; Megatron's per-sample [s, s] host mask is not made."""
     if not data.data_path:
         raise ValueError("no training data: give --data-path PREFIX (the P of P.bin/P.idx)")
     refuse_unsafe_index_cache(Path(cache_dir))
@@ -142,7 +143,7 @@ def build_datasets(data: DataConfig, tokenizer: TokenizerInfo, seq_length: int, 
         barrier()
     common = dict(random_seed=seed, sequence_length=seq_length, tokenizer=tokenizer,
                   reset_position_ids=document_masking, reset_attention_mask=document_masking, eod_mask_loss=False,
-                  create_attention_mask=document_masking, path_to_cache=cache_dir)
+                  create_attention_mask=False, path_to_cache=cache_dir)
     if data.valid_data_path:
         config = GPTDatasetConfig(blend_per_split=[_blend(data.data_path), _blend(data.valid_data_path), None],
                                   **common)
@@ -185,8 +186,17 @@ def collate(dataset, indices: range) -> dict[str, torch.Tensor]:
                          f"the datasets are built for train-iters x global batch samples (and eval-iters x "
                          f"per-worker batch for validation), so the same settings must be used when reading")
     samples = [dataset[i] for i in indices]
-    keys = ("tokens", "labels", "loss_mask", "position_ids") + (("attention_mask",) if "attention_mask" in samples[0] else ())
-    return {key: torch.stack([s[key] for s in samples]) for key in keys}
+    batch = {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels", "loss_mask", "position_ids")}
+    if dataset.config.reset_attention_mask:
+        batch["document_ids"] = document_ids(batch["tokens"], dataset.config.tokenizer.eod)
+    return batch
+
+
+def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """[b, s] int32: the number of end-of-document tokens before each position, so an end-of-document
+    token belongs to the document it ends (Megatron's reset_attention_mask: no token attends across one)."""
+    is_eod = (tokens == eod).to(torch.int32)
+    return (torch.cumsum(is_eod, dim=-1, dtype=torch.int32) - is_eod)
 
 
 def micro_batches(dataset, position: StreamPosition, step: int):

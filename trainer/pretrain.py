@@ -12,7 +12,6 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from trainer import comm  # noqa: E402
@@ -28,8 +27,7 @@ def main(argv: list[str] | None = None) -> dict:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # The device first: NCCL binds each process to the accelerator current when it starts.
     comm.init_compute_device(int(os.environ.get("LOCAL_RANK", args.local_rank or 0)))
-    deepspeed.init_distributed(dist_backend=args.distributed_backend or comm.default_backend(),
-                               timeout=comm.COLLECTIVE_TIMEOUT)
+    comm.init_distributed(args.distributed_backend or comm.default_backend())
     try:  # every rank resolves the same config, so every rank stops here together, before any collective
         config = resolve(args, dist.get_world_size())
         check_data(config.data)

@@ -40,8 +40,9 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def _forward_step(data_iterator, model):
     batch = {key: comm.to_compute_device(value) for key, value in next(data_iterator).items() if value is not None}
-    # [b, 1, s, s] boolean (True = masked) with document masking; None = plain causal attention.
-    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
+    # Megatron hands its attention_mask argument to the core attention unchanged: the [b, s] document
+    # ids with document masking (trainer.model.attention builds the mask from them), else None (causal).
+    output = model(batch["tokens"], batch["position_ids"], batch.get("document_ids"), labels=batch["labels"])
     return output, partial(_loss_func, batch["loss_mask"])
 
 

@@ -10,14 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
 
 from tools.convert_checkpoint.merge import full_weights, recorded_probe
 from trainer.checkpoint import CheckpointReader
+from trainer.model.presets import ModelShape
 
-RELATIVE_TOLERANCE = 1e-4  # of the largest reference logit; fp32 differences are ~1e-6
+# Of the largest reference logit, by the reference's dtype. Every reference is fp32: the export's
+# model, and the probe the checkpointer records without autocast (fp32 differences are ~1e-6; a bf16
+# forward of the 150m model is ~0.06 away, which no fp32 tolerance would pass).
+RELATIVE_TOLERANCE = {torch.float32: 1e-4}
 SAMPLE_TEXT = "To be, or not to be, that is the question."
 
 
@@ -26,14 +31,19 @@ class Comparison:
     what: str
     max_abs_diff: float
     scale: float
+    dtype: torch.dtype = torch.float32  # the reference's
+
+    @property
+    def tolerance(self) -> float:
+        return RELATIVE_TOLERANCE[self.dtype] * max(1.0, self.scale)
 
     @property
     def ok(self) -> bool:
-        return self.max_abs_diff <= RELATIVE_TOLERANCE * max(1.0, self.scale)
+        return self.max_abs_diff <= self.tolerance
 
     def __str__(self) -> str:
         return (f"{'ok  ' if self.ok else 'FAIL'} {self.what}: max |diff| {self.max_abs_diff:.3g} "
-                f"(tolerance {RELATIVE_TOLERANCE * max(1.0, self.scale):.3g})")
+                f"({str(self.dtype).removeprefix('torch.')} tolerance {self.tolerance:.3g})")
 
 
 @dataclass
@@ -50,7 +60,12 @@ class VerifyReport:
 
 
 def _compare(what: str, got: torch.Tensor, reference: torch.Tensor) -> Comparison:
-    return Comparison(what, float((got - reference).abs().max()), float(reference.abs().max()))
+    if reference.dtype not in RELATIVE_TOLERANCE:
+        raise ValueError(f"{what}: the reference logits are {reference.dtype}; verify compares with fp32 "
+                         f"references only (checkpoints record an fp32 probe)")
+    got, reference_fp32 = got.cpu().float(), reference.cpu().float()
+    return Comparison(what, float((got - reference_fp32).abs().max()), float(reference_fp32.abs().max()),
+                      reference.dtype)
 
 
 def _megatron_model_at_t1(reader: CheckpointReader) -> torch.nn.Module:
@@ -58,7 +73,6 @@ def _megatron_model_at_t1(reader: CheckpointReader) -> torch.nn.Module:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_patches import apply_cpu_shims_if_needed, initialize_megatron_groups
-    from trainer.model.builder import build_model, canonical_names
     from trainer.topology import ParallelSizes, build_topology
 
     if not dist.is_initialized():
@@ -67,15 +81,34 @@ def _megatron_model_at_t1(reader: CheckpointReader) -> torch.nn.Module:
     timeout = timedelta(minutes=5)
     initialize_megatron_groups(build_topology(ParallelSizes(1, 1, 1, 1), timeout), timeout)
     model_parallel_cuda_manual_seed(0)
-    model = build_model(reader.meta.model, reader.meta.padded_vocab_size, torch.float32)
+    return trainer_model(reader.meta.model, reader.meta.padded_vocab_size, full_weights(reader))
+
+
+def trainer_model(shape: ModelShape, padded_vocab_size: int,
+                  weights: Iterable[tuple[str, torch.Tensor]]) -> torch.nn.Module:
+    """The trainer's T=1 model holding `weights` (by canonical name), on the device megatron-core
+    allocates its own buffers on: where an accelerator exists, RoPE moves its frequencies to the
+    current CUDA device at the first forward, so a model left on the CPU would meet them there."""
+    from megatron_patches import megatron_device
+    from trainer.model.builder import build_model, canonical_names
+
+    device = megatron_device()
+    model = build_model(shape, padded_vocab_size, torch.float32)
     names = canonical_names(model)
     params = {names[local]: p for local, p in model.named_parameters()}
     with torch.no_grad():
-        for name, full in full_weights(reader):
+        for name, full in weights:
             params.pop(name).copy_(full)
     if params:
         raise ValueError(f"checkpoint lacks parameters {sorted(params)[:5]}")
-    return model.eval()
+    return model.to(device).eval()
+
+
+def trainer_logits(model: torch.nn.Module, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits [1, L, vocab_size] of the T=1 model, on its device."""
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    return model(ids, torch.arange(ids.shape[1], device=device).unsqueeze(0), None)[..., :vocab_size]
 
 
 @torch.no_grad()
@@ -88,16 +121,15 @@ def verify(reader: CheckpointReader, hf_dir: str | Path) -> VerifyReport:
     if reader.tokenizer_path is not None:
         sample = _check_tokenizer(reader, hf_dir, report, fallback=probe_tokens)
     megatron = _megatron_model_at_t1(reader)
+    device = next(megatron.parameters()).device
+    vocab = reader.meta.vocab_size
 
-    def trainer_logits(ids: torch.Tensor) -> torch.Tensor:
-        return megatron(ids, torch.arange(ids.shape[1]).unsqueeze(0), None)[..., :reader.meta.vocab_size]
-
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
     report.comparisons.append(_compare("transformers export vs trainer model (T=1 P=1)",
-                                       hf(input_ids=sample).logits, trainer_logits(sample)))
+                                       hf(input_ids=sample.to(device)).logits, trainer_logits(megatron, sample, vocab)))
     report.comparisons.append(_compare(
         f"trainer model (T=1 P=1) vs training model as saved ({reader.meta.describe_layout()})",
-        trainer_logits(probe_tokens), recorded))
+        trainer_logits(megatron, probe_tokens, vocab), recorded))
     return report
 
 

@@ -44,22 +44,36 @@ def probe_tokens(vocab_size: int, length: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
 
 
+@contextmanager
+def _full_precision(config):
+    """fp32 compute and fp32 activations between pipeline stages, whatever the run trains in: the
+    probe is a reference for an fp32 model (the export's verify), and bf16 autocast alone moves the
+    150m model's logits by ~0.06. Megatron reads both fields at every forward."""
+    saved = config.enable_autocast, config.pipeline_dtype
+    config.enable_autocast, config.pipeline_dtype = False, torch.float32
+    try:
+        yield
+    finally:
+        config.enable_autocast, config.pipeline_dtype = saved
+
+
 @torch.no_grad()
 def probe_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor | None:
-    """Logits of the (pipeline- and tensor-parallel) training model on `tokens`: this rank's vocab
-    slice on the last stage, None elsewhere. Every rank of the worker must call it."""
+    """fp32 logits of the (pipeline- and tensor-parallel) training model on `tokens`: this rank's
+    vocab slice on the last stage, None elsewhere. Every rank of the worker must call it."""
     tokens = comm.to_compute_device(tokens)
     positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
 
     def forward_step(data_iterator, module):
         logits = module(tokens, positions, None)
-        return logits, lambda out: (torch.zeros((), device=out.device), {"logits": out.detach().float().clone()})
+        return logits, lambda out: (torch.zeros((), device=out.device), {"logits": out.detach().clone()})
 
     was_training = model.training
     model.eval()
-    outputs = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter([None]), model=[model], num_microbatches=1,
-        seq_length=tokens.shape[1], micro_batch_size=1, forward_only=True)
+    with _full_precision(model.config):
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter([None]), model=[model], num_microbatches=1,
+            seq_length=tokens.shape[1], micro_batch_size=1, forward_only=True)
     model.train(was_training)
     return outputs[0]["logits"] if mps.is_pipeline_last_stage() else None
 

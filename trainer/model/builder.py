@@ -97,7 +97,8 @@ def build_model(shape: ModelShape, vocab_size: int, bf16_autocast: bool = False)
     if bf16_autocast and not mps.is_pipeline_last_stage():
         # The residual stream leaves a stage in fp32 (fp32 parameters under autocast); Megatron's p2p
         # buffers are `pipeline_dtype`, so the sending stage casts its output.
-        model.register_forward_hook(lambda module, args, output: output.to(torch.bfloat16))
+        # (`config.pipeline_dtype` read at each call: the checkpoint's fp32 probe switches it off.)
+        model.register_forward_hook(lambda module, args, output: output.to(config.pipeline_dtype))
     return model
 
 
