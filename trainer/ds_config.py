@@ -87,7 +87,7 @@ class DsConfig(ConfigBlock):
         "amp": "use the bf16 block (Megatron's bf16 autocast over fp32 weights)",
         "torch_autocast": "use the bf16 block (Megatron's bf16 autocast over fp32 weights)",
         "zero_optimization": "the inner optimizer needs each parameter's whole fp32 tensor (Muon orthogonalizes "
-                             "whole matrices); ZeRO would partition them",
+                             "whole matrices), which ZeRO would partition",
     }
     DEEPSPEED_KEYS: ClassVar[tuple[str, ...]] = ("steps_per_print", "wall_clock_breakdown", "memory_breakdown",
                                                  "dump_state", "flops_profiler", "comms_logger", "tensorboard",

@@ -47,11 +47,12 @@ class Range:
     le: float | None = None
     lt: float | None = None
 
-    def problem(self, value: Any) -> str | None:
+    def problem(self, value: Any, raw: Any) -> str | None:
+        """Why `value` (converted from the config's `raw`) is out of range, or None."""
         numbers = value if isinstance(value, tuple) else (value,)
         ok = all((self.ge is None or x >= self.ge) and (self.gt is None or x > self.gt)
                  and (self.le is None or x <= self.le) and (self.lt is None or x < self.lt) for x in numbers)
-        return None if ok else f"must be {self}, got {_show(value)}"
+        return None if ok else f"must be {self}, got {_show(raw)}"
 
     def __str__(self) -> str:
         low = ("[", self.ge) if self.ge is not None else ("(", self.gt)
@@ -119,7 +120,7 @@ class ConfigBlock:
                 continue
             if value is not raw:
                 object.__setattr__(self, f.name, value)  # a list given for a tuple, an int for a float
-            problem = spec.range.problem(value) if spec.range is not None and value is not None else None
+            problem = spec.range.problem(value, raw) if spec.range is not None and value is not None else None
             if problem:
                 problems.append((spec.flag or f.name, problem))
         if well_typed:  # cross-field checks need values of the right types (out of range is fine)
@@ -244,7 +245,7 @@ def _casefolded(spec: FieldSpec, raw: Any) -> Any:
 def _field_value(annotation: Any, spec: FieldSpec, raw: Any, path: str, problems: list[Problem]) -> Any:
     value = _convert(annotation, _casefolded(spec, raw), path, problems)
     if value is not _INVALID and spec.range is not None and value is not None:
-        problem = spec.range.problem(value)
+        problem = spec.range.problem(value, raw)
         if problem:
             problems.append((path, problem))
             return _INVALID
