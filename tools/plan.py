@@ -496,6 +496,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         set_path(raw, "muloco.compression", parse_compression(args.compression, args.error_feedback))
         origins.update({f"muloco.compression.{k}": "--compression" for k in ("method", "bits", "topk_fraction")})
     ds = load_ds_config(raw, origins)
+    ds.check_model(args.model)
     layout = ds.layout or LayoutConfig()  # the layout the ds_config was planned for
     muloco = ds.muloco or MuLoCoConfig()  # without an outer loop: MuLoCo planned at its defaults
     sizes = ParallelSizes(workers=muloco.workers, data=layout.data or 1, pipeline=layout.pipeline or 1,

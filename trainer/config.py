@@ -221,9 +221,7 @@ def with_flags(raw: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str,
 def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
     raw, origins = with_flags(read_json_object(args.ds_config), args)
     ds = load_ds_config(raw, origins)
-    if ds.recipe is not None and ds.recipe.model not in (None, args.model):
-        raise ConfigError(f"the ds_config's batch, weight decay and steps were made for --model {ds.recipe.model} "
-                          f"(its recipe block), not {args.model}")
+    ds.check_model(args.model)
     workers = ds.muloco.workers if ds.muloco is not None else 1
     elastic = ds.muloco is not None and ds.muloco.elastic is not None
     check_worker_id(args.worker_id, workers, elastic)

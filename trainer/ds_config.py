@@ -93,6 +93,12 @@ class DsConfig(ConfigBlock):
                                                  "dump_state", "flops_profiler", "comms_logger", "tensorboard",
                                                  "wandb", "csv_monitor")
 
+    def check_model(self, preset: str) -> None:
+        """A generated config's batch, weight decay and steps belong to the model it was made for."""
+        if self.recipe is not None and self.recipe.model not in (None, preset):
+            raise ConfigError(f"the ds_config's batch, weight decay and steps were made for --model "
+                              f"{self.recipe.model} (its recipe block), not {preset}")
+
     def deepspeed_keys(self) -> dict[str, Any]:
         """The pass-through keys the config sets, for deepspeed.initialize."""
         return {k: getattr(self, k) for k in self.DEEPSPEED_KEYS if getattr(self, k) is not None}
