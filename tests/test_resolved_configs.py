@@ -28,7 +28,6 @@ EMPTY = {"empty.json": {}, "empty_muloco.json": {"muloco": {}}}
 def _cases():
     files = sorted((ROOT / "ds_configs").glob("*.json")) + sorted((ROOT / "configs" / "compare").glob("*.json"))
     for path in [*files, *EMPTY]:
-        raw = EMPTY[path] if path in EMPTY else json.loads(path.read_text())
         name = path if path in EMPTY else str(path.relative_to(ROOT))
         for variant in VARIANTS:
             if "compare" not in name or variant == "plain":

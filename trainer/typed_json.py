@@ -6,6 +6,9 @@ through `setting(...)`, the allowed range, the one-line doc (the README's config
 is generated from them: tools/config_reference.py) and, for a block whose keys depend on a sibling
 (an optimizer's params on its type), the block each sibling value selects.
 
+A block may list keys it knows but refuses, with the reason, in a `REFUSED` class attribute
+(DeepSpeed's fp16 in the ds_config).
+
 `load(cls, block, where)` builds `cls` from a JSON object. JSON's types are taken strictly: bool is
 not an int, an int is fine where a float is expected (and becomes one), numbers must be finite (no
 NaN or Infinity), a list stands for a tuple. Every problem of the JSON is reported in one
@@ -120,9 +123,7 @@ class ConfigBlock:
                 continue
             if value is not raw:
                 object.__setattr__(self, f.name, value)  # a list given for a tuple, an int for a float
-            problem = spec.range.problem(value, raw) if spec.range is not None and value is not None else None
-            if problem:
-                problems.append((spec.flag or f.name, problem))
+            _in_range(spec, value, raw, spec.flag or f.name, problems)
         if well_typed:  # cross-field checks need values of the right types (out of range is fine)
             problems += self.problems()
         if problems:
@@ -214,7 +215,7 @@ def _unknown(key: str, known: list[str], refused: str | None, elsewhere: str | N
         return f"is only for {elsewhere}"
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     return f"is not a known key: did you mean {close[0]}?" if close else \
-        f"is not a known key; known: {', '.join(known)}"
+        f"is not a known key (known: {', '.join(known)})"
 
 
 def _selection(cls: type, fields: dict, hints: dict, selected: Selected, block: dict):
@@ -242,13 +243,17 @@ def _casefolded(spec: FieldSpec, raw: Any) -> Any:
     return raw.lower() if spec.casefold and isinstance(raw, str) else raw
 
 
+def _in_range(spec: FieldSpec, value: Any, raw: Any, path: str, problems: list[Problem]) -> bool:
+    problem = spec.range.problem(value, raw) if spec.range is not None and value is not None else None
+    if problem:
+        problems.append((path, problem))
+    return problem is None
+
+
 def _field_value(annotation: Any, spec: FieldSpec, raw: Any, path: str, problems: list[Problem]) -> Any:
     value = _convert(annotation, _casefolded(spec, raw), path, problems)
-    if value is not _INVALID and spec.range is not None and value is not None:
-        problem = spec.range.problem(value, raw)
-        if problem:
-            problems.append((path, problem))
-            return _INVALID
+    if value is _INVALID or not _in_range(spec, value, raw, path, problems):
+        return _INVALID
     return value
 
 
