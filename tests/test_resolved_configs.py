@@ -1,7 +1,8 @@
 """Every shipped ds_config (and the all-defaults config) resolves to the run it resolved to before the
 typed loader: tests/data/resolved_configs.json holds the values trainer/config.py resolved at commit
-55711de (the last commit before it), for the plain config and six flag combinations each. A changed
-default or a value that takes another path shows up here as a changed run."""
+55711de (the last commit before it) for each ds_configs/ file and the empty configs, plain and with
+six flag combinations, and for each configs/compare/ file. A changed default or a value that takes
+another path shows up here as a changed run."""
 import dataclasses
 import json
 from pathlib import Path
