@@ -1,6 +1,6 @@
 """Every shipped ds_config (and the all-defaults config) resolves to the run it resolved to before the
 typed loader: tests/data/resolved_configs.json holds the values trainer/config.py resolved at commit
-55711de (the last commit before it) for each ds_configs/ file and the empty configs, plain and with
+d3fb722 (main before it) for each ds_configs/ file and the empty configs, plain and with
 six flag combinations, and for each configs/compare/ file. A changed default or a value that takes
 another path shows up here as a changed run."""
 import dataclasses

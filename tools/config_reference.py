@@ -50,8 +50,7 @@ def _default(f: dataclasses.Field) -> str:
 
 
 def _accepts(annotation, spec) -> str:
-    blocks = _blocks_in(annotation)
-    accepts = "an object" if blocks else describe(annotation).replace(" or null", "")
+    accepts = describe(annotation).replace(" or null", "")  # null is "absent", the default column says
     accepts = re.sub(r"'([^']*)'", r"`\1`", accepts)  # choices as code
     return accepts + (f" {spec.range}" if spec.range is not None else "")
 
