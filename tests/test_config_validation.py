@@ -55,7 +55,7 @@ def _with(path: str, value) -> dict:
     (_with("gradient_accumulation_steps", 0), [], r"gradient_accumulation_steps must be >= 1, got 0"),
     (_with("scheduler.params.warmup", 10), [], r"scheduler\.params\.warmup is not a known key: did you mean warmup_iters\?"),
     (_with("scheduler.params.min_lr_ratio", 2.0), [], r"scheduler\.params\.min_lr_ratio must be in \[0, 1\], got 2\.0"),
-    (_with("scheduler.type", "OneCycle"), [], r"scheduler\.type must be one of 'WarmupCosine', got 'OneCycle'"),
+    (_with("scheduler.type", "OneCycle"), [], r"scheduler\.type must be one of 'WarmupCosine' or null, got 'OneCycle'"),
     (_with("optimizer.type", "sgd"), [], r"optimizer\.type must be one of 'adamw', 'muon', got 'sgd'"),
     (_with("optimizer.params.lr", "0.02"), [], r"optimizer\.params\.lr must be a number, got '0\.02'"),
     (_with("optimizer.params.betas", [0.9]), [], r"optimizer\.params\.betas must be a list of 2, got \[0\.9\]"),
