@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -219,49 +219,63 @@ def with_flags(raw: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str,
 
 
 def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
+    """Read the ds_config, write the flags into it, load it (again once --recipe has filled it), and
+    check it against the world and the model."""
     raw, origins = with_flags(read_json_object(args.ds_config), args)
     ds = load_ds_config(raw, origins)
     ds.check_model(args.model)
+    sizes = _parallel_sizes(ds, args, world_size)
+    shape = model_shape(args)
+    check_model_shape(shape, sizes.tensor, sizes.pipeline)
+    batch = BatchConfig(ds.train_micro_batch_size_per_gpu,
+                        _accumulation(ds, args.global_batch_size, sizes.data, sizes.workers), sizes.data, sizes.workers)
+    recipe_table = None
+    if args.recipe is not None:  # fills what the ds_config (and the flags) leave out
+        recipe_table = fill_ds_config(raw, ds, args.model, batch.global_batch, set(origins))
+        ds = load_ds_config(raw, origins)
+    run_dir = args.run_dir or str(Path("runs") / Path(args.ds_config).stem)
+    return RunConfig(
+        model_preset=args.model, model=shape, tensor_parallel=sizes.tensor, pipeline_parallel=sizes.pipeline,
+        batch=batch, optimizer=ds.optimizer, schedule=ds.scheduler.params, clip_grad=ds.gradient_clipping,
+        data=DataConfig(tuple(args.data_path), tuple(args.valid_data_path), args.split, args.tokenizer_model,
+                        args.vocab_size),
+        run_dir=run_dir, tensorboard_dir=args.tensorboard_dir or str(Path(run_dir) / "tensorboard"),
+        # Mixed precision is Megatron's autocast over fp32 parameters (the optimizers need whole fp32
+        # tensors, not DeepSpeed's flattened bf16 partitions), so DeepSpeed never sees the bf16 block.
+        bf16=ds.bf16.enabled, ds_config=ds.deepspeed_keys(), muloco=ds.muloco,
+        auth_key_file=_job_secret_file(ds.muloco, Path(args.ds_config).parent), recipe_table=recipe_table,
+        **{name: getattr(args, name) for name in RUN_FLAGS}, deterministic=args.deterministic_mode)
+
+
+# RunConfig fields set by the flag of the same name.
+RUN_FLAGS = ("seed", "log_interval", "eval_interval", "eval_iters", "save", "load", "load_worker", "save_interval",
+             "keep_last", "verify_checksums", "hang_timeout_s", "exit_signal_handler", "exit_interval",
+             "exit_duration_in_mins", "distributed_backend", "worker_id")
+
+
+def _parallel_sizes(ds: DsConfig, args: argparse.Namespace, world_size: int) -> ParallelSizes:
+    """K x D x P x T as the batch sees them: D from the world size (an elastic job's world is one of
+    the K workers), checked against the layout the config was planned for."""
     workers = ds.muloco.workers if ds.muloco is not None else 1
     elastic = ds.muloco is not None and ds.muloco.elastic is not None
     check_worker_id(args.worker_id, workers, elastic)
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    # An elastic job's world is one worker.
-    sizes = ParallelSizes.from_world(world_size, 1 if elastic else workers, pp, tp)
+    sizes = ParallelSizes.from_world(world_size, 1 if elastic else workers, args.pipeline_model_parallel_size,
+                                     args.tensor_model_parallel_size)
     if ds.layout is not None and (wrong := ds.layout.mismatches(sizes.tensor, sizes.pipeline, sizes.data)):
         raise ConfigError("the ds_config was planned for another layout: " + "; ".join(wrong)
                           + " (set --tensor-model-parallel-size/--pipeline-model-parallel-size and the world size "
                           "to match, or re-plan with tools/plan.py and edit its layout block)")
-    shape = model_shape(args)
-    check_model_shape(shape, tp, pp)
-    batch = BatchConfig(ds.train_micro_batch_size_per_gpu, _accumulation(ds, args.global_batch_size, sizes.data,
-                                                                         workers), sizes.data, workers)
-    recipe_table = None
-    if args.recipe is not None:  # fills what the ds_config (and the flags) leave out, then loads again
-        recipe_table = fill_ds_config(raw, ds, args.model, batch.global_batch, set(origins))
-        ds = load_ds_config(raw, origins)
-    auth_key_file = None
-    if ds.muloco is not None and ds.muloco.talks and ds.muloco.auth != "none":
-        key_path = resolve_key_file(ds.muloco.auth, Path(args.ds_config).parent)
-        read_job_key(key_path, ds.muloco.auth.job_id)  # a missing or bad secret stops the run here, with one line
-        auth_key_file = str(key_path)
-    run_dir = args.run_dir or str(Path("runs") / Path(args.ds_config).stem)
-    return RunConfig(
-        model_preset=args.model, model=shape, tensor_parallel=tp, pipeline_parallel=pp, batch=batch,
-        optimizer=ds.optimizer, schedule=ds.scheduler.params, clip_grad=ds.gradient_clipping,
-        data=DataConfig(tuple(args.data_path), tuple(args.valid_data_path), args.split, args.tokenizer_model,
-                        args.vocab_size),
-        run_dir=run_dir, tensorboard_dir=args.tensorboard_dir or str(Path(run_dir) / "tensorboard"),
-        seed=args.seed, log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
-        save=args.save, load=args.load, load_worker=args.load_worker, save_interval=args.save_interval,
-        keep_last=args.keep_last, verify_checksums=args.verify_checksums, hang_timeout_s=args.hang_timeout_s,
-        exit_signal_handler=args.exit_signal_handler, exit_interval=args.exit_interval,
-        exit_duration_in_mins=args.exit_duration_in_mins,
-        # Mixed precision is Megatron's autocast over fp32 parameters (the optimizers need whole fp32
-        # tensors, not DeepSpeed's flattened bf16 partitions), so DeepSpeed never sees the bf16 block.
-        bf16=ds.bf16.enabled, distributed_backend=args.distributed_backend, deterministic=args.deterministic_mode,
-        ds_config=ds.deepspeed_keys(), muloco=ds.muloco, auth_key_file=auth_key_file, recipe_table=recipe_table,
-        worker_id=args.worker_id)
+    return replace(sizes, workers=workers)
+
+
+def _job_secret_file(muloco: MuLoCoConfig | None, config_dir: Path) -> str | None:
+    """The job secret's file when workers talk and auth is on; a missing or bad secret stops the run
+    here, with one line."""
+    if muloco is None or not muloco.talks or muloco.auth == "none":
+        return None
+    path = resolve_key_file(muloco.auth, config_dir)
+    read_job_key(path, muloco.auth.job_id)
+    return str(path)
 
 
 def model_shape(args: argparse.Namespace) -> ModelShape:
