@@ -41,7 +41,7 @@ def trainer_tokens_per_s(metrics: Path) -> float:
 
 
 def measure(data: DataConfig, seq_length: int, micro_batch_size: int, samples: int, work_dir: Path) -> dict:
-    batch = BatchConfig(micro_batch_size=micro_batch_size)
+    batch = BatchConfig(micro_batch_size=micro_batch_size, gradient_accumulation_steps=1)
     steps = samples // batch.global_batch
     start = time.perf_counter()
     train = build_datasets(data, tokenizer_info(data), seq_length, seed=1234, train_samples=steps * batch.global_batch,

@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.trainer_harness import TINY_VOCAB, deepspeed_launch, tiny_flags  # noqa: E402
+from trainer.ds_config import load_ds_config  # noqa: E402
 from trainer.model.presets import PRESETS  # noqa: E402
 from trainer.optim.muon_comm_model import MuonExchange, comm_dtype, grad_allreduce_bytes  # noqa: E402
 
@@ -56,9 +57,9 @@ def probe(out_dir: Path, flags: list[str]) -> None:
     seen: dict = {"steps": []}
     original_step = DistributedMuon.step
 
-    def counted_step(self, momentum_buffers, config):
+    def counted_step(self, momentum_buffers, config, lr, weight_decay):
         with comm.counting_bytes_sent() as counts:
-            original_step(self, momentum_buffers, config)
+            original_step(self, momentum_buffers, config, lr, weight_decay)
         seen["steps"].append(sum(counts.values()))
         element_size = 2 if config.ns_dtype == "bfloat16" else 4
         seen.update(predicted=self.exchange.bytes_sent(self.dp.rank, self.tp.rank, element_size).total,
@@ -124,15 +125,14 @@ def measure_tiny(steps: int) -> dict:
 def evaluate(preset: str, tensor: int, pipeline: int, data: int, ds_config: str, vocab: int) -> dict:
     from tools.plan import build_stage_shards
 
-    params = json.loads((REPO_ROOT / "ds_configs" / ds_config).read_text())["optimizer"]["params"]
-    ns_dtype, nesterov = params.get("ns_dtype", "float32"), params.get("nesterov", False)
-    element_size = comm_dtype(ns_dtype).itemsize
+    muon = load_ds_config(REPO_ROOT / "ds_configs" / ds_config).optimizer.params  # as the trainer reads it
+    element_size = comm_dtype(muon.ns_dtype).itemsize
     per_rank = []
     for stage in build_stage_shards(PRESETS[preset], vocab, tensor, pipeline):
-        muon = [p for p in stage if p.muon]
-        exchange = MuonExchange.for_local_shards([p.name for p in muon], [p.shape for p in muon], PRESETS[preset],
-                                                 tensor, data, params.get("ns_steps", 5))
-        local, muon_local = sum(p.numel for p in stage), sum(p.numel for p in muon)
+        matrices = [p for p in stage if p.muon]
+        exchange = MuonExchange.for_local_shards([p.name for p in matrices], [p.shape for p in matrices],
+                                                 PRESETS[preset], tensor, data, muon.ns_steps)
+        local, muon_local = sum(p.numel for p in stage), sum(p.numel for p in matrices)
         for d in range(data):
             for t in range(tensor):
                 per_rank.append({
@@ -141,8 +141,8 @@ def evaluate(preset: str, tensor: int, pipeline: int, data: int, ds_config: str,
                     "muon_grad_bytes": grad_allreduce_bytes(muon_local, data),
                     "previous": previous_design_bytes(muon_local, tensor, data),
                     "transient": exchange.transient_bytes(d, t, element_size, element_size,
-                                                          [p.numel for p in muon], nesterov)})
-    return row(preset, tensor, pipeline, data, False, per_rank, ns_dtype)
+                                                          [p.numel for p in matrices], muon.nesterov)})
+    return row(preset, tensor, pipeline, data, False, per_rank, muon.ns_dtype)
 
 
 def main() -> int:

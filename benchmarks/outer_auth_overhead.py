@@ -45,7 +45,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
 
     from benchmarks.outer_worker import worker_model
     from trainer.diloco.auth import JobKey
-    from trainer.diloco.compression import CompressionConfig
+    from trainer.diloco.config import CompressionConfig
     from trainer.diloco.config import MuLoCoConfig
     from trainer.diloco.outer_loop import OuterLoop
     from trainer.model.builder import canonical_names

@@ -61,8 +61,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
     import torch.distributed as dist
 
     from benchmarks.outer_worker import worker_model
-    from trainer.diloco.compression import CompressionConfig
-    from trainer.diloco.config import MuLoCoConfig
+    from trainer.diloco.config import CompressionConfig, MuLoCoConfig
     from trainer.diloco.outer_loop import OuterLoop
     from trainer.model.builder import canonical_names
 
@@ -118,7 +117,7 @@ def main() -> None:
         if rows:
             Path(args.out).write_text(json.dumps(rows))
         return
-    from trainer.diloco.compression import CompressionConfig
+    from trainer.diloco.config import CompressionConfig
 
     widths = CompressionConfig(**group_bits(args))
     print(f"model {args.model}, H = {args.sync_interval}, embeddings/head at {widths.embedding_bits} bits, "

@@ -19,7 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.diloco.compression import CompressionConfig, Compressor  # noqa: E402
+from trainer.diloco.compression import Compressor  # noqa: E402
+from trainer.diloco.config import CompressionConfig  # noqa: E402
 
 ROUNDINGS = ("centred", "paper")
 

@@ -225,7 +225,9 @@ def write_markov_data(prefix: Path, vocab: int, tokens: int) -> str:
 def shipped_config(name: str) -> dict:
     """A shipped ds_config without its "layout" and "recipe" blocks: they describe the 8-GPU node it was
     planned for, not this one GPU (the planner would read the layout, the trainer check it)."""
-    ds = json.loads((REPO / "ds_configs" / name).read_text())
+    from trainer.ds_config import read_json_object
+
+    ds = read_json_object(REPO / "ds_configs" / name)
     ds.pop("layout", None)
     ds.pop("recipe", None)
     return ds
@@ -246,14 +248,21 @@ def muloco_ds_config(path: Path, mode: Mode, workers: int, sync_interval: int = 
                          "compression": {"method": "statistical", "bits": 4, "error_feedback": True},
                          "auth": {"key_file": key.name, "job_id": "gpu-check"}, **muloco})
     ds.setdefault("scheduler", {}).setdefault("params", {})["warmup_iters"] = 5
-    path.write_text(json.dumps(ds, indent=2))
-    return path
+    return write_ds_config(path, ds)
 
 
 def data_parallel_ds_config(path: Path, name: str) -> Path:
     """A shipped config as data-parallel training (no muloco block), its lr and schedule untouched."""
     ds = shipped_config(name)
     ds.pop("muloco", None)
+    return write_ds_config(path, ds)
+
+
+def write_ds_config(path: Path, ds: dict) -> Path:
+    """An edited config, checked by the trainer's loader first (so a bad edit fails here, by name)."""
+    from trainer.ds_config import load_ds_config
+
+    load_ds_config(ds)
     path.write_text(json.dumps(ds, indent=2))
     return path
 
@@ -477,6 +486,8 @@ class Check:
                 "max_weight_difference_after_sync": worst}
 
     def stage_e(self) -> dict:
+        from trainer.ds_config import load_ds_config
+
         m = self.mode
         preset, configs = self._largest_dp_preset()
         results, speeds = {"preset": preset}, {}
@@ -488,7 +499,7 @@ class Check:
                         f"e_{optimizer}.log")
             speed = throughput(run, preset, m)
             lrs = {r["lr"] for r in train_records(run)}
-            results[optimizer] = {"config": name, "peak_lr": json.loads(ds.read_text())["optimizer"]["params"]["lr"],
+            results[optimizer] = {"config": name, "peak_lr": load_ds_config(ds).optimizer.params.lr,
                                   "largest_lr_reached": max(lrs), **speed,
                                   **memory_against_plan(speed["max_memory_gib"], predicted_memory_gib(
                                       preset, ds, m, m.large_micro, m.large_global_batch))}

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from trainer.diloco.collectives import CLAIM_BYTES, Bucket, BucketLayout, CollectiveError, GroupWire, average_buckets
-from trainer.diloco.compression import CompressionConfig, Compressor, ErrorFeedback, rows_shape
+from trainer.diloco.compression import Compressor, ErrorFeedback, rows_shape
+from trainer.diloco.config import CompressionConfig
 from trainer.diloco import vote
 
 # Two buckets. (3, 17) and the single rows have fewer rows than K = 4 workers: some reduce-scatter

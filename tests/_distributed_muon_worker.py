@@ -33,6 +33,7 @@ FULL_SHAPES = [(qkv_rows, 64), (64, 128), (2 * 96, 64), (64, 96)] * SHAPE.num_la
 LAYOUTS = [(4, 1), (2, 2), (1, 4)]  # (T, D)
 BUCKET_NUMEL = 30_000  # about two parameters per bucket
 STEPS = 2
+LR, WEIGHT_DECAY = 0.02, 0.1
 
 
 def full_params() -> list[torch.Tensor]:
@@ -49,7 +50,7 @@ def reference(config: MuonConfig) -> list[dict[str, torch.Tensor]]:
     """Full weights after STEPS steps of Muon on every whole logical matrix, per logical matrix."""
     parts = [{k: torch.nn.Parameter(v.clone()) for k, v in logical_matrices(n, p, SHAPE).items()}
              for n, p in zip(NAMES, full_params())]
-    muon = Muon([p for ps in parts for p in ps.values()], config)
+    muon = Muon([p for ps in parts for p in ps.values()], config, lr=LR, weight_decay=WEIGHT_DECAY)
     for step in range(STEPS):
         for name, ps, g in zip(NAMES, parts, full_grads(step)):
             for k, gp in logical_matrices(name, g, SHAPE).items():
@@ -68,7 +69,7 @@ def run_case(T: int, D: int, config: MuonConfig, tp_group, dp_group, tp_rank: in
         for step in range(STEPS):
             for n, p, g in zip(NAMES, params, full_grads(step)):
                 p.grad = shard(g, layout_of(n), tp_rank, T).clone()
-            muon.step(buffers, config)
+            muon.step(buffers, config, LR, WEIGHT_DECAY)
     gaps = []  # ||w - w_ref|| / ||w_ref - w_0|| on this rank's piece of each logical matrix
     for n, p, p0, ref_parts in zip(NAMES, params, full_params(), reference(config)):
         def piece(whole: torch.Tensor, dim: int = layout_of(n).partition_dim) -> torch.Tensor:
@@ -98,7 +99,7 @@ def main() -> None:
         dp_groups = [dist.new_group([d * T + t for d in range(D)]) for t in range(T)]
         d, t = divmod(rank, T)
         for ns_dtype, nesterov in (("float32", False), ("bfloat16", True)):
-            config = MuonConfig(lr=0.02, momentum=0.9, nesterov=nesterov, ns_dtype=ns_dtype, weight_decay=0.1)
+            config = MuonConfig(momentum=0.9, nesterov=nesterov, ns_dtype=ns_dtype)
             results.append(run_case(T, D, config, tp_groups[d], dp_groups[t], t, d))
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()

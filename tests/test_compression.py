@@ -6,13 +6,12 @@ import math
 import pytest
 import torch
 
-from trainer.config import check_block
 from trainer.diloco import compression
-from trainer.diloco.compression import (METHODS, CompressionConfig, Compressor, ErrorFeedback, compression_group,
-                                        pack_bits, unpack_bits)
-from trainer.diloco.config import MuLoCoConfig
+from trainer.diloco.compression import Compressor, ErrorFeedback, compression_group, pack_bits, unpack_bits
+from trainer.diloco.config import METHODS, CompressionConfig, MuLoCoConfig
 from trainer.diloco.outer_loop import outer_sgd_direction
 from trainer.errors import ConfigError
+from trainer.typed_json import load
 
 
 def gaussian(*shape, seed=0):
@@ -246,19 +245,17 @@ def test_decode_rejects_a_payload_of_the_wrong_size():
     ("statistical_rounding", "floor")])
 def test_config_validation_names_the_bad_field(field, value):
     settings = {"method": "statistical", field: value}
-    with pytest.raises(ValueError, match=f"CompressionConfig.{field}"):
+    with pytest.raises(ValueError, match=f"^{field} must be"):
         CompressionConfig(**settings)
 
 
-@pytest.mark.parametrize("key, value, allowed", [("ef_form", "official", "['plain', 'paper']"),
-                                                 ("statistical_rounding", "centered", "['centred', 'paper']")])
+@pytest.mark.parametrize("key, value, allowed", [("ef_form", "official", "'plain', 'paper'"),
+                                                 ("statistical_rounding", "centered", "'centred', 'paper'")])
 def test_a_bad_ef_form_or_rounding_in_the_muloco_block_is_one_config_error(key, value, allowed):
     block = {"compression": {"method": "statistical", key: value}}
-    message = f"muloco.compression.{key} must be one of {allowed}, got '{value}'"
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        check_block(MuLoCoConfig, block, "muloco")  # the ds_config's type check
-    with pytest.raises(ConfigError, match=f"CompressionConfig.{key} must be one of"):
-        MuLoCoConfig.from_dict(block)
+    with pytest.raises(ConfigError) as raised:
+        load(MuLoCoConfig, block, "muloco")
+    assert str(raised.value) == f"muloco.compression.{key} must be one of {allowed}, got '{value}'"
 
 
 # -- the official forms -------------------------------------------------------------------------------

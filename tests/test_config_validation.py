@@ -1,5 +1,6 @@
-"""Every configuration value is checked for type and range in trainer/config.py, before any
-collective, and a bad one gives one `configuration error:` line naming it."""
+"""Every configuration value is checked for type and range before any collective (the ds_config by
+the one loader, trainer/typed_json.py; the flags by RunConfig), and a bad one gives one
+`configuration error:` line naming it: a ds_config value by its dotted path, a flag by its name."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,8 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import OptimizerConfig, build_parser, resolve
+from trainer.config import build_parser, resolve
+from trainer.ds_config import DsConfig
 from trainer.errors import ConfigError
+from trainer.optim.config import AdamWParams
+from trainer.optim.muon import MuonConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = json.loads((ROOT / "ds_configs" / "cpu_tiny_muloco.json").read_text())
@@ -36,60 +40,125 @@ def _with(path: str, value) -> dict:
 
 
 @pytest.mark.parametrize("ds, flags, message", [
-    (GOOD, ["--micro-batch-size", "0"], r"micro batch size .* must be >= 1, got 0"),
-    (_with("train_micro_batch_size_per_gpu", 0), [], r"micro batch size .* must be >= 1, got 0"),
-    (GOOD, ["--train-iters", "0"], r"train-iters must be >= 1, got 0"),
-    (GOOD, ["--log-interval", "0"], r"log-interval must be >= 1, got 0"),
+    (GOOD, ["--micro-batch-size", "0"], r"--micro-batch-size must be >= 1, got 0"),
+    (_with("train_micro_batch_size_per_gpu", 0), [], r"train_micro_batch_size_per_gpu must be >= 1, got 0"),
+    (GOOD, ["--train-iters", "0"], r"--train-iters must be >= 1, got 0"),
+    (GOOD, ["--log-interval", "0"], r"--log-interval must be >= 1, got 0"),
     (_with("muloco.workers", "2"), [], r"muloco\.workers must be an integer, got '2'"),
+    (_with("muloco.workers", True), [], r"muloco\.workers must be an integer, got True"),
     (_with("muloco.sync_interval", 2.5), [], r"muloco\.sync_interval must be an integer, got 2\.5"),
-    (_with("muloco.compression.error_feedback", "yes"), [], r"muloco\.compression\.error_feedback must be a boolean"),
+    (_with("muloco.outer_lr", float("nan")), [], r"muloco\.outer_lr must be a finite number, got nan"),
+    (_with("muloco.compression.error_feedback", "yes"), [],
+     r"muloco\.compression\.error_feedback must be a boolean, got 'yes'"),
+    (_with("muloco.compression.bits", 3), [], r"muloco\.compression\.bits must be one of 2, 4, 8, got 3"),
     (_with("gradient_accumulation_steps", "4"), [], r"gradient_accumulation_steps must be an integer, got '4'"),
     (_with("gradient_accumulation_steps", 0), [], r"gradient_accumulation_steps must be >= 1, got 0"),
-    (_with("scheduler.params.warmup", 10), [], r"unknown keys in scheduler\.params: \['warmup'\]"),
-    (_with("scheduler.params.min_lr_ratio", 2.0), [], r"min-lr-ratio must be in \[0, 1\], got 2\.0"),
-    (_with("optimizer.type", "sgd"), [], r'optimizer type must be "adamw" or "muon"'),
+    (_with("scheduler.params.warmup", 10), [], r"scheduler\.params\.warmup is not a known key: did you mean warmup_iters\?"),
+    (_with("scheduler.params.min_lr_ratio", 2.0), [], r"scheduler\.params\.min_lr_ratio must be in \[0, 1\], got 2\.0"),
+    (_with("scheduler.type", "OneCycle"), [], r"scheduler\.type must be one of 'WarmupCosine' or null, got 'OneCycle'"),
+    (_with("optimizer.type", "sgd"), [], r"optimizer\.type must be one of 'adamw', 'muon', got 'sgd'"),
     (_with("optimizer.params.lr", "0.02"), [], r"optimizer\.params\.lr must be a number, got '0\.02'"),
-    (_with("optimizer.params.betas", [0.9]), [], r"optimizer\.params\.betas must be a list of 2"),
-    (_with("optimizer.params.ns_steps", 0), [], r"ns_steps|steps"),
-    (_with("optimizer.params.momentum", 1.5), [], r"momentum must be in \[0, 1\)"),
-    (_with("optimizer.params.ns_dtype", "float16"), [], r"ns_dtype"),
-    (_with("optimizer.params.lr_scaling", "big"), [], r"lr_scaling"),
-    (_with("bf16.enabled", "true"), [], r"bf16 must be"),
-    (_with("gradient_clipping", -1.0), [], r"gradient clipping .* must be >= 0"),
-    (GOOD, ["--eval-iters", "0"], r"eval-iters must be >= 1, got 0"),
-    (GOOD, ["--save-interval", "0"], r"save-interval must be >= 1, got 0"),
-    (GOOD, ["--lr", "0"], r"optimizer lr must be > 0, got 0"),
+    (_with("optimizer.params.betas", [0.9]), [], r"optimizer\.params\.betas must be a list of 2, got \[0\.9\]"),
+    (_with("optimizer.params.betas", [0.9, 1.5]), [], r"optimizer\.params\.betas must be in \[0, 1\), got \[0\.9, 1\.5\]"),
+    (_with("optimizer.params.ns_steps", 0), [], r"optimizer\.params\.ns_steps must be >= 1, got 0"),
+    (_with("optimizer.params.momentum", 1.5), [], r"optimizer\.params\.momentum must be in \[0, 1\), got 1\.5"),
+    (_with("optimizer.params.ns_dtype", "float16"), [],
+     r"optimizer\.params\.ns_dtype must be one of 'float32', 'bfloat16', got 'float16'"),
+    (_with("optimizer.params.lr_scaling", "big"), [],
+     r"optimizer\.params\.lr_scaling must be one of 'spectral_norm', 'match_rms_adamw', 'torch_original', 'none', "
+     r"got 'big'"),
+    (_with("optimizer.params.ns_schedule", []), [], r"optimizer\.params\.ns_schedule must hold at least one"),
+    (_with("bf16.enabled", "true"), [], r"bf16\.enabled must be a boolean, got 'true'"),
+    (_with("gradient_clipping", -1.0), [], r"gradient_clipping must be >= 0, got -1\.0"),
+    (_with("fp16", {"enabled": True}), [], r"fp16 is not supported: the trainer keeps fp32 master weights"),
+    (_with("muloco.streaming.fragments", 11), [],
+     r"muloco\.streaming\.fragments \(11\) cannot exceed sync_interval \(10\)"),
+    (GOOD, ["--eval-iters", "0"], r"--eval-iters must be >= 1, got 0"),
+    (GOOD, ["--save-interval", "0"], r"--save-interval must be >= 1, got 0"),
+    (GOOD, ["--lr", "0"], r"--lr must be > 0, got 0\.0"),
     (GOOD, ["--seq-length", "0"], r"--seq-length must be >= 1, got 0"),
+    (GOOD, ["--global-batch-size", "12"], r"--global-batch-size 12 is not a positive multiple of micro-batch-size x D x K "
+                                          r"= 4 x 1 x 2"),
 ], ids=lambda v: None)
 def test_bad_value_is_named(tmp_path, ds, flags, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=f"^{message}"):
         _resolve(tmp_path, ds, *flags)
+
+
+@pytest.mark.parametrize("ds, message", [
+    ({**GOOD, "muloko": {}}, "muloko is not a known key: did you mean muloco?"),
+    ({**GOOD, "optimiser": {}}, "optimiser is not a known key: did you mean optimizer?"),
+    ({"muloco": {"sync_intreval": 30}}, "muloco.sync_intreval is not a known key: did you mean sync_interval?"),
+])
+def test_a_misspelt_key_names_the_closest_known_one(tmp_path, ds, message):
+    """A misspelt block must not silently train another method (here: the data-parallel baseline)."""
+    with pytest.raises(ConfigError) as raised:
+        _resolve(tmp_path, ds)
+    assert str(raised.value) == message
+
+
+def test_every_problem_is_named_in_one_message_in_file_order(tmp_path):
+    ds = {"train_micro_batch_size_per_gpu": "4", "muloco": {"workers": 0, "colective": "all_gather",
+                                                            "compression": {"bits": 3}},
+          "optimizer": {"type": "muon", "params": {"lr": -1, "ns_dtype": "fp8"}}, "zero_optimization": {}}
+    with pytest.raises(ConfigError) as raised:
+        _resolve(tmp_path, ds)
+    assert str(raised.value).split("; ") == [
+        "train_micro_batch_size_per_gpu must be an integer, got '4'",
+        "muloco.workers must be >= 1, got 0",
+        "muloco.colective is not a known key: did you mean collective?",
+        "muloco.compression.bits must be one of 2, 4, 8, got 3",
+        "optimizer.params.lr must be > 0, got -1",
+        "optimizer.params.ns_dtype must be one of 'float32', 'bfloat16', got 'fp8'",
+        "zero_optimization is not supported: the inner optimizer needs each parameter's whole fp32 tensor (Muon "
+        "orthogonalizes whole matrices), which ZeRO would partition"]
+
+
+def test_flag_problems_are_named_by_the_flag_all_at_once(tmp_path):
+    with pytest.raises(ConfigError) as raised:
+        _resolve(tmp_path, GOOD, "--log-interval", "0", "--seed", "-1", "--exit-interval", "3")
+    assert str(raised.value) == ("--seed must be >= 0, got -1; --log-interval must be >= 1, got 0; "
+                                 "--exit-interval save a checkpoint before exiting: give --save DIR")
 
 
 def test_adamw_rejects_muon_params(tmp_path):
     ds = _with("optimizer.type", "adamw")
-    with pytest.raises(ConfigError, match=r"\['momentum', 'lr_scaling', 'nesterov', 'ns_schedule'\]|are Muon's"):
+    with pytest.raises(ConfigError, match=r"^optimizer\.params\.momentum is only for type muon; "
+                                          r"optimizer\.params\.nesterov is only for type muon"):
         _resolve(tmp_path, ds)
+    # The --optimizer flag switches the type and drops the params only the other type takes.
+    assert _resolve(tmp_path, GOOD, "--optimizer", "adamw").optimizer.params == AdamWParams(
+        lr=0.02, weight_decay=0.1, betas=(0.9, 0.99), eps=1e-8)
+
+
+def test_optimizer_type_is_read_in_any_case(tmp_path):
+    assert _resolve(tmp_path, _with("optimizer.type", "Muon")).optimizer.type == "muon"
+
+
+def test_deepspeed_keys_pass_through_and_nothing_else(tmp_path):
+    config = _resolve(tmp_path, {**GOOD, "wall_clock_breakdown": True})
+    assert config.ds_config == {"steps_per_print": 1000000, "wall_clock_breakdown": True}
+    assert set(DsConfig.DEEPSPEED_KEYS) <= {f.name for f in dataclasses.fields(DsConfig)}
 
 
 def test_one_muon_config_from_the_ds_config_to_newton_schulz(tmp_path):
     ds = _with("optimizer.params.ns_steps", 7)
     ds["optimizer"]["params"].update(ns_dtype="bfloat16", nesterov=True, momentum=0.95)
     config = _resolve(tmp_path, ds, "--lr", "0.05")
-    muon = config.optimizer.muon
+    muon = config.optimizer.params  # the MuonConfig every Muon step reads
+    assert isinstance(muon, MuonConfig)
     assert (muon.ns_steps, muon.ns_dtype, muon.nesterov, muon.momentum) == (7, "bfloat16", True, 0.95)
-    assert (muon.lr, muon.weight_decay) == (config.optimizer.lr, config.optimizer.weight_decay) == (0.05, 0.1)
-    # --optimizer adamw drops the Muon block; the configs are frozen (changed only by replace).
-    assert _resolve(tmp_path, ds, "--optimizer", "adamw").optimizer.muon is None
+    assert (muon.lr, muon.weight_decay) == (0.05, 0.1)
+    # --optimizer adamw drops the Muon params; the configs are frozen.
+    assert not isinstance(_resolve(tmp_path, ds, "--optimizer", "adamw").optimizer.params, MuonConfig)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        config.optimizer.lr = 1.0
+        config.optimizer.params.lr = 1.0
     assert config.muloco.sync_interval == GOOD["muloco"]["sync_interval"]
 
 
 def test_explicit_flags_win_over_the_ds_config(tmp_path):
     config = _resolve(tmp_path, GOOD, "--micro-batch-size", "2", "--train-iters", "7", "--clip-grad", "0.5")
-    assert (config.batch.micro_batch_size, config.schedule.train_iters, config.schedule.clip_grad) == (2, 7, 0.5)
-    assert OptimizerConfig.from_params("muon", {"lr": 0.1}).muon.lr == 0.1
+    assert (config.batch.micro_batch_size, config.schedule.train_iters, config.clip_grad) == (2, 7, 0.5)
 
 
 def test_entry_point_prints_one_configuration_error_line(tmp_path):

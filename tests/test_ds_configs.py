@@ -37,7 +37,7 @@ def test_config_resolves(path):
     assert config.batch.global_batch == workers * ds["train_batch_size"]
     # Blocks the trainer owns never reach DeepSpeed.
     assert not {"muloco", "optimizer", "scheduler", "bf16", "layout", "recipe"} & set(ds)
-    assert config.optimizer.name == raw["optimizer"]["type"]
+    assert config.optimizer.type == raw["optimizer"]["type"]
     assert config.bf16 == path.stem.startswith("gpu_")
     if config.muloco is not None:
         assert config.muloco.sync_interval >= 1 and config.muloco.outer_lr > 0

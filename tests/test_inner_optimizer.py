@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from test_muon_math import torch_muon_in_fp32  # noqa: F401  (a fixture: torch's Newton-Schulz in fp32)
-from trainer.config import OptimizerConfig
 from trainer.model.builder import canonical_names
 from trainer.model.layout import from_logical_matrices, logical_matrices
 from trainer.model.presets import PRESETS
+from trainer.optim.config import OptimizerConfig
 from trainer.optim.inner import InnerOptimizer
 from trainer.optim.muon import Muon, MuonConfig
 from trainer.optim.routing import route_parameters
+from trainer.typed_json import load
 from trainer_harness import megatron_world_of_one, tiny_model
 
 SHAPE = PRESETS["tiny"]
@@ -31,9 +32,14 @@ def model():
     return tiny_model()
 
 
+def _optimizer(type_: str, params: dict) -> OptimizerConfig:
+    """The ds_config's optimizer block, as a user writes it, loaded as the trainer loads it."""
+    return load(OptimizerConfig, {"type": type_, "params": params}, "optimizer")
+
+
 def _inner(model, config: OptimizerConfig, clip_grad: float = 0.0):
     """As trainer/run.py builds it, with no process groups (every group of size one)."""
-    routing = route_parameters(model.named_parameters(), use_muon=config.name == "muon")
+    routing = route_parameters(model.named_parameters(), use_muon=config.type == "muon")
     return InnerOptimizer(routing, canonical_names(model), config, clip_grad, SHAPE, None, None, None), routing
 
 
@@ -88,30 +94,30 @@ def _train_both(model, config: OptimizerConfig, reference: _PerLogicalMatrix, op
 
 
 def test_adamw_equals_torch_adamw(model):
-    config = OptimizerConfig.from_params("adamw", {"lr": 1e-2, "weight_decay": 0.1})
+    config = _optimizer("adamw", {"lr": 1e-2, "weight_decay": 0.1})
     optimizer, routing = _inner(model, config)
     assert not routing.muon
-    _train_both(model, config, _PerLogicalMatrix(routing, None, config.lr, config.weight_decay), optimizer)
+    _train_both(model, config, _PerLogicalMatrix(routing, None, 1e-2, 0.1), optimizer)
 
 
 def test_muon_equals_torch_muon_per_logical_matrix(model, torch_muon_in_fp32):  # noqa: F811
-    config = OptimizerConfig.from_params("muon", {  # the ds_config's params, as a user writes them
+    config = _optimizer("muon", {
         "lr": 0.02, "weight_decay": 0.1, "momentum": 0.9, "ns_schedule": "keller", "lr_scaling": "torch_original",
         "adamw_lr_factor": 0.15, "adamw_weight_decay_factor": 0.5})
     optimizer, routing = _inner(model, config)
     reference = _PerLogicalMatrix(
-        routing, lambda params: torch.optim.Muon(params, lr=config.lr, weight_decay=config.weight_decay,
+        routing, lambda params: torch.optim.Muon(params, lr=0.02, weight_decay=0.1,
                                                  momentum=0.9, nesterov=False, adjust_lr_fn="original"),
         adamw_lr=0.02 * 0.15, adamw_wd=0.1 * 0.5)
     _train_both(model, config, reference, optimizer)
 
 
 def test_muon_equals_reference_muon_with_paper_schedule(model):
-    config = OptimizerConfig.from_params("muon", {"lr": 0.02, "weight_decay": 0.1, "nesterov": True})  # paper schedule
+    config = _optimizer("muon", {"lr": 0.02, "weight_decay": 0.1, "nesterov": True})  # paper schedule
     optimizer, routing = _inner(model, config)
-    muon_config = MuonConfig(lr=0.02, momentum=0.9, nesterov=True, ns_schedule="paper",
-                             lr_scaling="spectral_norm", weight_decay=0.1)
-    reference = _PerLogicalMatrix(routing, lambda params: Muon(params, muon_config), adamw_lr=0.02, adamw_wd=0.1)
+    muon_config = MuonConfig(momentum=0.9, nesterov=True, ns_schedule="paper", lr_scaling="spectral_norm")
+    reference = _PerLogicalMatrix(routing, lambda params: Muon(params, muon_config, lr=0.02, weight_decay=0.1),
+                                  adamw_lr=0.02, adamw_wd=0.1)
     _train_both(model, config, reference, optimizer)
 
 
@@ -134,7 +140,7 @@ def test_routing_rejects_uncovered_parameter(model):
 
 
 def test_clipping_uses_the_global_norm(model):
-    optimizer, _ = _inner(model, OptimizerConfig.from_params("muon", {"lr": 0.02}), clip_grad=1.0)
+    optimizer, _ = _inner(model, _optimizer("muon", {"lr": 0.02}), clip_grad=1.0)
     grads = _random_grads(model, torch.Generator().manual_seed(1))
     reference = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads.values()]
     for r, g in zip(reference, grads.values()):
@@ -148,7 +154,7 @@ def test_clipping_uses_the_global_norm(model):
 
 
 def test_non_finite_gradient_norm_stops_before_touching_weights(model):
-    optimizer, _ = _inner(model, OptimizerConfig.from_params("adamw", {"lr": 0.02}), clip_grad=1.0)
+    optimizer, _ = _inner(model, _optimizer("adamw", {"lr": 0.02}), clip_grad=1.0)
     _random_grads(model, torch.Generator().manual_seed(2))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     next(model.parameters()).grad[0, 0] = float("nan")

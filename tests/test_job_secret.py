@@ -54,7 +54,7 @@ def test_a_bad_secret_is_one_config_error(tmp_path, key_file, content, message):
 def test_a_bad_auth_block_is_one_config_error(tmp_path):
     with pytest.raises(ConfigError, match="muloco.auth"):
         resolved(tmp_path, {"auth": "off"})
-    with pytest.raises(ConfigError, match="unknown keys in muloco.auth"):
+    with pytest.raises(ConfigError, match=r"^muloco\.auth\.keyfile is not a known key: did you mean key_file\?$"):
         resolved(tmp_path, {"auth": {"keyfile": "x"}})
 
 

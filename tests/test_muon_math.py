@@ -119,11 +119,8 @@ def test_muon_matches_torch_over_steps(momentum, nesterov, torch_adjust, our_sca
     init = [torch.randn(s, generator=g) * 0.1 for s in SHAPES]
     ours = [torch.nn.Parameter(w.clone()) for w in init]
     theirs = [torch.nn.Parameter(w.clone()) for w in init]
-    config = MuonConfig(
-        lr=0.02, momentum=momentum, nesterov=nesterov, ns_schedule="keller",
-        lr_scaling=our_scaling, weight_decay=weight_decay,
-    )
-    our_opt = Muon(ours, config)
+    config = MuonConfig(momentum=momentum, nesterov=nesterov, ns_schedule="keller", lr_scaling=our_scaling)
+    our_opt = Muon(ours, config, lr=0.02, weight_decay=weight_decay)
     their_opt = torch.optim.Muon(
         theirs, lr=0.02, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, adjust_lr_fn=torch_adjust
     )
@@ -143,11 +140,9 @@ def test_muon_bf16_tracks_stock_torch():
     init = [torch.randn(s, generator=g) * 0.1 for s in SHAPES]
     ours = [torch.nn.Parameter(w.clone()) for w in init]
     theirs = [torch.nn.Parameter(w.clone()) for w in init]
-    config = MuonConfig(
-        lr=0.02, momentum=0.95, nesterov=True, ns_schedule="keller", ns_dtype="bfloat16",
-        lr_scaling="torch_original", weight_decay=0.1,
-    )
-    our_opt, their_opt = Muon(ours, config), torch.optim.Muon(theirs, lr=0.02)  # torch's defaults
+    config = MuonConfig(momentum=0.95, nesterov=True, ns_schedule="keller", ns_dtype="bfloat16",
+                        lr_scaling="torch_original")
+    our_opt, their_opt = Muon(ours, config, lr=0.02, weight_decay=0.1), torch.optim.Muon(theirs, lr=0.02)  # torch's defaults
     _step_both(our_opt, their_opt, ours, theirs, g)
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-3)
@@ -287,7 +282,7 @@ def test_muon_first_step_is_scaled_orthogonalized_gradient():
     W = torch.nn.Parameter(torch.randn(40, 24, generator=_generator(14)))
     W0 = W.detach().clone()
     W.grad = torch.randn(40, 24, generator=_generator(15))
-    Muon([W], MuonConfig(lr=0.05, weight_decay=0.1)).step()
+    Muon([W], MuonConfig(), lr=0.05, weight_decay=0.1).step()
     expected = W0 * (1 - 0.05 * 0.1) - 0.05 * (40 / 24) ** 0.5 * orthogonalize(W.grad)
     torch.testing.assert_close(W.detach(), expected, **FP32_TOL)
 
@@ -295,7 +290,7 @@ def test_muon_first_step_is_scaled_orthogonalized_gradient():
 def test_muon_param_group_overrides():
     a = torch.nn.Parameter(torch.zeros(8, 8))
     b = torch.nn.Parameter(torch.zeros(8, 8))
-    opt = Muon([{"params": [a]}, {"params": [b], "lr": 0.0}], MuonConfig(lr=0.1))
+    opt = Muon([{"params": [a]}, {"params": [b], "lr": 0.0}], MuonConfig(), lr=0.1)
     a.grad = torch.randn(8, 8, generator=_generator(16))
     b.grad = a.grad.clone()
     opt.step()
@@ -305,27 +300,31 @@ def test_muon_param_group_overrides():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(lr=-1.0), "lr"),
-        (dict(momentum=1.0), "momentum"),
-        (dict(nesterov=1), "nesterov"),
-        (dict(ns_schedule="fast"), "schedule"),
-        (dict(ns_steps=0), "steps"),
-        (dict(ns_dtype="float16"), "ns_dtype"),
-        (dict(lr_scaling="sqrt"), "lr_scaling"),
-        (dict(weight_decay=-0.1), "weight_decay"),
-        (dict(eps=0.0), "eps"),
+        (dict(momentum=1.0), r"^momentum must be in \[0, 1\), got 1\.0$"),
+        (dict(nesterov=1), r"^nesterov must be a boolean, got 1$"),
+        (dict(ns_schedule="fast"), r"^ns_schedule must be one of 'paper', 'keller' or a list, got 'fast'$"),
+        (dict(ns_schedule=[(1.0, 2.0)]), r"^ns_schedule\[0\] must be a list of 3, got \[1\.0, 2\.0\]$"),
+        (dict(ns_steps=0), r"^ns_steps must be >= 1, got 0$"),
+        (dict(ns_dtype="float16"), r"^ns_dtype must be one of 'float32', 'bfloat16', got 'float16'$"),
+        (dict(lr_scaling="sqrt"), r"^lr_scaling must be one of 'spectral_norm', "),
     ],
 )
 def test_config_validation(overrides, message):
     with pytest.raises(ValueError, match=message):
-        MuonConfig(**{"lr": 0.02, **overrides})
+        MuonConfig(**overrides)
+
+
+def test_explicit_schedule_triples_become_tuples():
+    assert MuonConfig(ns_schedule=[[1, 2, 3]]).ns_schedule == ((1.0, 2.0, 3.0),)
 
 
 def test_muon_rejects_non_matrices_and_bad_groups():
     with pytest.raises(ValueError, match="2-D"):
-        Muon([torch.nn.Parameter(torch.zeros(8))], MuonConfig(lr=0.1))
+        Muon([torch.nn.Parameter(torch.zeros(8))], MuonConfig(), lr=0.1)
     with pytest.raises(ValueError, match="lr_scaling"):
-        Muon([{"params": [torch.nn.Parameter(torch.zeros(4, 4))], "lr_scaling": "x"}], MuonConfig(lr=0.1))
+        Muon([{"params": [torch.nn.Parameter(torch.zeros(4, 4))], "lr_scaling": "x"}], MuonConfig(), lr=0.1)
+    with pytest.raises(ValueError, match="lr and weight_decay must be >= 0"):
+        Muon([torch.nn.Parameter(torch.zeros(4, 4))], MuonConfig(), lr=-0.1)
 
 
 # ---------------------------------------------------------------- ownership

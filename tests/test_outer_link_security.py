@@ -18,7 +18,8 @@ from fake_wire import Board, FakeWire, run_ranks
 from trainer.diloco.auth import TAG_BYTES, JobKey
 from trainer.diloco.collectives import (AUTHENTICATION, CLAIM_MISMATCH, MALFORMED, NONFINITE, OUTLIER, Bucket,
                                         BucketLayout, average_buckets)
-from trainer.diloco.compression import CompressionConfig, Compressor, Encoded, PayloadError
+from trainer.diloco.compression import Compressor, Encoded, PayloadError
+from trainer.diloco.config import CompressionConfig
 
 KEY = JobKey(b"k" * 32, "test-job")
 SHAPES = ((6, 40), (3, 17))

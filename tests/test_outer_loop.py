@@ -336,6 +336,7 @@ def test_cli_k2_t2_four_bit_error_feedback_run_learns_and_logs_outer_syncs(workd
 def test_bad_outer_settings_are_one_config_error(block, message):
     from trainer.diloco.config import MuLoCoConfig
     from trainer.errors import ConfigError
+    from trainer.typed_json import load
 
     with pytest.raises(ConfigError, match=message):
-        MuLoCoConfig.from_dict(block)
+        load(MuLoCoConfig, block, "muloco")

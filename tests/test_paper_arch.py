@@ -44,7 +44,7 @@ def masked_sample(tmp_path_factory):
     datasets = build_datasets(DataConfig([prefix]), TokenizerInfo(TINY_VOCAB, EOD), PAPER.seq_length, seed=1,
                               train_samples=8, valid_samples=1, cache_dir=str(base / "cache"),
                               document_masking=True)
-    position = StreamPosition(0, 0, BatchConfig(micro_batch_size=1))
+    position = StreamPosition(0, 0, BatchConfig(micro_batch_size=1, gradient_accumulation_steps=1))
     for step in range(8):
         (batch,) = micro_batches(datasets.train, position, step)
         eods = (batch["tokens"][0, :-1] == EOD).nonzero().flatten()

@@ -1,6 +1,7 @@
 """tools/plan.py against the real thing: parameter counts of the model built on meta, memory that adds
 up, and outer-sync bytes equal to what the trainer's collectives count in a real K=2 run."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from synthetic_data import write_markov_dataset
 from trainer.model.presets import PRESETS, parameter_count
 
 PRESETS_UP_TO_1_76B = ["tiny", "150m", "416m", "914m", "1.76b"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _inputs(*flags: str) -> planner.PlanInputs:
@@ -67,7 +69,7 @@ def test_memory_adds_up(ds_config):
         # Every parameter has exactly one optimizer's state.
         assert memory.muon_momentum / 4 + memory.adamw_moments / 8 == n
     muon_inner, adamw = plan.memory
-    if plan.inputs.optimizer == "adamw":
+    if plan.inputs.optimizer.type == "adamw":
         assert muon_inner == adamw and adamw.muon_momentum == 0
     else:
         assert muon_inner.muon_momentum > 0 and muon_inner.muon_workspace > 0
@@ -147,3 +149,39 @@ def test_codec_time_from_the_codec_benchmark_adds_to_each_sync(tmp_path):
     assert priced.times[:2] == plain.times[:2]  # DP has no codec
     with pytest.raises(planner.ConfigError, match="no row for statistical 2"):
         _inputs(*flags[:-4], "--compression", "statistical:2", "--codec-json", str(codec))
+
+
+SHIPPED = sorted((ROOT / "ds_configs").glob("*.json")) + sorted((ROOT / "configs" / "compare").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", [*SHIPPED, None], ids=[p.stem for p in SHIPPED] + ["all_defaults"])
+def test_the_planner_reads_every_config_as_the_trainer_does(path, tmp_path):
+    """Optimizer, bf16, batch, layout and outer loop: the planner's inputs are the trainer's values
+    (with no muloco block the planner plans the outer loop at its defaults)."""
+    from trainer.config import build_parser, resolve
+    from trainer.diloco.config import MuLoCoConfig
+
+    if path is None:  # every block left out: the trainer's defaults (AdamW, fp32), not the planner's own
+        path = tmp_path / "empty.json"
+        path.write_text("{}")
+    raw = json.loads(path.read_text())
+    model = raw.get("recipe", {}).get("model", "tiny")
+    layout = {"tensor": 1, "pipeline": 1, "data": 1, **raw.get("layout", {})}
+    plan = _inputs("--model", model, "--ds-config", str(path))
+    elastic = "elastic" in raw.get("muloco", {})
+    run = resolve(build_parser().parse_args([
+        "--ds_config", str(path), "--model", model, "--data-path", "x",
+        "--tensor-model-parallel-size", str(layout["tensor"]), "--pipeline-model-parallel-size", str(layout["pipeline"]),
+        *(["--worker-id", "0"] if elastic else [])]),
+        (1 if elastic else plan.sizes.workers) * layout["data"] * layout["pipeline"] * layout["tensor"])
+    assert plan.optimizer == run.optimizer
+    assert plan.bf16 == run.bf16
+    assert (plan.micro_batch, plan.global_batch, plan.micro_batches) == (
+        run.batch.micro_batch_size, run.batch.global_batch, run.batch.gradient_accumulation_steps)
+    assert (plan.sizes.tensor, plan.sizes.pipeline, plan.sizes.data, plan.sizes.workers) == (
+        run.tensor_parallel, run.pipeline_parallel, run.batch.data_parallel, run.batch.workers)
+    assert plan.muloco == (run.muloco or MuLoCoConfig())
+
+
+def test_the_planner_refuses_a_config_made_for_another_model():
+    assert planner.main(["--model", "3.1b", "--ds-config", "ds_configs/gpu_15b_muloco_k16.json"]) == 2

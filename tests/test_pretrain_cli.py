@@ -35,7 +35,7 @@ def test_short_tensor_parallel_run_writes_its_run_dir_and_learns(data, tmp_path)
 
     config = json.loads((run_dir / "config.json").read_text())
     assert (config["tensor_parallel"], config["batch"]["data_parallel"]) == (2, 1)
-    assert config["optimizer"]["name"] == "muon" and config["schedule"]["train_iters"] == STEPS
+    assert config["optimizer"]["type"] == "muon" and config["schedule"]["train_iters"] == STEPS
 
     records = read_metrics(run_dir)
     train = [r for r in records if "loss" in r]

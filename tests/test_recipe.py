@@ -11,7 +11,8 @@ from tools import plan as planner
 from trainer.config import build_parser, resolve
 from trainer.errors import ConfigError
 from trainer.model.presets import PRESETS, parameter_count
-from trainer.recipe import GPU_CONFIGS, PAPER_VOCAB, gpu_ds_config, paper_recipe
+from tools.write_gpu_configs import GPU_CONFIGS, gpu_ds_config
+from trainer.recipe import PAPER_VOCAB, paper_recipe
 
 DS_CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
 
@@ -46,7 +47,7 @@ def test_every_gpu_config_is_the_recipes_output():
     assert shipped == {c.name for c in GPU_CONFIGS}
     for c in GPU_CONFIGS:
         assert json.loads((DS_CONFIGS / f"{c.name}.json").read_text()) == gpu_ds_config(c), \
-            f"{c.name}.json differs from the recipe: run python -m trainer.recipe --write"
+            f"{c.name}.json differs from the recipe: run python tools/write_gpu_configs.py"
 
 
 def test_the_15b_config_is_the_papers_run():
@@ -102,9 +103,9 @@ def test_recipe_flag_fills_what_the_config_leaves_out(tmp_path):
           "muloco": {"workers": 16, "compression": {"method": "statistical", "bits": 4, "error_feedback": True}}}
     run = _resolve(ds, tmp_path, 16 * 8, "--model", "3.1b", "--recipe", "paper")  # B = 16 x 2 x 8 x D 8 = 2048
     assert run.batch.global_batch == 2048
-    assert run.optimizer.lr == 0.015625 and run.optimizer.weight_decay == 0.1  # the config's own value wins
-    assert (run.optimizer.adamw_lr_factor, run.optimizer.adamw_weight_decay_factor) == (1.0, 1.0)
-    assert (run.schedule.warmup_iters, run.schedule.min_lr_ratio, run.schedule.clip_grad) == (500, 0.1, 1.0)
+    assert run.optimizer.params.lr == 0.015625 and run.optimizer.params.weight_decay == 0.1  # the config's own value wins
+    assert (run.optimizer.params.adamw_lr_factor, run.optimizer.params.adamw_weight_decay_factor) == (1.0, 1.0)
+    assert (run.schedule.warmup_iters, run.schedule.min_lr_ratio, run.clip_grad) == (500, 0.1, 1.0)
     assert run.schedule.train_iters == paper_recipe("3.1b", 16, 2048, "muon").train_iters
     assert (run.muloco.outer_lr, run.muloco.outer_momentum, run.muloco.compression.ef_beta) == (1.0, 0.9, 0.9)
     assert (run.muloco.compression.ef_form, run.muloco.compression.statistical_rounding) == ("paper", "paper")
@@ -114,7 +115,7 @@ def test_recipe_flag_fills_what_the_config_leaves_out(tmp_path):
     with pytest.raises(ConfigError, match="publishes no muon inner lr"):
         _resolve(ds, tmp_path, 8, "--model", "3.1b", "--recipe", "paper")
     run = _resolve(ds, tmp_path, 8, "--model", "3.1b", "--recipe", "paper", "--lr", "0.02", "--train-iters", "5")
-    assert (run.optimizer.lr, run.schedule.train_iters) == (0.02, 5)
+    assert (run.optimizer.params.lr, run.schedule.train_iters) == (0.02, 5)
     assert any(line.split()[:3] == ["scheduler.params.train_iters", "5", "flag"] for line in run.recipe_table.splitlines())
     assert math.isclose(_resolve(ds, tmp_path, 8, "--model", "3.1b", "--recipe", "paper", "--lr", "0.02")
                         .muloco.outer_lr, 0.7)

@@ -68,18 +68,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import check_model_shape  # noqa: E402
 from trainer.diloco.collectives import row_split  # noqa: E402
-from trainer.diloco.compression import Compressor, CompressionConfig, compression_group, rows_shape  # noqa: E402
 from trainer.diloco.auth import TAG_BYTES  # noqa: E402
 from trainer.diloco.collectives import CLAIM_BYTES  # noqa: E402
+from trainer.diloco.compression import Compressor, compression_group, rows_shape  # noqa: E402
+from trainer.diloco.config import CompressionConfig, MuLoCoConfig  # noqa: E402
 from trainer.diloco.vote import BALLOT_BYTES  # noqa: E402
+from trainer.ds_config import LayoutConfig, load_ds_config, read_json_object  # noqa: E402
 from trainer.errors import ConfigError, TopologyError  # noqa: E402
 from trainer.model.layout import layout_of  # noqa: E402
 from trainer.model.presets import PRESETS, ModelShape  # noqa: E402
 from trainer.model.stages import stage_layers  # noqa: E402
+from trainer.optim.config import MuonParams, OptimizerConfig  # noqa: E402
 from trainer.optim.muon_comm_model import MuonExchange, comm_dtype, grad_allreduce_bytes  # noqa: E402
 from trainer.optim.ownership import assign_owners  # noqa: E402
 from trainer.recipe import PAPER_VOCAB  # noqa: E402  the paper presets' counts match a Llama-3 vocabulary
 from trainer.topology import ParallelSizes  # noqa: E402
+from trainer.typed_json import set_path  # noqa: E402
 
 GIB = 1024 ** 3
 
@@ -146,10 +150,8 @@ def parameter_count(stages: list[list[ShardParam]], tensor: int) -> int:
 class PlanInputs:
     model: str
     sizes: ParallelSizes  # K x D x P x T
-    sync_interval: int
-    compression: CompressionConfig
-    collective: str
-    optimizer: str  # the inner optimizer of the MuLoCo run: "muon" (MuLoCo) or "adamw" (DiLoCo)
+    muloco: MuLoCoConfig  # the ds_config's outer loop (its defaults when it has none)
+    optimizer: OptimizerConfig  # the inner optimizer: muon (MuLoCo) or adamw (DiLoCo)
     seq_length: int
     global_batch: int
     micro_batch: int
@@ -160,13 +162,23 @@ class PlanInputs:
     gpu_tflops: float
     mfu: float
     dp_grad_bytes: int
-    overlap_steps: int
     vocab_size: int
     gpu_memory_gib: float
-    muon_ns_dtype: str = "float32"  # Muon's pieces travel in the Newton-Schulz dtype
-    muon_nesterov: bool = False
     codec: CodecThroughput | None = None  # None: the codec's time is not modelled
-    authenticated: bool = True  # every outer message tagged (muloco.auth; off only with "none")
+
+    @property
+    def compression(self) -> CompressionConfig:
+        return self.muloco.compression
+
+    @property
+    def authenticated(self) -> bool:
+        """Every outer message tagged (muloco.auth; off only with "none")."""
+        return self.muloco.auth != "none"
+
+    @property
+    def muon(self) -> MuonParams | None:
+        """Muon's hyperparameters when it is the inner optimizer."""
+        return self.optimizer.params if isinstance(self.optimizer.params, MuonParams) else None
 
     @property
     def micro_batches(self) -> int:
@@ -212,14 +224,15 @@ class CodecThroughput:
         return (E + E / K) / self.encode + 2 * E / self.decode
 
 
-def parse_compression(spec: str, error_feedback: bool) -> CompressionConfig:
-    """'none', 'statistical:4', 'linear:2', 'topk:0.02'."""
+def parse_compression(spec: str, error_feedback: bool) -> dict:
+    """The compression block of 'none', 'statistical:4', 'linear:2', 'topk:0.02' (no argument: the
+    block's default bits or fraction)."""
     method, _, arg = spec.partition(":")
-    if method == "topk":
-        return CompressionConfig(method, topk_fraction=float(arg or 0.02), error_feedback=error_feedback)
     if method == "none":
-        return CompressionConfig("none")
-    return CompressionConfig(method, bits=int(arg or 4), error_feedback=error_feedback)
+        return {"method": "none"}
+    if method == "topk":
+        return {"method": method, "error_feedback": error_feedback, **({"topk_fraction": float(arg)} if arg else {})}
+    return {"method": method, "error_feedback": error_feedback, **({"bits": int(arg)} if arg else {})}
 
 
 # -- memory ---------------------------------------------------------------------------------------
@@ -245,19 +258,20 @@ class Memory:
                 + self.muon_workspace + self.activations + self.logits)
 
 
-def stage_memory(stage_index: int, stage: list[ShardParam], inputs: PlanInputs, optimizer: str) -> Memory:
+def stage_memory(stage_index: int, stage: list[ShardParam], inputs: PlanInputs, muon_inner: bool) -> Memory:
+    """`muon_inner`: the inputs' Muon as the inner optimizer (else AdamW on every parameter)."""
     shape = PRESETS[inputs.model].with_overrides(seq_length=inputs.seq_length)
     T, P = inputs.sizes.tensor, inputs.sizes.pipeline
     n = sum(p.numel for p in stage)
-    muon = [p for p in stage if p.muon] if optimizer == "muon" else []
+    muon = [p for p in stage if p.muon] if muon_inner else []
     n_muon = sum(p.numel for p in muon)
     workspace = muon_bytes = 0
     if muon:
         exchange = MuonExchange.for_local_shards([p.name for p in muon], [p.shape for p in muon], shape, T,
-                                                 inputs.sizes.data)
-        element_size = comm_dtype(inputs.muon_ns_dtype).itemsize
+                                                 inputs.sizes.data, inputs.muon.ns_steps)
+        element_size = comm_dtype(inputs.muon.ns_dtype).itemsize
         workspace = exchange.max_transient_bytes(element_size, element_size, [p.numel for p in muon],
-                                                 inputs.muon_nesterov)
+                                                 inputs.muon.nesterov)
         muon_bytes = exchange.max_bytes_sent(element_size).total
     s, b, h, a = inputs.seq_length, inputs.micro_batch, shape.hidden_size, shape.num_attention_heads
     per_layer = s * b * h * (10 + 24 / T + 5 * a * s / (h * T))
@@ -346,7 +360,8 @@ def outer_sync_bytes(stages: list[list[ShardParam]], inputs: PlanInputs) -> Sync
     def per_rank(compression: CompressionConfig) -> list[int]:
         # TP ranks of a stage hold identically shaped shards, so stage 0's TP rank 0 stands for all T.
         K, D = inputs.sizes.workers, inputs.sizes.data
-        return [sync_bytes_sent(_owned(stage, D, d), compression, inputs.collective, K, k, inputs.authenticated)
+        return [sync_bytes_sent(_owned(stage, D, d), compression, inputs.muloco.collective, K, k,
+                                inputs.authenticated)
                 for k in range(K) for stage in stages for d in range(D)]
 
     sent = per_rank(inputs.compression)
@@ -387,11 +402,11 @@ def wall_clock(params: int, stages: list[list[ShardParam]], sync: SyncBytes, inp
              for name in ("DP AdamW", "DP Muon")]
     sync_s = _link_seconds(sync.per_rank_max, sync.per_worker, inputs)
     if inputs.codec is not None:
-        sync_s += inputs.codec.sync_seconds(shard / inputs.sizes.data, K, inputs.collective)
-    exposed = max(0.0, sync_s - inputs.overlap_steps * compute)
-    name = f"{'MuLoCo' if inputs.optimizer == 'muon' else 'DiLoCo'} K={K}"
-    syncs = steps // inputs.sync_interval
-    times.append(MethodTime(name, steps, compute, sync_s / inputs.sync_interval,
+        sync_s += inputs.codec.sync_seconds(shard / inputs.sizes.data, K, inputs.muloco.collective)
+    exposed = max(0.0, sync_s - inputs.muloco.streaming.overlap_steps * compute)
+    name = f"{'MuLoCo' if inputs.muon else 'DiLoCo'} K={K}"
+    syncs = steps // inputs.muloco.sync_interval
+    times.append(MethodTime(name, steps, compute, sync_s / inputs.muloco.sync_interval,
                             (steps * compute + syncs * exposed) / 3600, syncs * sync.per_rank_max))
     return times
 
@@ -412,8 +427,8 @@ def make_plan(inputs: PlanInputs) -> Plan:
     shape = PRESETS[inputs.model].with_overrides(seq_length=inputs.seq_length)
     stages = build_stage_shards(shape, inputs.vocab_size, inputs.sizes.tensor, inputs.sizes.pipeline)
     params = parameter_count(stages, inputs.sizes.tensor)
-    memory = [max((stage_memory(i, stage, inputs, opt) for i, stage in enumerate(stages)),
-                  key=lambda m: m.device_total) for opt in (inputs.optimizer, "adamw")]
+    memory = [max((stage_memory(i, stage, inputs, muon_inner) for i, stage in enumerate(stages)),
+                  key=lambda m: m.device_total) for muon_inner in (inputs.muon is not None, False)]
     sync = outer_sync_bytes(stages, inputs)
     fits = memory[0].device_total * 1.1 <= inputs.gpu_memory_gib * GIB
     return Plan(inputs, params, memory, sync, wall_clock(params, stages, sync, inputs), fits)
@@ -432,7 +447,7 @@ def render(plan: Plan) -> str:
              f"batch: B={i.global_batch} sequences/step = {i.global_batch // z.workers} per worker = "
              f"micro {i.micro_batch} x accumulation {i.micro_batches} x D {z.data}",
              "", f"## memory per rank (worst pipeline stage; {'bf16 autocast' if i.bf16 else 'fp32'})",
-             f"| | {i.optimizer} inner (stage {plan.memory[0].stage}) | adamw (stage {plan.memory[1].stage}) |",
+             f"| | {i.optimizer.type} inner (stage {plan.memory[0].stage}) | adamw (stage {plan.memory[1].stage}) |",
              "|---|---|---|"]
     for key in ("weights", "bf16_weight_copies", "gradients", "muon_momentum", "adamw_moments", "muon_workspace",
                 "activations", "logits"):
@@ -440,12 +455,12 @@ def render(plan: Plan) -> str:
     lines += [f"| **device total** | **{_gib(plan.memory[0].device_total)}** | {_gib(plan.memory[1].device_total)} |",
               f"| host outer state | {_gib(plan.memory[0].host_outer_state)} | |",
               f"fits a {i.gpu_memory_gib:g} GiB GPU with 10% headroom: {'yes' if plan.fits else 'NO'}",
-              f"Muon exchange per inner step ({i.muon_ns_dtype}, intra-worker): "
+              f"Muon exchange per inner step ({i.muon.ns_dtype if i.muon else '-'}, intra-worker): "
               f"{plan.memory[0].muon_bytes_per_step:,} B per rank vs the fp32 gradient all-reduce's "
               f"{plan.memory[0].grad_allreduce_bytes_per_step:,} B",
               "", f"## bytes per outer sync ({i.compression.method}"
               f"{'' if i.compression.method == 'none' else ':' + str(i.compression.bits)}"
-              f"{'+EF' if i.compression.error_feedback else ''}, {i.collective})",
+              f"{'+EF' if i.compression.error_feedback else ''}, {i.muloco.collective})",
               f"per rank: {plan.sync.per_rank_max:,} B (max), {plan.sync.per_rank_mean:,.0f} B (mean); "
               f"per datacenter: {plan.sync.per_worker:,} B; "
               f"uncompressed per rank: {plan.sync.uncompressed_per_rank_max:,} B "
@@ -463,40 +478,41 @@ def render(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+# The planner's flags that set ds_config values: flag destination -> dotted path (written into the
+# JSON before the trainer's loader reads it, so plan and run read the same values).
+DS_CONFIG_FLAGS = {"workers": "muloco.workers", "sync_interval": "muloco.sync_interval",
+                   "collective": "muloco.collective", "micro_batch": "train_micro_batch_size_per_gpu",
+                   "tensor": "layout.tensor", "pipeline": "layout.pipeline", "data": "layout.data"}
+
+
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
-    ds = json.loads(Path(args.ds_config).read_text()) if args.ds_config else {}
-    muloco = ds.get("muloco", {})
-    layout = ds.get("layout", {})  # the layout the ds_config was planned for
-    pick = lambda flag, default: default if flag is None else flag  # noqa: E731
-    sizes = ParallelSizes(workers=pick(args.workers, muloco.get("workers", 1)), data=pick(args.data, layout.get("data", 1)),
-                          pipeline=pick(args.pipeline, layout.get("pipeline", 1)),
-                          tensor=pick(args.tensor, layout.get("tensor", 1)))
-    if min(sizes.workers, sizes.data, sizes.pipeline, sizes.tensor) < 1:
-        raise TopologyError(f"every size must be >= 1, got {sizes}")
-    micro = pick(args.micro_batch, ds.get("train_micro_batch_size_per_gpu", 1))
+    raw = read_json_object(args.ds_config) if args.ds_config else {}
+    origins = {}
+    for dest, path in DS_CONFIG_FLAGS.items():
+        if getattr(args, dest) is not None:
+            set_path(raw, path, getattr(args, dest))
+            origins[path] = "--" + dest.replace("_", "-")
+    if args.compression is not None:
+        set_path(raw, "muloco.compression", parse_compression(args.compression, args.error_feedback))
+        origins.update({f"muloco.compression.{k}": "--compression" for k in ("method", "bits", "topk_fraction")})
+    ds = load_ds_config(raw, origins)
+    ds.check_model(args.model)
+    layout = ds.layout or LayoutConfig()  # the layout the ds_config was planned for
+    muloco = ds.muloco or MuLoCoConfig()  # without an outer loop: MuLoCo planned at its defaults
+    sizes = ParallelSizes(workers=muloco.workers, data=layout.data or 1, pipeline=layout.pipeline or 1,
+                          tensor=layout.tensor or 1)
+    micro = ds.train_micro_batch_size_per_gpu
     if args.global_batch is not None:
         global_batch = args.global_batch
     else:
-        global_batch = micro * ds.get("gradient_accumulation_steps", 1) * sizes.data * sizes.workers
-    if args.compression is not None:
-        compression = parse_compression(args.compression, args.error_feedback)
-    else:
-        compression = CompressionConfig(**muloco.get("compression", {}))
-    codec = CodecThroughput.from_benchmark(args.codec_json, compression) if args.codec_json else None
+        global_batch = micro * ds.gradient_accumulation_steps * sizes.data * sizes.workers
+    codec = CodecThroughput.from_benchmark(args.codec_json, muloco.compression) if args.codec_json else None
     return PlanInputs(
-        model=args.model, sizes=sizes,
-        sync_interval=pick(args.sync_interval, muloco.get("sync_interval", 30)), compression=compression,
-        collective=pick(args.collective, muloco.get("collective", "all_gather")),
-        optimizer=str(ds.get("optimizer", {}).get("type", "muon")), seq_length=args.seq_length,
-        global_batch=global_batch, micro_batch=micro,
-        bf16=bool(ds.get("bf16", {}).get("enabled", True)) if args.ds_config else True,
+        model=args.model, sizes=sizes, muloco=muloco, optimizer=ds.optimizer, seq_length=args.seq_length,
+        global_batch=global_batch, micro_batch=micro, bf16=ds.bf16.enabled,
         bandwidth_gbit=args.bandwidth_gbit, bandwidth_scope=args.bandwidth_scope, tokens=args.tokens,
-        gpu_tflops=args.gpu_tflops, mfu=args.mfu, dp_grad_bytes=args.dp_grad_bytes,
-        overlap_steps=muloco.get("streaming", {}).get("overlap_steps", 0), vocab_size=args.vocab_size,
-        gpu_memory_gib=args.gpu_memory_gib,
-        muon_ns_dtype=ds.get("optimizer", {}).get("params", {}).get("ns_dtype", "float32"),
-        muon_nesterov=bool(ds.get("optimizer", {}).get("params", {}).get("nesterov", False)), codec=codec,
-        authenticated=muloco.get("auth") != "none")
+        gpu_tflops=args.gpu_tflops, mfu=args.mfu, dp_grad_bytes=args.dp_grad_bytes, vocab_size=args.vocab_size,
+        gpu_memory_gib=args.gpu_memory_gib, codec=codec)
 
 
 # -- which layouts fit a node ---------------------------------------------------------------------
@@ -525,7 +541,7 @@ def layouts_that_fit(inputs: PlanInputs, max_pipeline: int = 8) -> list[LayoutFi
                 continue
             candidate = replace(inputs, sizes=replace(inputs.sizes, tensor=tensor, pipeline=pipeline))
             stages = build_stage_shards(shape, inputs.vocab_size, tensor, pipeline)
-            worst = max(stage_memory(i, stage, candidate, inputs.optimizer).device_total
+            worst = max(stage_memory(i, stage, candidate, inputs.muon is not None).device_total
                         for i, stage in enumerate(stages))
             fits.append(LayoutFit(tensor, pipeline, worst / GIB, worst * 1.1 <= inputs.gpu_memory_gib * GIB))
     return fits
@@ -534,7 +550,7 @@ def layouts_that_fit(inputs: PlanInputs, max_pipeline: int = 8) -> list[LayoutFi
 def render_layouts(inputs: PlanInputs, fits: list[LayoutFit]) -> str:
     shape = PRESETS[inputs.model]
     lines = [f"## layouts of {inputs.model} on {NODE_GPUS}-GPU nodes of {inputs.gpu_memory_gib:g} GiB "
-             f"(D={inputs.sizes.data}, micro-batch {inputs.micro_batch}, {inputs.optimizer} inner)",
+             f"(D={inputs.sizes.data}, micro-batch {inputs.micro_batch}, {inputs.optimizer.type} inner)",
              "| T | P | stage layers | GiB per GPU (worst stage) | fits |", "|---|---|---|---|---|"]
     for f in fits:
         layers = " + ".join(map(str, stage_layers(shape.num_layers, f.pipeline)))
@@ -549,14 +565,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline", type=int, default=None, help="P (default: the ds_config's layout block, else 1)")
     p.add_argument("--data", type=int, default=None,
                    help="D, inner data-parallel replicas per worker (default: the ds_config's layout block, else 1)")
-    p.add_argument("--workers", type=int, default=None, help="K (default: the ds_config's, else 1)")
-    p.add_argument("--sync-interval", type=int, default=None, help="H (default: the ds_config's, else 30)")
+    p.add_argument("--workers", type=int, default=None, help="K (default: the ds_config's muloco.workers)")
+    p.add_argument("--sync-interval", type=int, default=None, help="H (default: the ds_config's muloco.sync_interval)")
     p.add_argument("--compression", default=None, help="none | statistical:BITS | linear:BITS | topk:FRACTION")
     p.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--collective", choices=["all_gather", "reduce_scatter"], default=None)
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--global-batch", type=int, default=None, help="B sequences per step over all workers")
-    p.add_argument("--micro-batch", type=int, default=None)
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="per rank (default: the ds_config's train_micro_batch_size_per_gpu)")
     p.add_argument("--vocab-size", type=int, default=PAPER_VOCAB)
     p.add_argument("--bandwidth-gbit", type=float, default=10.0)
     p.add_argument("--bandwidth-scope", choices=["datacenter", "rank"], default="datacenter")
@@ -565,7 +582,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mfu", type=float, default=0.4)
     p.add_argument("--dp-grad-bytes", type=int, default=2, help="bytes per gradient element DP all-reduces (bf16)")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0)
-    p.add_argument("--ds-config", default=None, help="take K, H, compression, collective, optimizer, batch from it")
+    p.add_argument("--ds-config", default=None, help="take K, H, compression, collective, optimizer, bf16, batch and layout from it, as "
+                        "the trainer reads them (without one: the trainer's defaults, AdamW in fp32)")
     p.add_argument("--codec-json", type=Path, default=None,
                    help="benchmarks/codec_throughput.py's output on the target device: the sync's codec time")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of markdown")

@@ -1,12 +1,11 @@
 """The run's configuration: command-line flags (Megatron's names) on top of the DeepSpeed JSON config.
 
-Resolution order: preset < explicit model flags; ds_config < explicit batch/optimizer flags. The
-resolved `RunConfig` is what the run uses and what it writes to `config.json`. Every value is
-checked here, for type and range, before any collective: a bad one raises `ConfigError` (printed
-by the entry point as one `configuration error:` line on rank 0).
-
-Each ds_config block maps onto one frozen dataclass and is strict: an unknown key, a value of the
-wrong type ("2" for an int) or out of range is an error, never silently dropped or coerced.
+`resolve` reads the ds_config, writes the flags that set its values (`--lr`, `--train-iters`,
+`--micro-batch-size`, ... : `DS_CONFIG_FLAGS`) into it as dotted overrides, loads it once into the
+typed `DsConfig` (trainer/ds_config.py; again after `--recipe` fills what it leaves out), and builds
+the frozen `RunConfig` the run uses and writes to `config.json`. Every value is checked before any
+collective: a bad one raises `ConfigError`, printed by the entry point as one `configuration error:`
+line naming every problem (a flag by its name, a ds_config value by its dotted path).
 
 Batch semantics (the paper's): the global batch B, in sequences per inner step, is split over the
 K workers. The ds_config's `train_micro_batch_size_per_gpu` and `gradient_accumulation_steps` are
@@ -16,206 +15,31 @@ the per-worker batch B/K = micro x accumulation x D). `--global-batch-size` (Meg
 from __future__ import annotations
 
 import argparse
-import collections.abc
-import dataclasses
 import json
-import types
-import typing
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from trainer.diloco.auth import read_job_key, resolve_key_file
 from trainer.diloco.config import MuLoCoConfig
+from trainer.ds_config import DsConfig, load_ds_config, read_json_object
 from trainer.elastic.config import check_worker_id
-from trainer.errors import ConfigError, TopologyError
+from trainer.errors import ConfigError
 from trainer.model.presets import ARCHITECTURES, PRESETS, ModelShape
 from trainer.model.stages import stage_layers
-from trainer.optim.muon import MuonConfig
+from trainer.optim.config import OptimizerConfig, OptimizerName, retyped
 from trainer.recipe import fill_ds_config
+from trainer.schedule import ScheduleConfig
 from trainer.topology import ParallelSizes
-
-OptimizerName = Literal["adamw", "muon"]
-
-
-# -- checking values against a dataclass's annotations ------------------------------------------------
-
-def _type_problem(value: Any, annotation: Any) -> str | None:
-    """Why `value` does not fit `annotation` (None when it does). JSON has no tuples, so a list
-    stands for a tuple; an int stands for a float; bool is never an int."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if annotation is Any:
-        return None
-    if origin is Literal:
-        return None if value in args else f"one of {list(args)}"
-    if origin in (typing.Union, types.UnionType):
-        problems = [_type_problem(value, a) for a in args]
-        return None if None in problems else " or ".join(p for p in problems if p)
-    if annotation is type(None):
-        return None if value is None else "null"
-    if annotation is bool:
-        return None if isinstance(value, bool) else "a boolean"
-    if annotation is int:
-        return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
-    if annotation is float:
-        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "a number"
-    if annotation is str:
-        return None if isinstance(value, str) else "a string"
-    if dataclasses.is_dataclass(annotation):
-        if not isinstance(value, dict):
-            return "an object"
-        return None  # its keys are checked by check_block
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or (args and args[-1] is not Ellipsis and len(value) != len(args)):
-            return f"a list of {len(args)}" if args else "a list"
-        items = args if args and args[-1] is not Ellipsis else [args[0] if args else Any] * len(value)
-        problems = [_type_problem(v, a) for v, a in zip(value, items)]
-        return None if not any(problems) else f"a list whose items are {', '.join(p or 'fine' for p in problems)}"
-    if origin in (list, collections.abc.Sequence):
-        return None if isinstance(value, (list, tuple)) else "a list"
-    if origin is dict:
-        return None if isinstance(value, dict) else "an object"
-    return None  # an annotation this checker does not model: the dataclass's own checks apply
-
-
-def check_block(cls: type, block: Any, where: str) -> None:
-    """Raise ConfigError naming the first unknown key or mistyped value of `block` for dataclass
-    `cls` (recursing into nested dataclass fields)."""
-    if not isinstance(block, dict):
-        raise ConfigError(f"{where} must be an object, got {block!r}")
-    hints = typing.get_type_hints(cls)
-    known = [f.name for f in dataclasses.fields(cls) if f.init]
-    unknown = sorted(set(block) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown keys in {where}: {unknown}; known: {sorted(known)}")
-    for key, value in block.items():
-        annotation = hints[key]
-        problem = _type_problem(value, annotation)
-        if problem:
-            raise ConfigError(f"{where}.{key} must be {problem}, got {value!r}")
-        nested = [a for a in (annotation, *typing.get_args(annotation)) if dataclasses.is_dataclass(a)]
-        if nested and isinstance(value, dict):
-            check_block(nested[0], value, f"{where}.{key}")
-
-
-def _positive(where: str, value: float) -> None:
-    if not value > 0:
-        raise ConfigError(f"{where} must be > 0, got {value}")
-
-
-def _at_least(where: str, value: float, low: float) -> None:
-    if not value >= low:
-        raise ConfigError(f"{where} must be >= {low}, got {value}")
-
-
-# -- the configs ---------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """The inner optimizer; the ds_config's "optimizer" block in DeepSpeed's {"type", "params"} form.
-    `muon` holds the Muon hyperparameters (with the peak lr and weight decay) when `name` is muon."""
-
-    name: OptimizerName = "adamw"  # "muon": Muon on hidden matrices, AdamW on the rest
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    adam_betas: tuple[float, float] = (0.9, 0.99)
-    adam_eps: float = 1e-8
-    adamw_lr_factor: float = 1.0  # AdamW lr = factor x lr when the inner optimizer is muon
-    adamw_weight_decay_factor: float = 1.0
-    muon: MuonConfig | None = None
-
-    # ds_config "params" keys that belong to the AdamW side (the rest are MuonConfig's)
-    ADAMW_KEYS: typing.ClassVar[dict[str, str]] = {
-        "lr": "lr", "weight_decay": "weight_decay", "betas": "adam_betas", "eps": "adam_eps",
-        "adamw_lr_factor": "adamw_lr_factor", "adamw_weight_decay_factor": "adamw_weight_decay_factor"}
-    MUON_KEYS: typing.ClassVar[tuple[str, ...]] = ("momentum", "nesterov", "ns_schedule", "ns_steps", "ns_dtype",
-                                                  "lr_scaling")
-
-    def __post_init__(self):
-        object.__setattr__(self, "adam_betas", tuple(self.adam_betas))  # JSON gives a list
-        if self.name not in typing.get_args(OptimizerName):
-            raise ConfigError(f'optimizer type must be "adamw" or "muon", got {self.name!r}')
-        _positive("optimizer lr", self.lr)
-        _at_least("optimizer weight_decay", self.weight_decay, 0)
-        if not all(0 <= b < 1 for b in self.adam_betas):
-            raise ConfigError(f"optimizer betas must be in [0, 1), got {list(self.adam_betas)}")
-        _positive("optimizer eps", self.adam_eps)
-        _positive("optimizer adamw_lr_factor", self.adamw_lr_factor)
-        _at_least("optimizer adamw_weight_decay_factor", self.adamw_weight_decay_factor, 0)
-        if (self.muon is None) != (self.name == "adamw"):
-            raise ConfigError("optimizer: the Muon hyperparameters must be given exactly when the type is muon")
-        if self.muon is not None and (self.muon.lr, self.muon.weight_decay) != (self.lr, self.weight_decay):
-            raise ConfigError("optimizer: Muon's lr and weight_decay are the optimizer's")
-
-    @classmethod
-    def from_params(cls, name: str, params: dict[str, Any] | None = None) -> "OptimizerConfig":
-        """The one parser of the optimizer block's `params` (also what tests build configs with)."""
-        params = dict(params or {})
-        known = set(cls.ADAMW_KEYS) | set(cls.MUON_KEYS)
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise ConfigError(f"unknown ds_config optimizer params {unknown}; known: {sorted(known)}")
-        if not isinstance(name, str):
-            raise ConfigError(f"optimizer type must be a string, got {name!r}")
-        hints = typing.get_type_hints(cls)
-        for key, field_name in cls.ADAMW_KEYS.items():
-            if key in params and (problem := _type_problem(params[key], hints[field_name])):
-                raise ConfigError(f"optimizer.params.{key} must be {problem}, got {params[key]!r}")
-        adamw_values = {cls.ADAMW_KEYS[k]: v for k, v in params.items() if k in cls.ADAMW_KEYS}
-        muon_values = {k: v for k, v in params.items() if k in cls.MUON_KEYS}
-        check_block(MuonConfig, muon_values, "optimizer.params")
-        name = name.lower()
-        if name == "adamw" and muon_values:
-            raise ConfigError(f"optimizer params {sorted(muon_values)} are Muon's; the optimizer type is adamw")
-        adamw = cls(name="adamw", **adamw_values)  # checks the shared values with their defaults
-        if name != "muon":
-            return dataclasses.replace(adamw, name=name)
-        try:
-            muon = MuonConfig(lr=adamw.lr, weight_decay=adamw.weight_decay, **muon_values)
-        except ValueError as err:
-            raise ConfigError(f"optimizer: {err}") from err
-        return dataclasses.replace(adamw, name="muon", muon=muon)
-
-    def with_peak(self, lr: float | None = None, weight_decay: float | None = None,
-                  name: str | None = None) -> "OptimizerConfig":
-        """Command-line overrides of the ds_config's values (the Muon block follows)."""
-        lr = self.lr if lr is None else lr
-        weight_decay = self.weight_decay if weight_decay is None else weight_decay
-        name = self.name if name is None else name
-        muon = None
-        if name == "muon":
-            try:
-                muon = dataclasses.replace(self.muon or MuonConfig(lr=lr), lr=lr, weight_decay=weight_decay)
-            except ValueError as err:
-                raise ConfigError(f"optimizer: {err}") from err
-        return dataclasses.replace(self, name=name, lr=lr, weight_decay=weight_decay, muon=muon)
+from trainer.typed_json import ConfigBlock, ConfigProblems, Problem, field_default, set_path, setting
 
 
 @dataclass(frozen=True)
-class ScheduleConfig:
-    train_iters: int = 100
-    warmup_iters: int = 10
-    min_lr_ratio: float = 0.1  # cosine decays to 10% of peak (the paper)
-    clip_grad: float = 1.0
-
-    def __post_init__(self):
-        _at_least("train-iters", self.train_iters, 1)
-        _at_least("warmup iters (scheduler warmup_iters / --lr-warmup-iters)", self.warmup_iters, 0)
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
-        _at_least("gradient clipping (gradient_clipping / --clip-grad)", self.clip_grad, 0)
-
-
-@dataclass(frozen=True)
-class BatchConfig:
-    micro_batch_size: int = 4
-    gradient_accumulation_steps: int = 1
-    data_parallel: int = 1  # D, derived from the world size
-    workers: int = 1  # K
-
-    def __post_init__(self):
-        _at_least("micro batch size (train_micro_batch_size_per_gpu / --micro-batch-size)", self.micro_batch_size, 1)
-        _at_least("gradient_accumulation_steps", self.gradient_accumulation_steps, 1)
+class BatchConfig(ConfigBlock):
+    micro_batch_size: int = setting(ge=1)
+    gradient_accumulation_steps: int = setting(ge=1)
+    data_parallel: int = setting(1, ge=1, doc="D, derived from the world size")
+    workers: int = setting(1, ge=1, doc="K")
 
     @property
     def per_worker(self) -> int:
@@ -227,20 +51,16 @@ class BatchConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class DataConfig(ConfigBlock):
     data_path: tuple[str, ...] = ()  # Megatron blend: (prefix,) or (w1, p1, w2, p2, ...)
     valid_data_path: tuple[str, ...] = ()
     split: str = "98,2,0"
     tokenizer_model: str | None = None
-    vocab_size: int | None = None
-
-    def __post_init__(self):
-        if self.vocab_size is not None:
-            _at_least("vocab-size", self.vocab_size, 1)
+    vocab_size: int | None = setting(None, ge=1, flag="--vocab-size")
 
 
 @dataclass(frozen=True)
-class RunConfig:
+class RunConfig(ConfigBlock):
     model_preset: str
     model: ModelShape
     tensor_parallel: int
@@ -248,39 +68,44 @@ class RunConfig:
     batch: BatchConfig
     optimizer: OptimizerConfig
     schedule: ScheduleConfig
+    clip_grad: float  # the global-norm clip (0: off)
     data: DataConfig
-    seed: int = 1234
-    run_dir: str = "runs/default"
-    tensorboard_dir: str | None = None
-    log_interval: int = 10
-    eval_interval: int = 50  # 0: no evaluation
-    eval_iters: int = 4
+    run_dir: str
+    tensorboard_dir: str
+    seed: int = setting(1234, ge=0, flag="--seed")
+    log_interval: int = setting(10, ge=1, flag="--log-interval")
+    eval_interval: int = setting(50, ge=0, flag="--eval-interval", doc="0: no evaluation")
+    eval_iters: int = setting(4, ge=1, flag="--eval-iters")
     save: str | None = None
     load: str | None = None
-    load_worker: int | None = None  # start from this worker's state in --load (any K; no outer state)
-    save_interval: int | None = None
-    keep_last: int | None = None  # None: keep every checkpoint
+    load_worker: int | None = setting(None, ge=0, flag="--load-worker",
+                                      doc="start from this worker's state in --load (any K; no outer state)")
+    save_interval: int | None = setting(None, ge=1, flag="--save-interval")
+    keep_last: int | None = setting(None, ge=1, flag="--keep-last", doc="None: keep every checkpoint")
     verify_checksums: bool = True
-    hang_timeout_s: float = 1800.0  # 0: no hang watchdog
+    hang_timeout_s: float = setting(1800.0, ge=0, flag="--hang-timeout-s", doc="0: no hang watchdog")
     exit_signal_handler: bool = False  # SIGTERM: finish the step, save, exit 0
-    exit_interval: int | None = None
-    exit_duration_in_mins: float | None = None
+    exit_interval: int | None = setting(None, ge=1, flag="--exit-interval")
+    exit_duration_in_mins: float | None = setting(None, gt=0, flag="--exit-duration-in-mins")
     bf16: bool = False
     distributed_backend: Literal["nccl", "gloo"] | None = None  # None: the accelerator's
     deterministic: bool = False
-    ds_config: dict[str, Any] = field(default_factory=dict)  # the keys DeepSpeed itself reads
+    ds_config: dict[str, Any] = setting(factory=dict, doc="the keys DeepSpeed itself reads")
     muloco: MuLoCoConfig | None = None  # None: the data-parallel baseline
     auth_key_file: str | None = None  # the job secret's file when workers talk and auth is on (read at start)
     recipe_table: str | None = None  # what --recipe filled in, printed at start
-
-    def __post_init__(self):
-        _at_least("seed", self.seed, 0)
-        _at_least("log-interval", self.log_interval, 1)
-        _at_least("eval-interval", self.eval_interval, 0)
-        _at_least("eval-iters", self.eval_iters, 1)
-        if self.save_interval is not None:
-            _at_least("save-interval", self.save_interval, 1)
     worker_id: int | None = None  # elastic workers (muloco.elastic): this job's worker k; the world is one worker
+
+    def problems(self) -> list[Problem]:
+        problems = []
+        stops = [f for f, on in (("--exit-signal-handler", self.exit_signal_handler),
+                                 ("--exit-interval", self.exit_interval is not None),
+                                 ("--exit-duration-in-mins", self.exit_duration_in_mins is not None)) if on]
+        if stops and not self.save:
+            problems.append(("", f"{' and '.join(stops)} save a checkpoint before exiting: give --save DIR"))
+        if self.load_worker is not None and not self.load:
+            problems.append(("--load-worker", "needs --load DIR"))
+        return problems
 
     @property
     def elastic(self) -> bool:
@@ -314,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=[], help="prefix, or weight prefix weight prefix ...")
     g.add_argument("--valid-data-path", nargs="+", default=[])
-    g.add_argument("--split", default="98,2,0")
+    g.add_argument("--split", default=field_default(DataConfig, "split"))
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--vocab-size", type=int, default=None, help="when no tokenizer model is given")
     g = p.add_argument_group("training")
@@ -326,18 +151,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-lr-ratio", type=float, default=None)
     g.add_argument("--weight-decay", type=float, default=None)
     g.add_argument("--clip-grad", type=float, default=None)
-    g.add_argument("--optimizer", choices=["adamw", "muon"], default=None, help="override the ds_config's optimizer type")
+    g.add_argument("--optimizer", choices=get_args(OptimizerName), default=None,
+                   help="override the ds_config's optimizer type (params only the other type takes are dropped)")
     g.add_argument("--recipe", choices=["paper"], default=None,
                    help="fill what the ds_config leaves out with the paper's hyperparameter rules (trainer/recipe.py)")
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--seed", type=int, default=field_default(RunConfig, "seed"))
     g.add_argument("--deterministic-mode", action="store_true",
                    help="deterministic kernels (torch.use_deterministic_algorithms), for bit-exact resumes on GPUs")
     g = p.add_argument_group("logging and checkpoints")
     g.add_argument("--run-dir", default=None)
     g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--eval-interval", type=int, default=50)
-    g.add_argument("--eval-iters", type=int, default=4)
+    g.add_argument("--log-interval", type=int, default=field_default(RunConfig, "log_interval"))
+    g.add_argument("--eval-interval", type=int, default=field_default(RunConfig, "eval_interval"))
+    g.add_argument("--eval-iters", type=int, default=field_default(RunConfig, "eval_iters"))
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--load-worker", type=int, default=None, metavar="W",
@@ -350,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
                    help="skip checking rank files against meta.json's SHA-256 on --load (saves a read at scale)")
     g = p.add_argument_group("faults and preemption")
-    g.add_argument("--hang-timeout-s", type=float, default=1800.0,
+    g.add_argument("--hang-timeout-s", type=float, default=field_default(RunConfig, "hang_timeout_s"),
                    help="exit non-zero with a 'hang detected:' line when a step makes no progress for this long "
                         "(0: off); must exceed the longest step, evaluation or checkpoint save")
     g.add_argument("--exit-signal-handler", action="store_true",
@@ -361,193 +187,117 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# ds_config keys the trainer reads itself (DeepSpeed never sees them), and their expected types.
-_BATCH_KEYS = {"train_micro_batch_size_per_gpu": int, "gradient_accumulation_steps": int, "train_batch_size": int}
+# The flags that set ds_config values: flag destination -> dotted path (written into the JSON
+# before it is loaded, so a flag's value is checked like the config's, and named by the flag).
+DS_CONFIG_FLAGS = {
+    "lr": "optimizer.params.lr", "weight_decay": "optimizer.params.weight_decay",
+    "train_iters": "scheduler.params.train_iters", "lr_warmup_iters": "scheduler.params.warmup_iters",
+    "min_lr_ratio": "scheduler.params.min_lr_ratio", "clip_grad": "gradient_clipping",
+    "micro_batch_size": "train_micro_batch_size_per_gpu",
+}
+MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+               "kv_channels", "seq_length")
 
 
-def _optimizer_from_ds(block: Any) -> OptimizerConfig:
-    if block is None:
-        return OptimizerConfig()
-    if not isinstance(block, dict):
-        raise ConfigError(f"ds_config optimizer must be an object, got {block!r}")
-    unknown = sorted(set(block) - {"type", "params"})
-    if unknown:
-        raise ConfigError(f"unknown keys in the ds_config optimizer block: {unknown}; known: ['params', 'type']")
-    params = block.get("params", {})
-    if not isinstance(params, dict):
-        raise ConfigError(f"ds_config optimizer.params must be an object, got {params!r}")
-    return OptimizerConfig.from_params(block.get("type", "adamw"), params)
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
 
 
-_SCHEDULER_KEYS = ("train_iters", "warmup_iters", "min_lr_ratio")
-
-
-def _scheduler_values(block: Any) -> dict[str, Any]:
-    if block is None:
-        return {}
-    if not isinstance(block, dict) or set(block) - {"type", "params"}:
-        raise ConfigError(f'ds_config scheduler must be {{"params": {{...}}}}, got {block!r}')
-    if block.get("type") not in (None, "WarmupCosine"):
-        raise ConfigError(f"ds_config scheduler type {block['type']!r} is not supported: the trainer's schedule is "
-                          "linear warmup then cosine decay (omit type)")
-    params = block.get("params", {})
-    check_block(ScheduleConfig, params, "scheduler.params")
-    unknown = sorted(set(params) - set(_SCHEDULER_KEYS))
-    if unknown:
-        raise ConfigError(f"unknown keys in scheduler.params: {unknown}; known: {list(_SCHEDULER_KEYS)}")
-    return dict(params)
-
-
-def _read_ds_config(path: str) -> dict[str, Any]:
-    try:
-        ds = json.loads(Path(path).read_text())
-    except FileNotFoundError as err:
-        raise ConfigError(f"ds_config {path} not found") from err
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"ds_config {path} is not valid JSON: {err}") from err
-    if not isinstance(ds, dict):
-        raise ConfigError(f"ds_config {path} must hold a JSON object")
-    for key, kind in _BATCH_KEYS.items():
-        if key in ds and (not isinstance(ds[key], kind) or isinstance(ds[key], bool)):
-            raise ConfigError(f"ds_config {key} must be an integer, got {ds[key]!r}")
-    return ds
-
-
-def _muloco_from_ds(block: Any) -> MuLoCoConfig | None:
-    if block is None:
-        return None
-    check_block(MuLoCoConfig, block, "muloco")
-    try:
-        return MuLoCoConfig.from_dict(block)
-    except ValueError as err:  # ConfigError is one
-        raise ConfigError(str(err)) from err
-
-
-def _bf16_from_ds(block: Any) -> bool:
-    if block is None:
-        return False
-    if not isinstance(block, dict) or set(block) - {"enabled"} or not isinstance(block.get("enabled", False), bool):
-        raise ConfigError(f'ds_config bf16 must be {{"enabled": true|false}}, got {block!r}')
-    return block.get("enabled", False)
+def with_flags(raw: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
+    """The ds_config JSON with the given flags written in, and {dotted path: flag} of what they set."""
+    raw = json.loads(json.dumps(raw))  # the caller's object stays as read
+    origins = {}
+    if args.optimizer is not None:
+        optimizer = raw.get("optimizer")
+        raw["optimizer"] = retyped(optimizer if isinstance(optimizer, dict) else {}, args.optimizer)
+        origins["optimizer.type"] = "--optimizer"
+    for dest, path in DS_CONFIG_FLAGS.items():
+        if getattr(args, dest) is not None:
+            set_path(raw, path, getattr(args, dest))
+            origins[path] = _flag(dest)
+    return raw, origins
 
 
 def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
-    ds = _read_ds_config(args.ds_config)
-    provenance = ds.pop("recipe", {})  # notes of the generated configs (trainer/recipe.py), not settings
-    if provenance.get("model", args.model) != args.model:
-        raise ConfigError(f"the ds_config's batch, weight decay and steps were made for --model {provenance['model']} "
-                          f"(its recipe block), not {args.model}")
-    planned_layout = ds.pop("layout", None)
-    muloco_block = ds.pop("muloco", None)
-    muloco = _muloco_from_ds(muloco_block)
-    workers = muloco.workers if muloco is not None else 1
-    elastic = muloco is not None and muloco.elastic is not None
-    check_worker_id(args.worker_id, workers, elastic)
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    try:  # sizes are validated there, with one message; an elastic job's world is one worker
-        sizes = ParallelSizes.from_world(world_size, 1 if elastic else workers, pp, tp)
-    except TopologyError as err:
-        raise ConfigError(str(err)) from err
-
-    check_layout(planned_layout, sizes)
-
-    overrides = dict(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                     num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-                     ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels, seq_length=args.seq_length)
-    for name, value in overrides.items():
-        if value is not None and value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    shape = PRESETS[args.model].with_overrides(**overrides, arch="llama" if args.no_qk_layernorm else args.arch)
-    check_model_shape(shape, tp, pp)
-
-    batch = _resolve_batch(ds, args, sizes.data, workers)
+    """Read the ds_config, write the flags into it, load it (again once --recipe has filled it), and
+    check it against the world and the model."""
+    raw, origins = with_flags(read_json_object(args.ds_config), args)
+    ds = load_ds_config(raw, origins)
+    ds.check_model(args.model)
+    sizes = _parallel_sizes(ds, args, world_size)
+    shape = model_shape(args)
+    check_model_shape(shape, sizes.tensor, sizes.pipeline)
+    batch = BatchConfig(ds.train_micro_batch_size_per_gpu,
+                        _accumulation(ds, args.global_batch_size, sizes.data, sizes.workers), sizes.data, sizes.workers)
     recipe_table = None
-    if args.recipe is not None:  # fills what the ds_config leaves out, before the blocks are parsed
-        flags = {"optimizer.params.lr": args.lr, "optimizer.params.weight_decay": args.weight_decay,
-                 "scheduler.params.train_iters": args.train_iters, "scheduler.params.warmup_iters": args.lr_warmup_iters,
-                 "scheduler.params.min_lr_ratio": args.min_lr_ratio, "gradient_clipping": args.clip_grad}
-        recipe_table = fill_ds_config(ds, muloco_block, args.model, args.optimizer, batch.global_batch, flags)
-        muloco = _muloco_from_ds(muloco_block)
-
-    optimizer = _optimizer_from_ds(ds.pop("optimizer", None)).with_peak(
-        lr=args.lr, weight_decay=args.weight_decay, name=args.optimizer)
-
-    clip = ds.pop("gradient_clipping", None)
-    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))):
-        raise ConfigError(f"ds_config gradient_clipping must be a number, got {clip!r}")
-    schedule_values = _scheduler_values(ds.pop("scheduler", None))
-    if clip is not None:
-        schedule_values["clip_grad"] = float(clip)
-    for flag, key in (("train_iters", "train_iters"), ("lr_warmup_iters", "warmup_iters"),
-                      ("min_lr_ratio", "min_lr_ratio"), ("clip_grad", "clip_grad")):
-        if getattr(args, flag) is not None:
-            schedule_values[key] = getattr(args, flag)
-    schedule = ScheduleConfig(**schedule_values)
-
-    if args.load_worker is not None and (args.load_worker < 0 or not args.load):
-        raise ConfigError(f"--load-worker must be >= 0 and needs --load DIR, got {args.load_worker}"
-                          + ("" if args.load else " without --load"))
+    if args.recipe is not None:  # fills what the ds_config (and the flags) leave out
+        recipe_table = fill_ds_config(raw, ds, args.model, batch.global_batch, set(origins))
+        ds = load_ds_config(raw, origins)
     run_dir = args.run_dir or str(Path("runs") / Path(args.ds_config).stem)
-    # Mixed precision is Megatron's autocast over fp32 parameters (the optimizers need whole fp32
-    # tensors, not DeepSpeed's flattened bf16 partitions), so DeepSpeed never sees the bf16 block.
-    bf16 = _bf16_from_ds(ds.pop("bf16", None))
-    auth_key_file = None
-    if muloco is not None and muloco.talks and muloco.auth != "none":
-        key_path = resolve_key_file(muloco.auth, Path(args.ds_config).parent)
-        read_job_key(key_path, muloco.auth.job_id)  # a missing or bad secret stops the run here, with one line
-        auth_key_file = str(key_path)
     return RunConfig(
-        model_preset=args.model, model=shape, tensor_parallel=tp, pipeline_parallel=pp, batch=batch,
-        optimizer=optimizer, schedule=schedule,
+        model_preset=args.model, model=shape, tensor_parallel=sizes.tensor, pipeline_parallel=sizes.pipeline,
+        batch=batch, optimizer=ds.optimizer, schedule=ds.scheduler.params, clip_grad=ds.gradient_clipping,
         data=DataConfig(tuple(args.data_path), tuple(args.valid_data_path), args.split, args.tokenizer_model,
                         args.vocab_size),
-        seed=args.seed, run_dir=run_dir, tensorboard_dir=args.tensorboard_dir or str(Path(run_dir) / "tensorboard"),
-        log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
-        save=args.save, load=args.load, load_worker=args.load_worker, save_interval=args.save_interval,
-        **_fault_settings(args),
-        bf16=bf16, distributed_backend=args.distributed_backend,
-        deterministic=args.deterministic_mode, ds_config=ds, muloco=muloco, auth_key_file=auth_key_file,
-        recipe_table=recipe_table,
-        worker_id=args.worker_id)
+        run_dir=run_dir, tensorboard_dir=args.tensorboard_dir or str(Path(run_dir) / "tensorboard"),
+        # Mixed precision is Megatron's autocast over fp32 parameters (the optimizers need whole fp32
+        # tensors, not DeepSpeed's flattened bf16 partitions), so DeepSpeed never sees the bf16 block.
+        bf16=ds.bf16.enabled, ds_config=ds.deepspeed_keys(), muloco=ds.muloco,
+        auth_key_file=_job_secret_file(ds.muloco, Path(args.ds_config).parent), recipe_table=recipe_table,
+        **{name: getattr(args, name) for name in RUN_FLAGS}, deterministic=args.deterministic_mode)
 
 
-def _fault_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """Retention, integrity, hang and preemption flags, checked here so a bad value stops the run at once."""
-    problems = []
-    for flag, value, minimum in (("keep-last", args.keep_last, 1), ("exit-interval", args.exit_interval, 1)):
-        if value is not None and value < minimum:
-            problems.append(f"--{flag} must be >= {minimum}, got {value}")
-    if args.hang_timeout_s < 0:
-        problems.append(f"--hang-timeout-s must be >= 0 (0: off), got {args.hang_timeout_s}")
-    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
-        problems.append(f"--exit-duration-in-mins must be > 0, got {args.exit_duration_in_mins}")
-    stops = [f for f, on in (("--exit-signal-handler", args.exit_signal_handler),
-                             ("--exit-interval", args.exit_interval is not None),
-                             ("--exit-duration-in-mins", args.exit_duration_in_mins is not None)) if on]
-    if stops and not args.save:
-        problems.append(f"{' and '.join(stops)} save a checkpoint before exiting: give --save DIR")
-    if problems:
-        raise ConfigError("; ".join(problems))
-    return dict(keep_last=args.keep_last, verify_checksums=args.verify_checksums, hang_timeout_s=args.hang_timeout_s,
-                exit_signal_handler=args.exit_signal_handler, exit_interval=args.exit_interval,
-                exit_duration_in_mins=args.exit_duration_in_mins)
+# RunConfig fields set by the flag of the same name.
+RUN_FLAGS = ("seed", "log_interval", "eval_interval", "eval_iters", "save", "load", "load_worker", "save_interval",
+             "keep_last", "verify_checksums", "hang_timeout_s", "exit_signal_handler", "exit_interval",
+             "exit_duration_in_mins", "distributed_backend", "worker_id")
 
 
-def check_layout(layout: dict[str, Any] | None, sizes) -> None:
-    """The ds_config's "layout" block ({"tensor": T, "pipeline": P, "data": D}) is the layout its
-    batch and memory were planned for (tools/plan.py); running it with other sizes is an error."""
-    if layout is None:
-        return
-    unknown = sorted(set(layout) - {"tensor", "pipeline", "data"})
-    if unknown:
-        raise ConfigError(f'unknown ds_config layout keys {unknown}; known: ["data", "pipeline", "tensor"]')
-    actual = {"tensor": sizes.tensor, "pipeline": sizes.pipeline, "data": sizes.data}
-    wrong = [f"{k} {layout[k]} planned, {actual[k]} in this run" for k in ("tensor", "pipeline", "data")
-             if k in layout and int(layout[k]) != actual[k]]
-    if wrong:
+def _parallel_sizes(ds: DsConfig, args: argparse.Namespace, world_size: int) -> ParallelSizes:
+    """K x D x P x T as the batch sees them: D from the world size (an elastic job's world is one of
+    the K workers), checked against the layout the config was planned for."""
+    workers = ds.muloco.workers if ds.muloco is not None else 1
+    elastic = ds.muloco is not None and ds.muloco.elastic is not None
+    check_worker_id(args.worker_id, workers, elastic)
+    sizes = ParallelSizes.from_world(world_size, 1 if elastic else workers, args.pipeline_model_parallel_size,
+                                     args.tensor_model_parallel_size)
+    if ds.layout is not None and (wrong := ds.layout.mismatches(sizes.tensor, sizes.pipeline, sizes.data)):
         raise ConfigError("the ds_config was planned for another layout: " + "; ".join(wrong)
                           + " (set --tensor-model-parallel-size/--pipeline-model-parallel-size and the world size "
                           "to match, or re-plan with tools/plan.py and edit its layout block)")
+    return replace(sizes, workers=workers)
+
+
+def _job_secret_file(muloco: MuLoCoConfig | None, config_dir: Path) -> str | None:
+    """The job secret's file when workers talk and auth is on; a missing or bad secret stops the run
+    here, with one line."""
+    if muloco is None or not muloco.talks or muloco.auth == "none":
+        return None
+    path = resolve_key_file(muloco.auth, config_dir)
+    read_job_key(path, muloco.auth.job_id)
+    return str(path)
+
+
+def model_shape(args: argparse.Namespace) -> ModelShape:
+    """The preset with the model flags given (each checked like the preset's own values)."""
+    given = {name: getattr(args, name) for name in MODEL_FLAGS if getattr(args, name) is not None}
+    arch = "llama" if args.no_qk_layernorm else args.arch
+    try:
+        return PRESETS[args.model].with_overrides(**given, arch=arch)
+    except ConfigProblems as err:
+        raise ConfigProblems(err.problems, {name: _flag(name) for name in [*given, "arch"]}) from err
+
+
+def _accumulation(ds: DsConfig, global_batch: int | None, data_parallel: int, workers: int) -> int:
+    """Micro-batches per rank per step: the ds_config's, or B / (micro x D x K) for --global-batch-size B."""
+    if global_batch is None:
+        return ds.gradient_accumulation_steps
+    micro = ds.train_micro_batch_size_per_gpu
+    per_step = micro * data_parallel * workers
+    if global_batch < 1 or global_batch % per_step:
+        raise ConfigError(f"--global-batch-size {global_batch} is not a positive multiple of micro-batch-size x D x K "
+                          f"= {micro} x {data_parallel} x {workers}")
+    return global_batch // per_step
 
 
 def check_model_shape(shape: ModelShape, tp: int, pp: int) -> None:
@@ -567,22 +317,3 @@ def check_model_shape(shape: ModelShape, tp: int, pp: int) -> None:
         problems.append(str(err))
     if problems:
         raise ConfigError("; ".join(problems))
-
-
-def _resolve_batch(ds: dict[str, Any], args: argparse.Namespace, data_parallel: int, workers: int) -> BatchConfig:
-    """The batch keys leave `ds` here; trainer/engine.py writes DeepSpeed's view of them back."""
-    micro = args.micro_batch_size if args.micro_batch_size is not None else ds.get("train_micro_batch_size_per_gpu", 4)
-    ds_accumulation = ds.pop("gradient_accumulation_steps", 1)
-    ds.pop("train_micro_batch_size_per_gpu", None)
-    ds.pop("train_batch_size", None)  # derived: micro x accumulation x D
-    _at_least("micro batch size (train_micro_batch_size_per_gpu / --micro-batch-size)", micro, 1)
-    if args.global_batch_size is not None:
-        _at_least("global-batch-size", args.global_batch_size, 1)
-        per_step = micro * data_parallel * workers
-        if args.global_batch_size % per_step:
-            raise ConfigError(f"global-batch-size {args.global_batch_size} is not divisible by micro-batch-size x D x K "
-                              f"= {micro} x {data_parallel} x {workers}")
-        accumulation = args.global_batch_size // per_step
-    else:
-        accumulation = ds_accumulation
-    return BatchConfig(micro, accumulation, data_parallel, workers)

@@ -15,18 +15,18 @@ From (model preset, K workers, global batch B in sequences of 2048, inner optimi
   preset names do (Llama-3 vocabulary, 128,256).
 
 `--recipe paper` (trainer/config.py) fills whatever the ds_config leaves out and prints the table;
-`python -m trainer.recipe --write` regenerates the GPU ds_configs in `GPU_CONFIGS` from it, and
-tests/test_recipe.py checks every shipped one against it.
+`python -m trainer.recipe --model 15b --workers 16 --global-batch 4096` prints the rules for one run.
+The shipped GPU ds_configs are written from it by tools/write_gpu_configs.py (tests/test_recipe.py
+checks every one against it).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from trainer.ds_config import DsConfig
 from trainer.errors import ConfigError
 from trainer.model.presets import PRESETS, parameter_count
 
@@ -125,27 +125,25 @@ def paper_recipe(preset: str, workers: int, global_batch: int, optimizer: str) -
 
 # -- --recipe paper: fill what the ds_config leaves out --------------------------------------------
 
-def fill_ds_config(ds: dict, muloco: dict | None, preset: str, optimizer_flag: str | None, global_batch: int,
-                   flags: dict[str, Any] | None = None) -> str:
-    """Fill the recipe's settings the ds_config does not set (in place; `muloco` is the ds_config's
-    muloco block or None for a data-parallel run) and return the table of what the run uses.
-    `flags` maps settings to the command-line values that will override both (None = not given)."""
-    flags = {k: v for k, v in (flags or {}).items() if v is not None}
-    optimizer_block = ds.setdefault("optimizer", {})
-    optimizer = (optimizer_flag or optimizer_block.get("type") or "adamw").lower()
-    optimizer_block.setdefault("type", optimizer)
-    workers = int((muloco or {}).get("workers", 1))
+def fill_ds_config(raw: dict, ds: DsConfig, preset: str, global_batch: int, flagged: set[str]) -> str:
+    """Fill the recipe's settings the JSON `raw` (the ds_config with the flags written in, loaded as
+    `ds`) does not set, in place, and return the table of what the run uses; `flagged` are the
+    dotted paths the command line set."""
+    optimizer, workers = ds.optimizer.type, ds.muloco.workers if ds.muloco is not None else 1
     recipe = paper_recipe(preset, workers, global_batch, optimizer)
+    optimizer_block = raw.setdefault("optimizer", {})
+    optimizer_block.setdefault("type", optimizer)
     blocks = {"optimizer.params": optimizer_block.setdefault("params", {}),
-              "scheduler.params": ds.setdefault("scheduler", {}).setdefault("params", {}), "": ds}
-    compression = (muloco or {}).get("compression", {})
-    if muloco is not None:
-        blocks["muloco"] = muloco
-        blocks["muloco.compression"] = compression
-    applies = {"muloco.compression.ef_form": bool(compression.get("error_feedback")),
-               "muloco.compression.ef_beta": bool(compression.get("error_feedback")),
-               "muloco.compression.statistical_rounding": compression.get("method") == "statistical"}
-    if "optimizer.params.lr" not in flags and "lr" not in blocks["optimizer.params"] and recipe.inner_lr is None:
+              "scheduler.params": raw.setdefault("scheduler", {}).setdefault("params", {}), "": raw}
+    compression = ds.muloco.compression if ds.muloco is not None else None
+    if ds.muloco is not None:
+        blocks["muloco"] = raw["muloco"]
+        blocks["muloco.compression"] = raw["muloco"].setdefault("compression", {})
+    error_feedback = compression is not None and compression.error_feedback
+    applies = {"muloco.compression.ef_form": error_feedback, "muloco.compression.ef_beta": error_feedback,
+               "muloco.compression.statistical_rounding": compression is not None
+               and compression.method == "statistical"}
+    if "lr" not in blocks["optimizer.params"] and recipe.inner_lr is None:
         raise ConfigError(f"--recipe paper: {unpublished_lr(optimizer)} ({preset}, {optimizer}, K={workers}, "
                           f"B={global_batch}); give --lr or the ds_config's optimizer.params.lr")
     lines = [f"recipe paper for {preset}, {optimizer} inner, K={workers}, B={global_batch}:",
@@ -160,106 +158,20 @@ def fill_ds_config(ds: dict, muloco: dict | None, preset: str, optimizer_flag: s
             block[key] = value
             source = f"recipe: {why}"
         else:
-            source = "ds_config"
-        if setting in flags:
-            shown, source = flags[setting], "flag"
-        else:
-            shown = block[key]
-        if shown != value and not source.startswith("recipe"):
+            source = "flag" if setting in flagged else "ds_config"
+        if block[key] != value and not source.startswith("recipe"):
             source += f" (recipe: {why})" if value is None else f" (recipe: {value}; {why})"
-        lines.append(f"  {setting:44} {shown!s:>12}  {source}")
+        lines.append(f"  {setting:44} {block[key]!s:>12}  {source}")
     return "\n".join(lines)
 
 
-# -- the shipped GPU configs ------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ShippedConfig:
-    """One GPU ds_config: the recipe's inputs plus the deployment choices the paper does not fix."""
-
-    name: str
-    preset: str
-    optimizer: str
-    workers: int | None  # None: data-parallel baseline (no muloco block)
-    global_batch: int
-    micro_batch: int
-    tensor: int
-    pipeline: int
-    data: int
-    unpublished_lr: float | None = None  # this trainer's choice where the paper gives none
-    collective: str = "all_gather"
-
-    @property
-    def accumulation(self) -> int:
-        per_step = self.micro_batch * self.data * (self.workers or 1)
-        if self.global_batch % per_step:
-            raise ValueError(f"{self.name}: B {self.global_batch} is not a multiple of micro x D x K = {per_step}")
-        return self.global_batch // per_step
-
-
-GPU_CONFIGS: tuple[ShippedConfig, ...] = (
-    ShippedConfig("gpu_150m_dp_adamw", "150m", "adamw", None, 256, 8, 1, 1, 8, unpublished_lr=0.003),
-    ShippedConfig("gpu_150m_dp_muon", "150m", "muon", None, 256, 8, 1, 1, 8, unpublished_lr=0.0625),
-    ShippedConfig("gpu_150m_muloco_k1", "150m", "muon", 1, 256, 8, 1, 1, 8, unpublished_lr=0.0625),
-    ShippedConfig("gpu_1.76b_muloco_k1", "1.76b", "muon", 1, 256, 4, 2, 1, 4, unpublished_lr=0.03125),
-    ShippedConfig("gpu_3.1b_muloco_k16", "3.1b", "muon", 16, 2048, 2, 2, 1, 4, collective="reduce_scatter"),
-    ShippedConfig("gpu_3.1b_diloco_k16", "3.1b", "adamw", 16, 1024, 2, 2, 1, 4, collective="reduce_scatter"),
-    ShippedConfig("gpu_15b_muloco_k16", "15b", "muon", 16, 4096, 1, 4, 2, 4, unpublished_lr=0.01,
-                  collective="reduce_scatter"),
-)
-
-
-def gpu_ds_config(c: ShippedConfig) -> dict:
-    r = paper_recipe(c.preset, c.workers or 1, c.global_batch, c.optimizer)
-    if (r.inner_lr is None) == (c.unpublished_lr is None):
-        raise ValueError(f"{c.name}: give an lr exactly where the paper publishes none")
-    params: dict[str, Any] = {"lr": r.inner_lr or c.unpublished_lr, "weight_decay": r.weight_decay,
-                              "betas": [0.9, 0.99], "eps": 1e-8}
-    if c.optimizer == "muon":
-        params.update(momentum=0.9, nesterov=False, ns_schedule="paper", ns_dtype="bfloat16",
-                      lr_scaling="spectral_norm", adamw_lr_factor=r.adamw_lr_factor,
-                      adamw_weight_decay_factor=r.adamw_weight_decay_factor)
-    notes = {"model": c.preset, "inner_optimizer": c.optimizer, "global_batch": c.global_batch,
-             "generated_by": "python -m trainer.recipe --write"}
-    if c.unpublished_lr is not None:
-        notes["not_from_the_paper"] = {"optimizer.params.lr": f"{unpublished_lr(c.optimizer)}; {c.unpublished_lr} is this "
-                                                              "trainer's choice, tune it"}
-    config = {
-        "recipe": {"name": "paper", **notes},
-        "layout": {"tensor": c.tensor, "pipeline": c.pipeline, "data": c.data},
-        "train_micro_batch_size_per_gpu": c.micro_batch,
-        "gradient_accumulation_steps": c.accumulation,
-        "optimizer": {"type": c.optimizer, "params": params},
-        "scheduler": {"params": {"warmup_iters": r.warmup_iters, "min_lr_ratio": r.min_lr_ratio,
-                                 "train_iters": r.train_iters}},
-        "gradient_clipping": r.clip_grad,
-        "bf16": {"enabled": True},
-        "steps_per_print": 1000000,
-    }
-    if c.workers is not None:
-        # The paper's runs exchange uncompressed pseudogradients; H = 30 is this trainer's default.
-        config["muloco"] = {"workers": c.workers, "sync_interval": 30, "outer_lr": r.outer_lr,
-                            "outer_momentum": r.outer_momentum, "nesterov": True,
-                            "compression": {"method": "none"}, "collective": c.collective}
-    return config
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="print the paper's recipe, or regenerate the GPU ds_configs from it")
-    p.add_argument("--write", action="store_true", help="rewrite ds_configs/gpu_*.json from GPU_CONFIGS")
-    p.add_argument("--model", choices=sorted(_BASE_WEIGHT_DECAY))
+    p = argparse.ArgumentParser(description="print the paper's recipe for one run")
+    p.add_argument("--model", required=True, choices=sorted(_BASE_WEIGHT_DECAY))
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--global-batch", type=int, default=None)
+    p.add_argument("--global-batch", type=int, required=True)
     p.add_argument("--optimizer", choices=["muon", "adamw"], default="muon")
     args = p.parse_args(argv)
-    if args.write:
-        root = Path(__file__).resolve().parents[1] / "ds_configs"
-        for c in GPU_CONFIGS:
-            (root / f"{c.name}.json").write_text(json.dumps(gpu_ds_config(c), indent=2) + "\n")
-            print(f"wrote ds_configs/{c.name}.json")
-        return 0
-    if args.model is None or args.global_batch is None:
-        p.error("give --model and --global-batch (or --write)")
     for setting, value, why in paper_recipe(args.model, args.workers, args.global_batch, args.optimizer).rows():
         print(f"{setting:44} {value!s:>12}  {why}")
     return 0

@@ -100,12 +100,12 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     model.to(device)  # before the optimizers see the parameters: their state is made beside them
     n_params = _global_parameter_count(model)
     canonical = canonical_names(model)
-    routing = route_parameters(model.named_parameters(), use_muon=config.optimizer.name == "muon")
+    routing = route_parameters(model.named_parameters(), use_muon=config.optimizer.type == "muon")
     if is_logger:
         print(f"model {config.model_preset}: {n_params:,} parameters (vocab {vocab})", flush=True)
         print(routing.report(), flush=True)
 
-    optimizer = InnerOptimizer(routing, canonical, config.optimizer, config.schedule.clip_grad, config.model,
+    optimizer = InnerOptimizer(routing, canonical, config.optimizer, config.clip_grad, config.model,
                                mps.get_tensor_model_parallel_group(), topology.inner_dp_group,
                                mps.get_model_parallel_group())
     scheduler = LambdaLR(optimizer, lambda step: lr_multiplier(step, config.schedule))

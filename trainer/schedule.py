@@ -1,9 +1,27 @@
-"""Learning-rate schedule: linear warmup, then cosine decay to a fraction of the peak (the paper)."""
+"""Learning-rate schedule: linear warmup, then cosine decay to a fraction of the peak (the paper);
+its config is the ds_config's "scheduler" block."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Literal
 
-from trainer.config import ScheduleConfig
+from trainer.typed_json import ConfigBlock, setting
+
+
+@dataclass(frozen=True)
+class ScheduleConfig(ConfigBlock):
+    train_iters: int = setting(100, ge=1, doc="optimizer steps of the run (`--train-iters`)")
+    warmup_iters: int = setting(10, ge=0, doc="linear warmup steps from lr/warmup to the peak (`--lr-warmup-iters`)")
+    min_lr_ratio: float = setting(0.1, ge=0, le=1, doc="the cosine decays to this fraction of the peak "
+                                                       "(`--min-lr-ratio`; 0.1, the paper's)")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(ConfigBlock):
+    type: Literal["WarmupCosine"] | None = setting(None, doc="the one schedule, linear warmup then cosine decay "
+                                                             "(may be omitted)")
+    params: ScheduleConfig = setting(factory=ScheduleConfig, doc="its settings (below)")
 
 
 def lr_multiplier(step: int, schedule: ScheduleConfig) -> float:

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from trainer.ds_config import DsConfig, load_ds_config, read_json_object
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "configs" / "compare"
 DEFAULT_CORPUS = REPO / "corpus" / "shakespeare"
@@ -82,20 +84,30 @@ QUICK = Settings(steps=60, sync_interval=10, warmup=6, seeds=(0,), methods=QUICK
 @dataclass(frozen=True)
 class Method:
     name: str
-    config: dict
-    workers: int
-    optimizer: str
-    outer: tuple[float, float] | None  # the config's (outer lr, momentum); None for DP
+    config: dict  # the JSON, as the runs' ds_configs are written from it
+    ds: DsConfig  # the same, as the trainer reads it
 
     @classmethod
     def load(cls, name: str) -> Method:
         path = CONFIG_DIR / f"{name}.json"
         if not path.exists():
             raise SystemExit(f"unknown method {name!r}: no {path}")
-        config = json.loads(path.read_text())
-        muloco = config.get("muloco")
-        return cls(name, config, muloco["workers"] if muloco else 1, config["optimizer"]["type"],
-                   (muloco["outer_lr"], muloco["outer_momentum"]) if muloco else None)
+        config = read_json_object(path)
+        return cls(name, config, load_ds_config(config))
+
+    @property
+    def workers(self) -> int:
+        return self.ds.muloco.workers if self.ds.muloco is not None else 1
+
+    @property
+    def optimizer(self) -> str:
+        return self.ds.optimizer.type
+
+    @property
+    def outer(self) -> tuple[float, float] | None:
+        """The config's (outer lr, momentum); None for DP."""
+        muloco = self.ds.muloco
+        return (muloco.outer_lr, muloco.outer_momentum) if muloco is not None else None
 
     @property
     def config_sha256(self) -> str:
@@ -104,11 +116,11 @@ class Method:
 
     @property
     def compression(self) -> str:
-        c = (self.config.get("muloco") or {}).get("compression", {"method": "none"})
-        if c["method"] == "none":
+        if self.ds.muloco is None or self.ds.muloco.compression.method == "none":
             return "none"
-        groups = f" (emb {c.get('embedding_bits', 32)}, 1-D {c.get('vector_bits', 32)})"
-        return f"{c['method']} {c['bits']}-bit{groups}" + (" + EF" if c.get("error_feedback") else "")
+        c = self.ds.muloco.compression
+        return f"{c.method} {c.bits}-bit (emb {c.embedding_bits}, 1-D {c.vector_bits})" + (" + EF" if c.error_feedback
+                                                                                           else "")
 
     @property
     def aligned(self) -> bool:

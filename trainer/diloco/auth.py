@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from trainer.errors import ConfigError
+from trainer.typed_json import ConfigBlock, Problem, setting
 
 KEY_FILE_ENV = "MULOCO_AUTH_KEY_FILE"  # the key file when the ds_config names none
 TAG_BYTES = 32
@@ -49,16 +50,15 @@ EVERY_RANK = -1  # the receiver of a message that every rank of the group receiv
 
 
 @dataclass(frozen=True)
-class AuthConfig:
+class AuthConfig(ConfigBlock):
     """The ds_config's `muloco.auth` block; `"auth": "none"` turns authentication off (logged as a
-    warning). An empty key_file reads the path from $MULOCO_AUTH_KEY_FILE."""
-    key_file: str = ""  # the job secret, relative to the ds_config's folder (and inside it)
-    job_id: str = "muloco"  # bound into every tag: jobs that share a secret cannot splice each other
+    warning)."""
+    key_file: str = setting("", doc=f"the job secret's file, relative to the ds_config's folder (and inside it); "
+                                    f"empty: ${KEY_FILE_ENV}")
+    job_id: str = setting("muloco", doc="bound into every tag: jobs that share a secret cannot splice each other")
 
-    def __post_init__(self):
-        if not isinstance(self.key_file, str) or not isinstance(self.job_id, str) or not self.job_id:
-            raise ConfigError(f"muloco.auth takes a key_file path and a non-empty job_id string, got "
-                              f"{self.key_file!r}, {self.job_id!r}")
+    def problems(self) -> list[Problem]:
+        return [] if self.job_id else [("job_id", "must not be empty")]
 
 
 @dataclass(frozen=True)

@@ -52,80 +52,24 @@ Two choices exist in two forms, this trainer's (the defaults) and the official M
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Literal, Sequence, get_args
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import zstandard
 
-METHODS = ("none", "statistical", "linear", "topk")
-QUANTIZER_BITS = (2, 4, 8)
-FP32_BITS = 32  # a group width meaning "sent uncompressed"
-GROUPS = ("matrix", "embedding", "vector")
+from trainer.diloco.config import CompressionConfig, StatisticalRounding
+
 # The statistical quantizer's bins cover mean +- this many standard deviations.
 STATISTICAL_HALF_RANGE_SIGMAS = 3.0
 # Widest statistical setting that still sends a per-row codebook.
 MAX_CODEBOOK_BITS = 4
-
-EFForm = Literal["plain", "paper"]
-StatisticalRounding = Literal["centred", "paper"]
 
 Layout = tuple[tuple[int, int], ...]  # (rows, columns) of each block of a bucket, in buffer order
 
 
 class PayloadError(ValueError):
     """A payload that is not a valid encoding of its layout under this config."""
-
-
-@dataclass(frozen=True)
-class CompressionConfig:
-    method: str = "none"
-    bits: int = 4  # matrices
-    # Embeddings/head and 1-D tensors at 4 bits too: the cheapest setting within 0.5% of the
-    # uncompressed validation loss in results/compression_groups.md (the paper sends them in fp32).
-    embedding_bits: int = 4
-    vector_bits: int = 4
-    topk_fraction: float = 0.02
-    error_feedback: bool = False
-    # "plain" (e = beta e + delta) by default: the outer lr then scales the step once, as without error
-    # feedback. "paper" is the official code's e = beta e + outer_lr delta (with beta 0.9, which
-    # `--recipe paper` selects): for the tensors it compresses, the same run as "plain" at outer lr
-    # outer_lr**2 (identical at outer_lr 1, the paper's K > 1 setting).
-    ef_form: EFForm = "plain"
-    ef_beta: float = 1.0
-    # "centred" by default: lower reconstruction error than the official "paper" rounding (see above).
-    statistical_rounding: StatisticalRounding = "centred"
-    zstd: bool = False
-    zstd_level: int = 3
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"CompressionConfig.method must be one of {METHODS}, got {self.method!r}")
-        if self.method in ("statistical", "linear") and self.bits not in QUANTIZER_BITS:
-            raise ValueError(
-                f"CompressionConfig.bits must be one of {QUANTIZER_BITS} for method {self.method!r}, "
-                f"got {self.bits!r}")
-        for name in ("embedding_bits", "vector_bits"):
-            if getattr(self, name) not in (*QUANTIZER_BITS, FP32_BITS):
-                raise ValueError(f"CompressionConfig.{name} must be one of {(*QUANTIZER_BITS, FP32_BITS)} "
-                                 f"({FP32_BITS}: uncompressed), got {getattr(self, name)!r}")
-        if not 0.0 < self.topk_fraction <= 1.0:
-            raise ValueError(f"CompressionConfig.topk_fraction must be in (0, 1], got {self.topk_fraction!r}")
-        for name, allowed in (("ef_form", EFForm), ("statistical_rounding", StatisticalRounding)):
-            if getattr(self, name) not in get_args(allowed):
-                raise ValueError(f"CompressionConfig.{name} must be one of {list(get_args(allowed))}, "
-                                 f"got {getattr(self, name)!r}")
-        if not 0.0 <= self.ef_beta <= 1.0:
-            raise ValueError(f"CompressionConfig.ef_beta must be in [0, 1], got {self.ef_beta!r}")
-        if not 1 <= self.zstd_level <= 22:
-            raise ValueError(f"CompressionConfig.zstd_level must be in [1, 22], got {self.zstd_level!r}")
-
-    def for_group(self, group: str) -> "CompressionConfig":
-        """The config the tensors of a compression group are sent with ("none" when at fp32)."""
-        bits = {"matrix": self.bits, "embedding": self.embedding_bits, "vector": self.vector_bits}[group]
-        if self.method == "none" or bits == FP32_BITS:
-            return replace(self, method="none", error_feedback=False)
-        return replace(self, bits=bits) if self.method != "topk" else self
 
 
 def compression_group(shape: Sequence[int], is_embedding_or_output: bool) -> str:

@@ -1,129 +1,124 @@
-"""The ds_config's "muloco" block: the outer loop of DiLoCo/MuLoCo.
+"""The ds_config's "muloco" block: the outer loop of DiLoCo/MuLoCo, and its compression block.
 
     "muloco": {
-      "workers": 2,                 K datacenters; the world is K x D x P x T
-      "sync_interval": 30,          H inner steps between outer syncs
-      "outer_lr": 0.7, "outer_momentum": 0.6, "nesterov": true,
-      "compression": {"method": "statistical", "bits": 4, "embedding_bits": 4, "vector_bits": 4,
-                      "error_feedback": true, "ef_form": "plain", "ef_beta": 1.0,
-                      "statistical_rounding": "centred", ...},
-                                    ef_form "plain" (default): e = beta e + delta; "paper": the official
-                                    e = beta e + outer_lr delta, its average stepped with outer_lr
-                                    again (= plain at outer lr outer_lr**2 on the compressed tensors).
-                                    statistical_rounding "centred" (default; measured lower error) or
-                                    "paper": the official round(c/s + n/2). `--recipe paper` selects
-                                    both official forms and beta 0.9.
-      "collective": "all_gather" | "reduce_scatter",
-      "outer_backend": "gloo" | "nccl",   the outer groups' backend: gloo moves the packed payload through
-                                    host memory (a WAN between datacenters), nccl keeps it on the device
-      "outer_state_on_device": false,  previous global weights and outer momentum on the device
-                                    instead of the host (pinned)
-      "streaming": {"fragments": 1, "overlap_steps": 0, "mix_alpha": 0.0},
-      "max_norm_ratio": 10.0,       skip a sync when a worker's pseudogradient norm is this far above its peers'
-      "link": {"bandwidth_gbit_s": 10, "latency_ms": 50},   optional slow-link emulation for benchmarks
-      "identical_worker_data": false,  every worker reads worker 0's data (a test identity)
-      "sync_timeout_s": 60,         elastic workers: a peer silent this long is dropped from the sync
-      "auth": {"key_file": "job.key", "job_id": "run-42"} | "none",
-                                    the job secret that tags every message between workers
-                                    (trainer/diloco/auth.py); required whenever workers talk (K > 1 or
-                                    elastic): absent, the key file is $MULOCO_AUTH_KEY_FILE; "none"
-                                    sends everything unauthenticated (a warning at start)
+      "workers": 2, "sync_interval": 30, "outer_lr": 0.7, "outer_momentum": 0.6, "nesterov": true,
+      "compression": {"method": "statistical", "bits": 4, "error_feedback": true},
+      "collective": "all_gather", "streaming": {"fragments": 1, "overlap_steps": 0}, ...
+      "auth": {"key_file": "job.key", "job_id": "run-42"} | "none",   the job secret (trainer/diloco/auth.py)
       "elastic": {...}              each worker its own job, a fault-tolerant outer group (trainer/elastic/config.py)
     }
-The inner optimizer (muon or adamw) is the ds_config's "optimizer" block, so DP AdamW, DP Muon,
-DiLoCo and MuLoCo are one program with different configs.
+
+Each key's meaning, default and range are its field's `setting` below (the README's reference is
+generated from them). The inner optimizer (muon or adamw) is the ds_config's "optimizer" block, so
+DP AdamW, DP Muon, DiLoCo and MuLoCo are one program with different configs.
+
+Two compression choices exist in two forms, this trainer's (the defaults) and the official MuLoCo
+code's: `ef_form` "plain" e = beta e + delta (the outer lr then scales the step once, as without
+error feedback) or "paper" e = beta e + outer_lr delta (with beta 0.9, which `--recipe paper`
+selects; for the tensors it compresses the same run as "plain" at outer lr outer_lr**2, identical
+at outer_lr 1, the paper's K > 1 setting); `statistical_rounding` "centred" (lower reconstruction
+error, trainer/diloco/compression.py) or "paper", the official round(c/s + n/2).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from dataclasses import dataclass, replace
+from typing import Literal, get_args
 
-from trainer.errors import ConfigError
 from trainer.diloco.auth import AuthConfig
-from trainer.diloco.compression import CompressionConfig
 from trainer.diloco.link import SlowLink
 from trainer.elastic.config import ElasticConfig
+from trainer.typed_json import ConfigBlock, Problem, setting
 
-COLLECTIVES = ("all_gather", "reduce_scatter")
-OUTER_BACKENDS = ("gloo", "nccl")
-
-
-@dataclass(frozen=True)
-class StreamingConfig:
-    fragments: int = 1  # F fragments of contiguous layers, synced at staggered offsets
-    overlap_steps: int = 0  # tau: the sync's result is applied this many inner steps after it starts
-    mix_alpha: float = 0.0  # local weight kept when an overlapped result is applied: a*local + (1-a)*global
-
-    def __post_init__(self):
-        if self.fragments < 1:
-            raise ConfigError(f"muloco.streaming.fragments must be >= 1, got {self.fragments}")
-        if self.overlap_steps < 0:
-            raise ConfigError(f"muloco.streaming.overlap_steps must be >= 0, got {self.overlap_steps}")
-        if not 0.0 <= self.mix_alpha < 1.0:
-            raise ConfigError(f"muloco.streaming.mix_alpha must be in [0, 1), got {self.mix_alpha}")
+Method = Literal["none", "statistical", "linear", "topk"]
+METHODS = get_args(Method)
+QuantizerBits = Literal[2, 4, 8]
+QUANTIZER_BITS = get_args(QuantizerBits)
+FP32_BITS = 32  # a group width meaning "sent uncompressed"
+GroupBits = Literal[2, 4, 8, 32]
+EFForm = Literal["plain", "paper"]
+StatisticalRounding = Literal["centred", "paper"]
 
 
 @dataclass(frozen=True)
-class MuLoCoConfig:
-    workers: int = 1
-    sync_interval: int = 30
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.6
-    nesterov: bool = True
-    compression: CompressionConfig = field(default_factory=CompressionConfig)
-    collective: str = "all_gather"
-    outer_backend: str = "gloo"
-    outer_state_on_device: bool = False
-    streaming: StreamingConfig = field(default_factory=StreamingConfig)
-    max_norm_ratio: float = 10.0
-    link: SlowLink | None = None
-    identical_worker_data: bool = False
-    sync_timeout_s: float = 60.0
-    auth: AuthConfig | Literal["none"] = field(default_factory=AuthConfig)
-    elastic: ElasticConfig | None = None
+class CompressionConfig(ConfigBlock):
+    method: Method = setting("none", doc="`statistical` (row-wise, the paper's), `linear` (min-max), `topk`, "
+                                         "or `none`")
+    bits: QuantizerBits = setting(4, doc="bits per value of the hidden matrices (statistical, linear)")
+    # Embeddings/head and 1-D tensors at 4 bits too: the cheapest setting within 0.5% of the
+    # uncompressed validation loss in results/compression_groups.md (the paper sends them in fp32).
+    embedding_bits: GroupBits = setting(4, doc="bits of the embeddings and the head; 32: sent in fp32 (the paper's)")
+    vector_bits: GroupBits = setting(4, doc="bits of the 1-D tensors (norms); 32: sent in fp32 (the paper's)")
+    topk_fraction: float = setting(0.02, gt=0, le=1, doc="fraction of each row topk keeps (sent in fp32)")
+    error_feedback: bool = setting(False, doc="carry what a payload did not send into the next sync")
+    ef_form: EFForm = setting("plain", doc="`plain` e = beta e + delta, or `paper` e = beta e + outer_lr delta "
+                                           "(the official code's)")
+    ef_beta: float = setting(1.0, ge=0, le=1, doc="error-feedback decay beta")
+    statistical_rounding: StatisticalRounding = setting(
+        "centred", doc="`centred` symmetric bins over +-3 sigma, or `paper` the official round(c/s + n/2)")
+    zstd: bool = setting(False, doc="zstd-compress each payload (its size then depends on the data)")
+    zstd_level: int = setting(3, ge=1, le=22, doc="zstd's level")
 
-    def __post_init__(self):
-        if self.workers < 1:
-            raise ConfigError(f"muloco.workers must be >= 1, got {self.workers}")
-        if self.sync_interval < 1:
-            raise ConfigError(f"muloco.sync_interval must be >= 1, got {self.sync_interval}")
-        if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
-            raise ConfigError(f"muloco.outer_lr must be > 0 and outer_momentum in [0, 1), got "
-                              f"{self.outer_lr}, {self.outer_momentum}")
-        if self.collective not in COLLECTIVES:
-            raise ConfigError(f"muloco.collective must be one of {COLLECTIVES}, got {self.collective!r}")
-        if self.outer_backend not in OUTER_BACKENDS:
-            raise ConfigError(f"muloco.outer_backend must be one of {OUTER_BACKENDS}, got {self.outer_backend!r}")
-        if self.streaming.fragments > self.sync_interval:
-            raise ConfigError(f"muloco.streaming.fragments ({self.streaming.fragments}) cannot exceed "
-                              f"sync_interval ({self.sync_interval})")
-        if self.streaming.overlap_steps >= self.sync_interval:
-            raise ConfigError(f"muloco.streaming.overlap_steps ({self.streaming.overlap_steps}) must be below "
-                              f"sync_interval ({self.sync_interval})")
-        if self.sync_timeout_s <= 0:
-            raise ConfigError(f"muloco.sync_timeout_s must be > 0, got {self.sync_timeout_s}")
-        if self.elastic is not None:
-            self.elastic.check_compatible(self)
+    def for_group(self, group: str) -> CompressionConfig:
+        """The config the tensors of a compression group are sent with ("none" when at fp32)."""
+        bits = {"matrix": self.bits, "embedding": self.embedding_bits, "vector": self.vector_bits}[group]
+        if self.method == "none" or bits == FP32_BITS:
+            return replace(self, method="none", error_feedback=False)
+        return replace(self, bits=bits) if self.method != "topk" else self
+
+
+@dataclass(frozen=True)
+class StreamingConfig(ConfigBlock):
+    fragments: int = setting(1, ge=1, doc="F fragments of contiguous layers, synced at staggered offsets")
+    overlap_steps: int = setting(0, ge=0, doc="tau: a sync runs in the background while this many inner steps go "
+                                              "on, and its result is applied after them")
+    mix_alpha: float = setting(0.0, ge=0, lt=1, doc="local weight kept when an overlapped result lands: "
+                                                    "a local + (1 - a) global")
+
+
+@dataclass(frozen=True)
+class MuLoCoConfig(ConfigBlock):
+    workers: int = setting(1, ge=1, doc="K datacenters; the world is K x D x P x T ranks")
+    sync_interval: int = setting(30, ge=1, doc="H inner steps between outer syncs")
+    outer_lr: float = setting(0.7, gt=0, doc="outer Nesterov SGD's lr (paper: K=1 0.7; K=16 1.0)")
+    outer_momentum: float = setting(0.6, ge=0, lt=1, doc="its momentum (paper: K=1 0.6; K=16 0.9)")
+    nesterov: bool = setting(True, doc="Nesterov outer momentum")
+    compression: CompressionConfig = setting(factory=CompressionConfig, doc="the pseudogradients' codec (below)")
+    collective: Literal["all_gather", "reduce_scatter"] = setting(
+        "all_gather", doc="`reduce_scatter`: quantized chunks, re-quantize, all-gather (bytes per rank flat in K)")
+    outer_backend: Literal["gloo", "nccl"] = setting(
+        "gloo", doc="backend of the outer groups: `gloo` moves the packed payload through host memory (a WAN "
+                    "between datacenters), `nccl` keeps it on the device (datacenters on one InfiniBand/RoCE fabric)")
+    outer_state_on_device: bool = setting(False, doc="previous global weights and outer momentum (fp32) on the "
+                                                     "accelerator instead of pinned host memory: faster syncs for 8 "
+                                                     "bytes per parameter of device memory")
+    streaming: StreamingConfig = setting(factory=StreamingConfig, doc="streaming syncs (below)")
+    max_norm_ratio: float = setting(10.0, gt=0, doc="a worker whose pseudogradient norm is this many times its "
+                                                    "peers' median, or any NaN/Inf, skips the sync for everyone")
+    link: SlowLink | None = setting(None, doc="emulate a slow link on one machine (benchmarks): "
+                                              "`{\"bandwidth_gbit_s\": 10, \"latency_ms\": 50}`")
+    identical_worker_data: bool = setting(False, doc="every worker reads worker 0's data (a test identity)")
+    sync_timeout_s: float = setting(60.0, gt=0, doc="elastic workers: a peer silent this long is dropped from the sync")
+    auth: AuthConfig | Literal["none"] = setting(
+        factory=AuthConfig, doc="the job secret that tags every message between workers, required whenever they talk "
+                                "(K > 1 or elastic); `\"none\"` sends everything unauthenticated (a warning at start)")
+    elastic: ElasticConfig | None = setting(None, doc="each worker its own job, meeting in a fault-tolerant outer "
+                                                      "group (below)")
 
     @property
     def talks(self) -> bool:
         """Whether workers exchange messages (and so need the job secret)."""
         return self.workers > 1 or self.elastic is not None
 
-    @classmethod
-    def from_dict(cls, block: dict[str, Any]) -> "MuLoCoConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(block) - known)
-        if unknown:
-            raise ConfigError(f"unknown keys in the muloco block: {unknown}; known: {sorted(known)}")
-        values = dict(block)
-        try:
-            values["compression"] = CompressionConfig(**block.get("compression", {}))
-            values["streaming"] = StreamingConfig(**block.get("streaming", {}))
-            values["link"] = SlowLink(**block["link"]) if block.get("link") else None
-            values["elastic"] = ElasticConfig(**block["elastic"]) if "elastic" in block else None
-            if isinstance(block.get("auth"), dict):
-                values["auth"] = AuthConfig(**block["auth"])
-        except (TypeError, ValueError) as err:
-            raise ConfigError(f"muloco block: {err}") from err
-        return cls(**values)
+    def problems(self) -> list[Problem]:
+        problems = []
+        if self.streaming.fragments > self.sync_interval:
+            problems.append(("streaming.fragments", f"({self.streaming.fragments}) cannot exceed sync_interval "
+                                                    f"({self.sync_interval})"))
+        if self.streaming.overlap_steps >= self.sync_interval:
+            problems.append(("streaming.overlap_steps", f"({self.streaming.overlap_steps}) must be below "
+                                                        f"sync_interval ({self.sync_interval})"))
+        if self.elastic is not None:
+            unsupported = self.elastic.unsupported(self)
+            if unsupported:
+                problems.append(("elastic", "does not support: " + "; ".join(unsupported)))
+        return problems

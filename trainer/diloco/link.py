@@ -4,19 +4,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from trainer.typed_json import ConfigBlock, setting
+
 
 @dataclass(frozen=True)
-class SlowLink:
+class SlowLink(ConfigBlock):
     """A link of this egress bandwidth and one-way latency: moving n bytes takes
     latency + n*8/bandwidth seconds."""
-    bandwidth_gbit_s: float
-    latency_ms: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.bandwidth_gbit_s > 0:
-            raise ValueError(f"SlowLink.bandwidth_gbit_s must be > 0, got {self.bandwidth_gbit_s!r}")
-        if not self.latency_ms >= 0:
-            raise ValueError(f"SlowLink.latency_ms must be >= 0, got {self.latency_ms!r}")
+    bandwidth_gbit_s: float = setting(gt=0, doc="egress bandwidth, Gbit/s")
+    latency_ms: float = setting(0.0, ge=0, doc="one-way latency, ms")
 
     def delay(self, nbytes: int) -> float:
         return self.latency_ms / 1e3 + nbytes * 8 / (self.bandwidth_gbit_s * 1e9)

@@ -22,22 +22,19 @@ import os
 from dataclasses import dataclass
 
 from trainer.errors import ConfigError
+from trainer.typed_json import ConfigBlock, setting
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
 
 @dataclass(frozen=True)
-class ElasticConfig:
-    lighthouse: str = ""
-    quorum_timeout_s: float = 600.0
-    max_attempts: int = 3
-    manager_host: str = "127.0.0.1"
-
-    def __post_init__(self):
-        if self.quorum_timeout_s <= 0:
-            raise ConfigError(f"muloco.elastic.quorum_timeout_s must be > 0, got {self.quorum_timeout_s}")
-        if self.max_attempts < 1:
-            raise ConfigError(f"muloco.elastic.max_attempts must be >= 1, got {self.max_attempts}")
+class ElasticConfig(ConfigBlock):
+    lighthouse: str = setting("", doc=f"the torchft lighthouse, `http://HOST:PORT`; empty: ${LIGHTHOUSE_ENV}")
+    quorum_timeout_s: float = setting(600.0, gt=0, doc="the longest a worker waits at a sync for its quorum (a "
+                                                       "restarted worker waits for its peers' next sync)")
+    max_attempts: int = setting(3, ge=1, doc="attempts of one sync, each with a fresh quorum, before the job stops")
+    manager_host: str = setting("127.0.0.1", doc="the address torchft's manager server binds on the worker's rank 0 "
+                                                 "(a worker on several nodes needs one its other nodes reach)")
 
     def lighthouse_address(self) -> str:
         address = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
@@ -45,8 +42,8 @@ class ElasticConfig:
             raise ConfigError(f"elastic workers need the lighthouse's address: muloco.elastic.lighthouse or ${LIGHTHOUSE_ENV}")
         return address
 
-    def check_compatible(self, muloco) -> None:
-        """What the elastic outer group supports today (one config error naming every problem)."""
+    def unsupported(self, muloco) -> list[str]:
+        """The muloco block's settings the elastic outer group does not support today."""
         problems = []
         if muloco.streaming.fragments != 1 or muloco.streaming.overlap_steps != 0:
             problems.append("streaming fragments/overlap (use fragments 1, overlap_steps 0)")
@@ -56,8 +53,7 @@ class ElasticConfig:
             problems.append(f"outer_backend {muloco.outer_backend!r} (the quorum group is torchft's gloo group)")
         if muloco.identical_worker_data:
             problems.append("identical_worker_data")
-        if problems:
-            raise ConfigError("muloco.elastic does not support: " + "; ".join(problems))
+        return problems
 
 
 def check_worker_id(worker_id: int | None, workers: int, elastic: bool) -> None:

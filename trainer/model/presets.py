@@ -11,27 +11,27 @@ untied embeddings, head dim from the shape):
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Literal, get_args
 
-ARCHITECTURES = ("paper", "qwen3", "llama")
+from trainer.typed_json import ConfigBlock, setting
+
+Architecture = Literal["paper", "qwen3", "llama"]
+ARCHITECTURES = get_args(Architecture)
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    ffn_hidden_size: int
-    kv_channels: int = 128  # head dim
-    num_query_groups: int | None = None  # None = one group per head (no GQA)
-    arch: str = "paper"  # one of ARCHITECTURES
-    rotary_base: int = 500_000
-    seq_length: int = 2048
-    init_std: float = 0.02
-    norm_epsilon: float = 1e-6
-
-    def __post_init__(self):
-        if self.arch not in ARCHITECTURES:
-            raise ValueError(f"unknown architecture {self.arch!r}; known: {', '.join(ARCHITECTURES)}")
+class ModelShape(ConfigBlock):
+    num_layers: int = setting(ge=1)
+    hidden_size: int = setting(ge=1)
+    num_attention_heads: int = setting(ge=1)
+    ffn_hidden_size: int = setting(ge=1)
+    kv_channels: int = setting(128, ge=1, doc="head dim")
+    num_query_groups: int | None = setting(None, ge=1, doc="None: one group per head (no GQA)")
+    arch: Architecture = "paper"
+    rotary_base: int = setting(500_000, ge=1)
+    seq_length: int = setting(2048, ge=1)
+    init_std: float = setting(0.02, gt=0)
+    norm_epsilon: float = setting(1e-6, gt=0)
 
     @property
     def query_groups(self) -> int:

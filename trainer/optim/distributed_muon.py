@@ -159,7 +159,8 @@ class DistributedMuon:
 
     # -- 5. apply --------------------------------------------------------------------------------
 
-    def _apply(self, x: MuonExchange, b: int, slots: list[torch.Tensor], config: MuonConfig) -> None:
+    def _apply(self, x: MuonExchange, b: int, slots: list[torch.Tensor], config: MuonConfig, lr: float,
+               weight_decay: float) -> None:
         T = self.tp.size
         received: dict[int, dict[str, torch.Tensor]] = {i: {} for i in x.buckets[b]}  # views into slots
         for replica, slot in enumerate(slots):
@@ -176,10 +177,11 @@ class DistributedMuon:
             parts = {part: view.float() * lr_scale(x.matrices[x.index(i, part)].shape, config.lr_scaling)
                      for part, view in views.items()}
             update = from_logical_matrices(self.names[i], parts, self.local_shape).to(self.params[i].device)
-            apply_update(self.params[i], update.view_as(self.params[i]), config.lr, config.weight_decay, scale=1.0)
+            apply_update(self.params[i], update.view_as(self.params[i]), lr, weight_decay, scale=1.0)
 
     @torch.no_grad()
-    def step(self, momentum_buffers: list[torch.Tensor], config: MuonConfig) -> None:
+    def step(self, momentum_buffers: list[torch.Tensor], config: MuonConfig, lr: float, weight_decay: float) -> None:
+        """One Muon step at this step's (scheduled) lr and weight decay."""
         x = self._exchange(config.ns_steps)
         dtype = comm_dtype(config.ns_dtype)
         in_flight = self._start_gather(x, 0, momentum_buffers, config, dtype) if x.buckets else None
@@ -191,4 +193,4 @@ class DistributedMuon:
             del recv  # at T > 1 the whole matrices are copies; free the pieces before the next gather
             if b + 1 < len(x.buckets):
                 in_flight = self._start_gather(x, b + 1, momentum_buffers, config, dtype)
-            self._apply(x, b, self._orthogonalize_and_return(x, b, wholes, config, dtype), config)
+            self._apply(x, b, self._orthogonalize_and_return(x, b, wholes, config, dtype), config, lr, weight_decay)

@@ -7,13 +7,12 @@ param groups; it steps exactly once per optimizer step (DeepSpeed calls step() o
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 
-from trainer.config import OptimizerConfig
 from trainer.model.presets import ModelShape
+from trainer.optim.config import OptimizerConfig
 from trainer.optim.distributed_muon import DistributedMuon, ShardGroup
 from trainer.optim.grad_norm import global_grad_norm, sum_partial_grads
 from trainer.optim.routing import Routing
@@ -39,15 +38,15 @@ class InnerOptimizer(torch.optim.Optimizer):
         self.tp = ShardGroup.of(tp_group)
         self.model_parallel_group = model_parallel_group
         self._named = routing.adamw + routing.muon
+        params = config.params
         groups = []
         if routing.adamw:
-            factor = config.adamw_lr_factor if config.name == "muon" else 1.0
-            wd_factor = config.adamw_weight_decay_factor if config.name == "muon" else 1.0
-            groups.append({"params": [p for _, p in routing.adamw], "kind": "adamw", "lr": config.lr * factor,
-                           "weight_decay": config.weight_decay * wd_factor})
+            lr_factor, wd_factor = config.adamw_factors
+            groups.append({"params": [p for _, p in routing.adamw], "kind": "adamw", "lr": params.lr * lr_factor,
+                           "weight_decay": params.weight_decay * wd_factor})
         if routing.muon:
-            groups.append({"params": [p for _, p in routing.muon], "kind": "muon", "lr": config.lr,
-                           "weight_decay": config.weight_decay})
+            groups.append({"params": [p for _, p in routing.muon], "kind": "muon", "lr": params.lr,
+                           "weight_decay": params.weight_decay})
         super().__init__(groups, {})
         self.muon = None
         if routing.muon:
@@ -72,9 +71,8 @@ class InnerOptimizer(torch.optim.Optimizer):
                 self._adamw_step(group)
             else:
                 buffers = [self._state(p, "momentum_buffer") for p in group["params"]]
-                # The config's one Muon block, at this step's scheduled lr.
-                self.muon.step(buffers, dataclasses.replace(self.config.muon, lr=group["lr"],
-                                                            weight_decay=group["weight_decay"]))
+                # The ds_config's Muon params as loaded, at this step's scheduled lr.
+                self.muon.step(buffers, self.config.params, group["lr"], group["weight_decay"])
 
     def _state(self, p, key: str) -> torch.Tensor:
         state = self.state[p]
@@ -83,11 +81,11 @@ class InnerOptimizer(torch.optim.Optimizer):
         return state[key]
 
     def _adamw_step(self, group) -> None:
-        c = self.config
+        c = self.config.params
         for p in group["params"]:
             if p.grad is None:
                 continue
             state = self.state[p]
             state["step"] = state.get("step", 0) + 1
             adamw_update(p, p.grad, self._state(p, "exp_avg"), self._state(p, "exp_avg_sq"), state["step"],
-                         group["lr"], c.adam_betas, c.adam_eps, group["weight_decay"])
+                         group["lr"], c.betas, c.eps, group["weight_decay"])

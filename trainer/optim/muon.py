@@ -14,47 +14,39 @@ import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
 
-from trainer.optim.newton_schulz import NS_DTYPES, Schedule, orthogonalize, resolve_schedule
+from trainer.optim.newton_schulz import DEFAULT_SCHEDULE, DEFAULT_STEPS, NSDtype, ScheduleName, orthogonalize
+from trainer.typed_json import ConfigBlock, Problem, setting
 
 # How the step size of an (rows, cols) = (fan_out, fan_in) matrix is scaled.
-LR_SCALINGS = ("spectral_norm", "match_rms_adamw", "torch_original", "none")
+LRScaling = Literal["spectral_norm", "match_rms_adamw", "torch_original", "none"]
+LR_SCALINGS = get_args(LRScaling)
 
 
 @dataclass(frozen=True)
-class MuonConfig:
-    """Muon hyperparameters. Defaults are the MuLoCo paper's, except lr which has none."""
+class MuonConfig(ConfigBlock):
+    """Muon's hyperparameters (the paper's defaults). The lr and weight decay are the optimizer's
+    param groups', which the lr schedule changes every step."""
 
-    lr: float
-    momentum: float = 0.9
-    nesterov: bool = False
-    ns_schedule: Schedule = "paper"
-    ns_steps: int = 5
-    ns_dtype: str = "float32"  # "float32" | "bfloat16"
-    lr_scaling: str = "spectral_norm"  # one of LR_SCALINGS
-    weight_decay: float = 0.0
-    eps: float = 1e-7
+    momentum: float = setting(0.9, ge=0, lt=1, doc="momentum mu of the sum M = mu M + G")
+    nesterov: bool = setting(False, doc="orthogonalize G + mu M instead of M")
+    ns_schedule: ScheduleName | tuple[tuple[float, float, float], ...] = setting(
+        DEFAULT_SCHEDULE, doc="Newton-Schulz coefficients: `paper` (its 5 steps), `keller` "
+                              "(3.4445, -4.7750, 2.0315, as torch.optim.Muon) or a list of (a, b, c)")
+    ns_steps: int = setting(DEFAULT_STEPS, ge=1, doc="Newton-Schulz iterations (the schedule's last triple repeats)")
+    ns_dtype: NSDtype = setting("float32", doc="Newton-Schulz compute dtype; Muon's exchange travels in it")
+    lr_scaling: LRScaling = setting("spectral_norm", doc="lr factor per matrix: `spectral_norm` sqrt(fan_out/fan_in) "
+                                                         "(the paper's), `match_rms_adamw` 0.2 sqrt(max(fan_out, fan_in)), "
+                                                         "`torch_original` sqrt(max(1, fan_out/fan_in)), `none`")
 
-    def __post_init__(self) -> None:
-        if not (isinstance(self.lr, (int, float)) and self.lr >= 0):
-            raise ValueError(f"Muon lr must be a number >= 0, got {self.lr!r}")
-        if not (isinstance(self.momentum, (int, float)) and 0 <= self.momentum < 1):
-            raise ValueError(f"Muon momentum must be in [0, 1), got {self.momentum!r}")
-        if not isinstance(self.nesterov, bool):
-            raise ValueError(f"Muon nesterov must be a bool, got {self.nesterov!r}")
-        resolve_schedule(self.ns_schedule, self.ns_steps)  # raises on a bad schedule or step count
-        if self.ns_dtype not in NS_DTYPES:
-            raise ValueError(f"Muon ns_dtype must be one of {sorted(NS_DTYPES)}, got {self.ns_dtype!r}")
-        if self.lr_scaling not in LR_SCALINGS:
-            raise ValueError(f"Muon lr_scaling must be one of {list(LR_SCALINGS)}, got {self.lr_scaling!r}")
-        if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
-            raise ValueError(f"Muon weight_decay must be a number >= 0, got {self.weight_decay!r}")
-        if not (isinstance(self.eps, (int, float)) and self.eps > 0):
-            raise ValueError(f"Muon eps must be a number > 0, got {self.eps!r}")
+    def problems(self) -> list[Problem]:
+        if isinstance(self.ns_schedule, tuple) and not self.ns_schedule:
+            return [("ns_schedule", "must hold at least one (a, b, c) triple")]
+        return []
 
 
 def update_momentum(buf: Tensor, grad: Tensor, momentum: float, nesterov: bool) -> Tensor:
@@ -68,10 +60,8 @@ def update_momentum(buf: Tensor, grad: Tensor, momentum: float, nesterov: bool) 
 
 
 def orthogonalize_direction(direction: Tensor, config: MuonConfig) -> Tensor:
-    """Newton-Schulz with the config's schedule, steps, eps and dtype (2-D or a 3-D batch)."""
-    return orthogonalize(
-        direction, schedule=config.ns_schedule, steps=config.ns_steps, eps=config.eps, dtype=config.ns_dtype
-    )
+    """Newton-Schulz with the config's schedule, steps and dtype (2-D or a 3-D batch)."""
+    return orthogonalize(direction, schedule=config.ns_schedule, steps=config.ns_steps, dtype=config.ns_dtype)
 
 
 def lr_scale(shape: Sequence[int], mode: str) -> float:
@@ -101,13 +91,15 @@ def apply_update(param: Tensor, ortho: Tensor, lr: float, weight_decay: float, s
 
 
 class Muon(torch.optim.Optimizer):
-    """Single-process Muon over 2-D parameters; each param group may override any MuonConfig field.
+    """Single-process Muon over 2-D parameters; each param group may override lr, weight_decay and
+    any MuonConfig field.
 
     State per parameter: 'momentum_buffer' (the sum-form M, see the module docstring).
     """
 
-    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], config: MuonConfig) -> None:
-        super().__init__(params, dataclasses.asdict(config))
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], config: MuonConfig, lr: float,
+                 weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay, **dataclasses.asdict(config)})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -122,6 +114,8 @@ class Muon(torch.optim.Optimizer):
 
     @staticmethod
     def _group_config(group: dict[str, Any]) -> MuonConfig:
+        if not group["lr"] >= 0 or not group["weight_decay"] >= 0:
+            raise ValueError(f"Muon lr and weight_decay must be >= 0, got {group['lr']}, {group['weight_decay']}")
         return MuonConfig(**{f.name: group[f.name] for f in dataclasses.fields(MuonConfig)})
 
     @torch.no_grad()
@@ -140,5 +134,5 @@ class Muon(torch.optim.Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(p.grad)
                 direction = update_momentum(state["momentum_buffer"], p.grad, config.momentum, config.nesterov)
                 ortho = orthogonalize_direction(direction, config)
-                apply_update(p, ortho, config.lr, config.weight_decay, lr_scale(p.shape, config.lr_scaling))
+                apply_update(p, ortho, group["lr"], group["weight_decay"], lr_scale(p.shape, config.lr_scaling))
         return loss

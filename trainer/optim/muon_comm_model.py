@@ -129,7 +129,7 @@ class MuonExchange:
 
     @classmethod
     def for_local_shards(cls, names: Sequence[str], local_shapes: Sequence[tuple[int, ...]],
-                         model_shape: ModelShape, tp: int, dp: int, ns_steps: int = 5,
+                         model_shape: ModelShape, tp: int, dp: int, ns_steps: int,
                          bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> MuonExchange:
         """The plan from one TP rank's shard shapes (what tools/plan.py reads off the model)."""
         full = [full_shape(tuple(s), layout_of(n), tp) for n, s in zip(names, local_shapes)]

@@ -6,6 +6,7 @@ quintic polynomial steps, using only matmuls so it runs fast in low precision on
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -23,14 +24,20 @@ PAPER_SCHEDULE: tuple[Coefficients, ...] = (
 # Keller Jordan's fixed triple, applied at every step (what torch.optim.Muon uses).
 KELLER_SCHEDULE: tuple[Coefficients, ...] = ((3.4445, -4.7750, 2.0315),)
 
-NAMED_SCHEDULES: dict[str, tuple[Coefficients, ...]] = {
+ScheduleName = Literal["paper", "keller"]
+NAMED_SCHEDULES: dict[ScheduleName, tuple[Coefficients, ...]] = {
     "paper": PAPER_SCHEDULE,
     "keller": KELLER_SCHEDULE,
 }
 
-NS_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+NSDtype = Literal["float32", "bfloat16"]
+NS_DTYPES: dict[NSDtype, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 Schedule = str | Sequence[Sequence[float]]
+# The paper's runs: its 5-step schedule; eps as torch.optim.Muon's.
+DEFAULT_SCHEDULE: ScheduleName = "paper"
+DEFAULT_STEPS = 5
+EPS = 1e-7
 
 
 def resolve_schedule(schedule: Schedule, steps: int) -> list[Coefficients]:
@@ -73,9 +80,9 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 def orthogonalize(
     M: Tensor,
-    schedule: Schedule = "paper",
-    steps: int = 5,
-    eps: float = 1e-7,
+    schedule: Schedule = DEFAULT_SCHEDULE,
+    steps: int = DEFAULT_STEPS,
+    eps: float = EPS,
     dtype: torch.dtype | str = torch.float32,
 ) -> Tensor:
     """Approximately orthogonalize M (2-D), or each matrix of a batch of same-shaped matrices (3-D).
