@@ -48,19 +48,23 @@ def parse_bucket_weights(spec: str) -> dict[str, float]:
             name, equals, value = item.rpartition("=")
             if not equals or not name:
                 raise BlendFileError(f"--bucket-weights takes NAME=WEIGHT,... (e.g. high=2,medium=1), got {item!r}")
-            items.append((name, value))
+            items.append((name, _number(value)))
     parsed = {}
     for name, value in items:
-        try:
-            weight = float(value) if not isinstance(value, bool) else math.nan
-        except (TypeError, ValueError):
-            weight = math.nan
-        if not (math.isfinite(weight) and weight >= 0):
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                and value >= 0):
             raise BlendFileError(f"bucket weight {name}={value!r} is not a number >= 0")
-        parsed[name] = weight
+        parsed[name] = float(value)
     if not parsed:
         raise BlendFileError(f"no bucket weight in {spec!r}")
     return parsed
+
+
+def _number(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text  # refused, by name, below
 
 
 def bucket_multipliers(buckets: Iterable[str], weights: dict[str, float]) -> dict[str, float]:

@@ -444,7 +444,6 @@ class _Preprocess:
         self.chunks = self.reused_chunks = self.reused_groups = 0
         self._work_of_shard: dict[int, _GroupWork] = {}
         self._shards_done: set[int] = set()
-        self._open: list[_GroupWork] = []
         label = f"partition {self.partition}: " if config.partition else ""
         self.progress = ProgressLine(label, sum(len(group.shards) for group in self.groups),
                                      sum(group.size for group in self.groups))
@@ -464,9 +463,7 @@ class _Preprocess:
                 if group.index in self.records:
                     continue
                 self._plan_group(group, dispatcher)
-                self._finish_ready_groups()
             dispatcher.finish()
-            self._finish_ready_groups()
             tokenize_seconds = (dispatcher.last_done or 0.0) - (dispatcher.first_submit or 0.0)
             new_stats = dispatcher.new_stats
         if self.reused_chunks:
@@ -497,7 +494,6 @@ class _Preprocess:
 
     def _plan_group(self, group: ShardGroup, dispatcher: _ChunkDispatcher) -> None:
         work = _GroupWork(self.output_of(group))
-        self._open.append(work)
         parts_dir = work.output.parts_dir
         parts_dir.mkdir(parents=True, exist_ok=True)
         for shard in group.shards:
@@ -530,12 +526,16 @@ class _Preprocess:
             plan.planned = True
             self._shard_finished(work, plan)
         work.planned = True
+        if work.pending == 0:
+            self._finish_group(work)
 
     def _chunk_done(self, chunk: Chunk, stats: ChunkStats) -> None:
         work = self._work_of_shard[chunk.shard]
         work.stats[(chunk.shard, chunk.index)] = stats
         work.pending -= 1
         self._shard_finished(work, next(plan for plan in work.plans if plan.shard == chunk.shard))
+        if work.planned and work.pending == 0:
+            self._finish_group(work)  # at once: its parts go, and the manifest records it for a resume
 
     def _shard_finished(self, work: _GroupWork, plan: ShardPlan) -> None:
         """Count the shard as done for the progress line once it is planned whole and all its chunks are in."""
@@ -543,11 +543,6 @@ class _Preprocess:
                 (plan.shard, chunk.index) in work.stats for chunk in plan.chunks):
             self._shards_done.add(plan.shard)
             self.progress.shard_done(self.listing.shards[plan.shard].size)
-
-    def _finish_ready_groups(self) -> None:
-        for work in [work for work in self._open if work.planned and work.pending == 0]:
-            self._open.remove(work)
-            self._finish_group(work)
 
     # -- writing a finished group
 

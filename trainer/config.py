@@ -233,6 +233,8 @@ class DataConfig:
     split: str = "98,2,0"
     tokenizer_model: str | None = None
     vocab_size: int | None = None
+    data_args_path: str | None = None  # a file holding the train blend (trainer/data.py reads it)
+    per_split_data_args_path: str | None = None  # a JSON file of train and valid blends
 
     def __post_init__(self):
         if self.vocab_size is not None:
@@ -314,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=[], help="prefix, or weight prefix weight prefix ...")
     g.add_argument("--valid-data-path", nargs="+", default=[])
+    g.add_argument("--data-args-path", default=None, help="a file holding what --data-path takes (Megatron's flag)")
+    g.add_argument("--per-split-data-args-path", default=None,
+                   help='a JSON file {"train": [...], "valid": [...]} of blends (Megatron\'s flag)')
     g.add_argument("--split", default="98,2,0")
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--vocab-size", type=int, default=None, help="when no tokenizer model is given")
@@ -500,7 +505,7 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
         model_preset=args.model, model=shape, tensor_parallel=tp, pipeline_parallel=pp, batch=batch,
         optimizer=optimizer, schedule=schedule,
         data=DataConfig(tuple(args.data_path), tuple(args.valid_data_path), args.split, args.tokenizer_model,
-                        args.vocab_size),
+                        args.vocab_size, args.data_args_path, args.per_split_data_args_path),
         seed=args.seed, run_dir=run_dir, tensorboard_dir=args.tensorboard_dir or str(Path(run_dir) / "tensorboard"),
         log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
         save=args.save, load=args.load, load_worker=args.load_worker, save_interval=args.save_interval,
