@@ -115,7 +115,11 @@ def read_manifest(path: Path) -> PartitionManifest:
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise ManifestError(f"{path} is not a partition manifest of this tool (format {FORMAT!r})")
     document = {key: value for key, value in document.items() if key not in ("format", "buckets")}
-    return _load(PartitionManifest, document, str(path))
+    manifest = _load(PartitionManifest, document, str(path))
+    for entry in manifest.listing:
+        if not (len(entry) == 2 and isinstance(entry[0], str) and isinstance(entry[1], int)):
+            raise ManifestError(f"{path}: listing entries are [name, size], got {entry!r}")
+    return manifest
 
 
 def _load(annotation, value, where: str):
@@ -123,8 +127,11 @@ def _load(annotation, value, where: str):
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if dataclasses.is_dataclass(annotation):
         hints = typing.get_type_hints(annotation)
-        names = {f.name for f in dataclasses.fields(annotation)}
-        if not isinstance(value, dict) or set(value) - names:
+        fields = dataclasses.fields(annotation)
+        names = {f.name for f in fields}
+        required = {f.name for f in fields if f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING}
+        if not isinstance(value, dict) or set(value) - names or required - set(value):
             raise ManifestError(f"{where}: expected an object with keys {sorted(names)}, got {str(value)[:200]}")
         return annotation(**{key: _load(hints[key], item, f"{where}.{key}") for key, item in value.items()})
     if origin is list:
@@ -174,11 +181,13 @@ def check_coverage(manifests: dict[Path, PartitionManifest]) -> list[CoveredGrou
                     raise ManifestError(f"shard {name} is covered twice: by {covered_by[name]} and by {path}")
                 covered_by[name] = path
             groups[record.index] = CoveredGroup(record, path.parent)
-    _check_partitions(manifests, first.partitions)
+    absent = _check_partitions(manifests, first.partitions)
     missing = [name for name, _ in first.listing if name not in covered_by]
-    if missing:
+    if absent or missing:
         shown = ", ".join(missing[:_SHOWN]) + (f" ... and {len(missing) - _SHOWN} more" if len(missing) > _SHOWN else "")
-        raise ManifestError(f"{len(missing)} shard(s) covered by no partition: {shown}")
+        problems = ([f"no manifest for partition(s) {', '.join(map(str, absent))} of {first.partitions}"] if absent
+                    else []) + ([f"{len(missing)} shard(s) covered by no partition: {shown}"] if missing else [])
+        raise ManifestError("; ".join(problems))
     for covered in groups.values():
         for output in covered.record.files:
             if problem := output_file_problem(covered.folder, output):
@@ -186,9 +195,12 @@ def check_coverage(manifests: dict[Path, PartitionManifest]) -> list[CoveredGrou
     return [groups[index] for index in sorted(groups)]
 
 
-def _check_partitions(manifests: dict[Path, PartitionManifest], partitions: int) -> None:
+def _check_partitions(manifests: dict[Path, PartitionManifest], partitions: int) -> list[int]:
+    """The partitions without a manifest, once none has two and every one present is finished."""
     seen: dict[int, Path] = {}
     for path, manifest in manifests.items():
+        if not 0 <= manifest.partition < partitions:
+            raise ManifestError(f"{path} names partition {manifest.partition} of {partitions}")
         if manifest.partition in seen:
             raise ManifestError(f"partition {manifest.partition}/{partitions} has two manifests: "
                                 f"{seen[manifest.partition]} and {path}")
@@ -196,9 +208,7 @@ def _check_partitions(manifests: dict[Path, PartitionManifest], partitions: int)
         if not manifest.complete:
             raise ManifestError(f"partition {manifest.partition}/{partitions} is not finished ({path} records "
                                 f"{len(manifest.groups)} group(s) so far): rerun it, it resumes")
-    absent = [str(index) for index in range(partitions) if index not in seen]
-    if absent:
-        raise ManifestError(f"no manifest for partition(s) {', '.join(absent)} of {partitions}")
+    return [index for index in range(partitions) if index not in seen]
 
 
 def output_file_problem(folder: Path, output: OutputFile) -> str | None:

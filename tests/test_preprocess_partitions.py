@@ -199,7 +199,8 @@ def test_merge_refuses_a_shard_covered_twice_or_not_at_all(three_partitions, tmp
     first_shard = json.loads(manifests[0].read_text())["groups"][0]["shards"][0]
 
     code, out = run_main(["--merge-manifests", *manifests[1:], "--data-args-path", tmp_path / "blend"], capsys)
-    assert code == 1 and "no manifest for partition(s) 0 of 3" in out
+    assert code == 1 and "no manifest for partition(s) 0 of 3" in out and "covered by no partition" in out
+    assert first_shard in out
     shutil.copy(manifests[1], tmp_path / "copies" / "duplicate.json")
     code, out = run_main(["--merge-manifests", *manifests, tmp_path / "copies" / "duplicate.json",
                           "--data-args-path", tmp_path / "blend"], capsys)
@@ -239,6 +240,11 @@ def test_merge_refuses_unfinished_partitions_other_runs_and_changed_files(three_
     manifests[2].write_text("{not json")
     code, out = run_main(merge, capsys)
     assert code == 1 and f"manifest {manifests[2]} is not JSON" in out
+    without_stats = json.loads((folder / manifests[2].name).read_text())
+    del without_stats["groups"][0]["stats"]
+    manifests[2].write_text(json.dumps(without_stats))
+    code, out = run_main(merge, capsys)
+    assert code == 1 and f"{manifests[2]}.groups[0]: expected an object with keys" in out
 
     # The copies name files beside them, which are not there.
     manifests[2].write_text((folder / manifests[2].name).read_text())
