@@ -255,23 +255,24 @@ def test_merge_refuses_unfinished_partitions_other_runs_and_changed_files(three_
 def test_a_killed_partition_resumes_its_unfinished_groups(one_partition: Path, bucket_corpus: Path,
                                                           sentencepiece_model: Path, tmp_path: Path,  # noqa: F811
                                                           capsys, monkeypatch, no_slurm):
-    args = tool_args(bucket_corpus, tmp_path / "cc", sentencepiece_model, "--chunk-mb", "0.01")
+    folder = tmp_path / "not_yet_made"
+    args = tool_args(bucket_corpus, folder / "cc", sentencepiece_model, "--chunk-mb", "0.01")
     # Shards sort as high (0-2), low (3-4), medium (5-6): die inside group 2 (shards 3 and 4).
     monkeypatch.setenv(preprocess_data.KILL_HOOK_ENV, "4:0:5")
     code, out = run_main(args, capsys)
     assert code == 1 and "worker process died" in out
-    manifest = read_manifest(tmp_path / "cc_partition-00000-of-00001.json")
+    manifest = read_manifest(folder / "cc_partition-00000-of-00001.json")
     assert not manifest.complete and [group.index for group in manifest.groups] == [0, 1]
-    finished = {path: path.stat().st_mtime_ns for path in tmp_path.glob("cc_00000[01]_*")}
+    finished = {path: path.stat().st_mtime_ns for path in folder.glob("cc_00000[01]_*")}
 
     monkeypatch.delenv(preprocess_data.KILL_HOOK_ENV)
     code, out = run_main(args, capsys)
     assert code == 0, out
     assert "reuses 2 finished group(s) of 4" in out and "resuming: reused" in out  # and group 2's first chunks
     assert finished == {path: path.stat().st_mtime_ns for path in finished}
-    assert dataset_files(tmp_path) == dataset_files(one_partition)
-    assert read_manifest(tmp_path / "cc_partition-00000-of-00001.json").complete
-    assert not list(tmp_path.glob("*.parts"))
+    assert dataset_files(folder) == dataset_files(one_partition)
+    assert read_manifest(folder / "cc_partition-00000-of-00001.json").complete
+    assert not list(folder.glob("*.parts"))
 
 
 def test_bad_partition_flags_are_refused(bucket_corpus: Path, sentencepiece_model: Path, tmp_path: Path,  # noqa: F811

@@ -456,6 +456,7 @@ class _Preprocess:
 
     def run(self) -> PreprocessSummary:
         start = time.monotonic()
+        Path(self.config.output_prefix).parent.mkdir(parents=True, exist_ok=True)
         if self.config.sharded:
             self._open_manifest()
         with _ChunkDispatcher(self.config, self._chunk_done, self.progress) as dispatcher:
