@@ -5,6 +5,7 @@ build resumes at any step; weighted blends; the validation split; packed samples
 tokens Megatron's IndexedDataset reader returns; the identical-workers identity; runs longer than
 one epoch; no silent wrap-around past the end of the built dataset.
 """
+import json
 import time
 from pathlib import Path
 
@@ -174,6 +175,17 @@ def test_valid_data_path_and_validation_batches(prefixes, tokenizer, tmp_path):
     all_samples = torch.cat([tokens[0] for tokens in by_rank.values()])
     expected = torch.stack([datasets.valid[i]["tokens"] for i in range(eval_iters * BATCH.per_worker)])
     assert sorted(map(tuple, all_samples.tolist())) == sorted(map(tuple, expected.tolist()))
+
+
+def test_per_split_data_args_file_builds_what_the_flags_build(prefixes, tokenizer, tmp_path):
+    splits = tmp_path / "splits.json"
+    splits.write_text(json.dumps({"train": [prefixes["train"]], "valid": prefixes["valid"]}))
+    data = DataConfig(per_split_data_args_path=str(splits))
+    from_file = build_datasets(data, tokenizer, SEQ, SEED, STEPS * BATCH.global_batch, 8, str(tmp_path / "file"))
+    from_flags = build(tokenizer, tmp_path, [prefixes["train"]], [prefixes["valid"]])
+    assert from_file.valid.dataset_path == prefixes["valid"]
+    for ours, theirs in ((from_file.train, from_flags.train), (from_file.valid, from_flags.valid)):
+        assert len(ours) == len(theirs) and torch.equal(ours[len(ours) - 1]["tokens"], theirs[len(theirs) - 1]["tokens"])
 
 
 def test_weighted_blend_of_two_prefixes(prefixes, tokenizer, tmp_path):

@@ -2,6 +2,9 @@
 
 python tools/preprocess_data.py --input <files/dirs/globs ...> --output-prefix P \
     --tokenizer-model M [--tokenizer-type T] [--json-key text] [--workers N] [--strict] [--keep-parts]
+    [--partition I/N] [--shards-per-file K] [--max-tokens-per-file T]
+python tools/preprocess_data.py --merge-manifests 'P_partition-*.json' --data-args-path P.data_args \
+    [--bucket-weights high=2,medium=1 | weights.json]
 
 One document per JSON line (or parquet row), each followed by the end-of-document token (unless
 --no-append-eod). Megatron's spellings work too: --json-keys text, --append-eod, --tokenizer-type
@@ -10,10 +13,18 @@ Face tokenizer.json, or a folder holding one.
 
 Each shard is cut into chunks (dataprep.chunks) so that N workers share even one big shard: uncompressed
 JSONL by byte ranges, compressed JSONL decompressed once here and handed out in blocks of lines, parquet by
-row groups. Each chunk's result is published atomically as a part file pair in P_text_document.parts/
-with a manifest; the parts are merged in order at the end, so the output is byte-identical for any number
-of workers. A rerun with the same arguments reuses the finished chunks, so an interrupted run resumes;
-the final files appear only once complete, P_text_document.meta.json (dataprep.dataset_meta) last.
+row groups. Each chunk's result is published atomically as a part file pair in a .parts/ folder with a
+manifest; the parts are merged in order, so the output is byte-identical for any number of workers. A rerun
+with the same arguments reuses the finished chunks, so an interrupted run resumes; the final files appear
+only once complete, their .meta.json (dataprep.dataset_meta) last.
+
+Without --partition, --shards-per-file or --max-tokens-per-file everything goes into P_text_document. With
+any of them the output is sharded: the shards are grouped (dataprep.partition: K consecutive shards of one
+bucket, default 1), each group written as P_000123_text_document (P_000123_0000_text_document, ... when
+cut by --max-tokens-per-file), the same files whichever process writes them. --partition I/N (or a Slurm
+array's variables) processes only the I-th of N shares of the groups and records them in
+P_partition-IIIII-of-NNNNN.json (dataprep.manifest); a rerun skips its finished groups. --merge-manifests
+checks that the partitions covered every shard exactly once and writes the blend (dataprep.blend).
 
 Bad records (malformed JSON, missing key, invalid UTF-8, lone surrogates, ...) are dropped, counted and
 reported with file and line; a shard that cannot be read is reported and skipped. --strict stops at the
@@ -23,8 +34,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
+import glob
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -33,7 +45,7 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
@@ -47,8 +59,9 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 with warnings.catch_warnings():  # megatron warns about GPU kernels that preprocessing never uses
     warnings.simplefilter("ignore")
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from dataprep.indexed_writer import DocumentWriter, document_lengths, plan_files
 
+from dataprep.blend import BlendEntry, bucket_multipliers, parse_bucket_weights, write_data_args
 from dataprep.chunks import (
     Chunk,
     chunk_bytes_for,
@@ -59,6 +72,22 @@ from dataprep.chunks import (
     records_before,
 )
 from dataprep.dataset_meta import DatasetMeta, meta_path, write_dataset_meta
+from dataprep.listing import Listing
+from dataprep.manifest import (
+    BucketStats,
+    GroupRecord,
+    ManifestError,
+    OutputFile,
+    PartitionManifest,
+    bucket_totals,
+    check_coverage,
+    manifest_path,
+    output_file_problem,
+    read_manifest,
+    write_manifest,
+)
+from dataprep.partition import Partition, PartitionError, ShardGroup, assign_groups, plan_groups
+from dataprep.progress import ProgressLine
 from dataprep.shards import BadRecord, NoInputMatchedError, resolve_inputs
 from tokenizer.interface import TOKENIZER_TYPES, load_tokenizer, tokenizer_sha256
 from trainer.durable import fsync_dir, write_text_durably
@@ -69,7 +98,7 @@ BAD_RECORDS_REPORTED_PER_SHARD = 10
 ENCODE_BATCH_DOCUMENTS = 64
 PROGRESS_EVERY_DOCUMENTS = 256
 CHUNKS_IN_FLIGHT_PER_WORKER = 2  # bounds the decompressed bytes held for the workers
-# Test hook: "SHARD:CHUNK:DOCUMENTS" SIGKILLs the worker after that many documents of that chunk.
+# Test hook: "SHARD:CHUNK:DOCUMENTS" SIGKILLs the worker once that many documents of that chunk are encoded.
 KILL_HOOK_ENV = "MULOCO_PREPROCESS_TEST_KILL_AT"
 
 
@@ -85,14 +114,26 @@ class PreprocessConfig:
     strict: bool = False
     keep_parts: bool = False
     chunk_bytes: int | None = None  # None: a share of each shard (dataprep.chunks.chunk_bytes_for)
+    partition: Partition | None = None  # None: this process covers the whole input
+    shards_per_file: int | None = None  # None: 1 when the output is sharded
+    max_tokens_per_file: int | None = None
+
+    @property
+    def sharded(self) -> bool:
+        """One output per shard group (else one output for everything)."""
+        return not (self.partition is None and self.shards_per_file is None and self.max_tokens_per_file is None)
 
     @property
     def dataset_prefix(self) -> str:
+        """The single output's dataset prefix (when not sharded)."""
         return f"{self.output_prefix}_text_document"
 
-    @property
-    def parts_dir(self) -> Path:
-        return Path(f"{self.dataset_prefix}.parts")
+
+@dataclass(frozen=True)
+class MergeConfig:
+    manifests: tuple[str, ...]  # files or globs
+    data_args_path: Path
+    bucket_weights: str | None = None  # dataprep.blend.parse_bucket_weights
 
 
 @dataclass
@@ -120,10 +161,28 @@ class ChunkStats:
 class ShardPlan:
     """A shard's chunks in order, and the problems of the whole shard found while planning them."""
 
+    shard: int  # position in the listing
     path: Path
     fingerprint: str
     chunks: list[Chunk] = field(default_factory=list)
     problems: list[BadRecord] = field(default_factory=list)
+    planned: bool = False  # every chunk is known
+
+
+@dataclass(frozen=True)
+class GroupOutput:
+    """Where a shard group's files go: `base`_text_document, or with pieces `base`_0000_text_document, ..."""
+
+    group: ShardGroup
+    base: str  # P for the single output, P_000123 for group 123
+    pieces: bool  # cut by --max-tokens-per-file
+
+    def dataset_prefix(self, piece: int) -> str:
+        return f"{self.base}_{piece:04d}_text_document" if self.pieces else f"{self.base}_text_document"
+
+    @property
+    def parts_dir(self) -> Path:
+        return Path(f"{self.base}_text_document.parts")
 
 
 @dataclass
@@ -131,12 +190,16 @@ class PreprocessSummary:
     shards: int
     chunks: int
     reused_chunks: int  # complete parts reused from an earlier run
+    reused_groups: int  # whole shard groups a partition's earlier run finished
     documents: int
     tokens: int
     max_token_id: int
     empty_documents: int
     bad_records: int
     bad_by_kind: dict[str, int]
+    buckets: dict[str, BucketStats]
+    files: list[str]  # dataset prefixes written (or kept from an earlier run)
+    manifest: Path | None  # the partition's manifest (sharded output)
     seconds: float  # the whole run
     # First chunk handed out to last chunk done: imports, tokenizer loading and the merge excluded (the
     # workers' own start is in: it runs in parallel with the first chunks).
@@ -165,8 +228,8 @@ def token_dtype(vocab_size: int) -> type[np.number]:
     return np.uint16 if vocab_size < 65500 else np.int32
 
 
-def part_prefix(config: PreprocessConfig, chunk: Chunk) -> str:
-    return str(config.parts_dir / chunk.name)
+def part_prefix(parts_dir: Path, chunk: Chunk) -> str:
+    return str(parts_dir / chunk.name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,14 +253,12 @@ def _init_worker(config: PreprocessConfig, progress_queue) -> None:
     )
 
 
-def _tokenize_chunk(chunk: Chunk, payload: bytes | None, fingerprint: str) -> ChunkStats:
+def _tokenize_chunk(chunk: Chunk, payload: bytes | None, fingerprint: str, prefix: str) -> ChunkStats:
     config: PreprocessConfig = _worker["config"]
     tokenizer = _worker["tokenizer"]
-    dtype = _worker["dtype"]
-    prefix = part_prefix(config, chunk)
-    manifest_path = Path(f"{prefix}.json")
+    manifest_path_ = Path(f"{prefix}.json")
     # A manifest left from different arguments must not vouch for the files about to be replaced.
-    manifest_path.unlink(missing_ok=True)
+    manifest_path_.unlink(missing_ok=True)
     stats = ChunkStats()
 
     def on_bad(record: BadRecord) -> None:
@@ -207,26 +268,28 @@ def _tokenize_chunk(chunk: Chunk, payload: bytes | None, fingerprint: str) -> Ch
         stats.record_bad(record)
 
     bin_tmp, idx_tmp = f"{prefix}.bin.tmp", f"{prefix}.idx.tmp"
-    builder = IndexedDatasetBuilder(bin_tmp, dtype=dtype)
+    writer = DocumentWriter(bin_tmp, _worker["dtype"])
     reported = ChunkStats()
     data = load_chunk(chunk, payload)
     stats.records = count_records(chunk, data)
     batch: list[str] = []
 
     def add(texts: list[str]) -> None:
-        for ids in tokenizer.encode_batch(texts):
-            if config.append_eod:
-                ids.append(tokenizer.eod_id)
-            tokens = np.asarray(ids, dtype=dtype)
-            builder.add_document(tokens, [len(tokens)])
-            if len(tokens):
-                stats.max_token_id = max(stats.max_token_id, int(tokens.max()))
-            stats.documents += 1
-            stats.tokens += len(tokens)
-            if stats.documents % PROGRESS_EVERY_DOCUMENTS == 0:
-                _report_progress(stats, reported)
-            if _worker["kill_at"] == (chunk.shard, chunk.index, stats.documents):
-                os.kill(os.getpid(), signal.SIGKILL)
+        # One native batch call, then one array per batch: no Python object per token beyond the ids.
+        ids = tokenizer.encode_batch(texts)
+        if config.append_eod:
+            for document in ids:
+                document.append(tokenizer.eod_id)
+        lengths = [len(document) for document in ids]
+        tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=writer.dtype, count=sum(lengths))
+        documents_before = stats.documents
+        writer.add_documents(tokens, lengths)
+        stats.documents, stats.tokens, stats.max_token_id = writer.documents, writer.tokens, writer.max_token_id
+        if stats.documents // PROGRESS_EVERY_DOCUMENTS > documents_before // PROGRESS_EVERY_DOCUMENTS:
+            _report_progress(stats, reported)
+        kill_at = _worker["kill_at"]
+        if kill_at and kill_at[:2] == (chunk.shard, chunk.index) and documents_before < kill_at[2] <= stats.documents:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     for document in chunk_documents(chunk, data, config.json_key, on_bad):
         stats.input_bytes += document.nbytes
@@ -237,8 +300,9 @@ def _tokenize_chunk(chunk: Chunk, payload: bytes | None, fingerprint: str) -> Ch
         if len(batch) == ENCODE_BATCH_DOCUMENTS:
             add(batch)
             batch = []
-    add(batch)
-    builder.finalize(idx_tmp)
+    if batch:
+        add(batch)
+    writer.finalize(idx_tmp)
     _report_progress(stats, reported)
 
     for tmp in (bin_tmp, idx_tmp):
@@ -246,20 +310,17 @@ def _tokenize_chunk(chunk: Chunk, payload: bytes | None, fingerprint: str) -> Ch
     os.replace(bin_tmp, f"{prefix}.bin")
     os.replace(idx_tmp, f"{prefix}.idx")
     manifest = {"fingerprint": fingerprint, "part_sizes": _part_sizes(prefix), "stats": asdict(stats)}
-    write_text_durably(manifest_path, json.dumps(manifest))  # last: it marks the part complete
+    write_text_durably(manifest_path_, json.dumps(manifest))  # last: it marks the part complete
     return stats
 
 
 def _report_progress(stats: ChunkStats, reported: ChunkStats) -> None:
-    _worker["progress"].put(
-        (stats.documents - reported.documents, stats.tokens - reported.tokens,
-         stats.input_bytes - reported.input_bytes)
-    )
-    reported.documents, reported.tokens, reported.input_bytes = stats.documents, stats.tokens, stats.input_bytes
+    _worker["progress"].put(stats.tokens - reported.tokens)
+    reported.tokens = stats.tokens
 
 
 # ---------------------------------------------------------------------------------------------
-# Parent side: plan, resume, hand out, merge.
+# Parent side: plan, resume, hand out, write each group's files.
 
 
 def shard_fingerprint(shard: Path, run_identity: dict, chunk_bytes: int) -> str:
@@ -274,9 +335,17 @@ def chunk_fingerprint(shard_fingerprint_: str, chunk: Chunk) -> str:
     return hashlib.sha256(f"{shard_fingerprint_}:{chunk.index}:{chunk.start}:{chunk.stop}".encode()).hexdigest()
 
 
-def completed_chunk_stats(config: PreprocessConfig, chunk: Chunk, fingerprint: str) -> ChunkStats | None:
+def group_fingerprint(output_identity: dict, listing: Listing, group: ShardGroup) -> str:
+    """Everything a group's files depend on (chunking aside: it does not change them)."""
+    shards = [[listing.shards[p].name, listing.shards[p].size, listing.shards[p].path.stat().st_mtime_ns]
+              for p in group.shards]
+    identity = {**output_identity, "group": group.index, "bucket": group.bucket, "shards": shards}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def completed_chunk_stats(parts_dir: Path, chunk: Chunk, fingerprint: str) -> ChunkStats | None:
     """The stats of a part finished by an earlier run with the same fingerprint, else None."""
-    prefix = part_prefix(config, chunk)
+    prefix = part_prefix(parts_dir, chunk)
     try:
         manifest = json.loads(Path(f"{prefix}.json").read_text())
     except (OSError, ValueError):
@@ -289,30 +358,29 @@ def completed_chunk_stats(config: PreprocessConfig, chunk: Chunk, fingerprint: s
 
 
 class _ChunkDispatcher:
-    """Hands chunks to the worker pool, a bounded number at a time, and collects their stats."""
+    """Hands chunks to the worker pool, a bounded number at a time, and reports each finished one."""
 
-    def __init__(self, config: PreprocessConfig):
-        from tqdm import tqdm
-
+    def __init__(self, config: PreprocessConfig, on_done: Callable[[Chunk, ChunkStats], None],
+                 progress: ProgressLine):
         # fork: workers inherit the already-imported megatron and tokenizer modules for free.
         context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-        self._progress = context.Queue()
+        self._progress_queue = context.Queue()
         self._pool = ProcessPoolExecutor(max_workers=config.workers, mp_context=context,
-                                         initializer=_init_worker, initargs=(config, self._progress))
+                                         initializer=_init_worker, initargs=(config, self._progress_queue))
         self._max_in_flight = CHUNKS_IN_FLIGHT_PER_WORKER * config.workers
         self._in_flight: dict[Future, Chunk] = {}
-        self.results: dict[tuple[int, int], ChunkStats] = {}
+        self._on_done = on_done
+        self._progress = progress
+        self.new_stats: list[ChunkStats] = []
         self.first_submit: float | None = None
         self.last_done: float | None = None
-        self._documents = self._input_bytes = 0
-        self._bar = tqdm(unit="tok", unit_scale=True, file=sys.stderr, dynamic_ncols=True)
 
-    def submit(self, chunk: Chunk, payload: bytes | None, fingerprint: str) -> None:
+    def submit(self, chunk: Chunk, payload: bytes | None, fingerprint: str, prefix: str) -> None:
         while len(self._in_flight) >= self._max_in_flight:
             self._collect()
         if self.first_submit is None:
             self.first_submit = time.monotonic()
-        self._in_flight[self._pool.submit(_tokenize_chunk, chunk, payload, fingerprint)] = chunk
+        self._in_flight[self._pool.submit(_tokenize_chunk, chunk, payload, fingerprint, prefix)] = chunk
 
     def finish(self) -> None:
         while self._in_flight:
@@ -320,99 +388,266 @@ class _ChunkDispatcher:
 
     def _collect(self) -> None:
         done, _ = wait(self._in_flight, timeout=0.2, return_when=FIRST_COMPLETED)
-        while not self._progress.empty():
-            documents, tokens, input_bytes = self._progress.get()
-            self._documents += documents
-            self._input_bytes += input_bytes
-            self._bar.update(tokens)
+        while not self._progress_queue.empty():
+            self._progress.add_tokens(self._progress_queue.get())
         for future in done:
             chunk = self._in_flight.pop(future)
-            self.results[(chunk.shard, chunk.index)] = future.result()
+            stats = future.result()
+            self.new_stats.append(stats)
             self.last_done = time.monotonic()
-        seconds = max(time.monotonic() - (self.first_submit or time.monotonic()), 1e-9)
-        self._bar.set_postfix_str(f"docs={self._documents} chunks={len(self.results)} "
-                                  f"{self._input_bytes / 1e6 / seconds:.1f} MB/s", refresh=False)
+            self._on_done(chunk, stats)
+        self._progress.maybe_print()
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._bar.close()
+
+
+@dataclass
+class _GroupWork:
+    output: GroupOutput
+    plans: list[ShardPlan] = field(default_factory=list)
+    stats: dict[tuple[int, int], ChunkStats] = field(default_factory=dict)
+    pending: int = 0  # chunks handed out and not yet done
+    planned: bool = False
+
+
+class _Preprocess:
+    """One run (or partition): its shard groups planned, tokenized and written, group by group."""
+
+    def __init__(self, config: PreprocessConfig):
+        self.config = config
+        self.listing = Listing.of(resolve_inputs(config.inputs))
+        tokenizer = load_tokenizer(config.tokenizer_model, config.tokenizer_type)
+        self.vocab_size, self.dtype = tokenizer.vocab_size, token_dtype(tokenizer.vocab_size)
+        self.tokenizer_hash = tokenizer_sha256(tokenizer)
+        self.part_identity = {"version": PART_FORMAT_VERSION, "tokenizer_sha256": self.tokenizer_hash,
+                              "json_key": config.json_key, "append_eod": config.append_eod,
+                              "dtype": np.dtype(self.dtype).name}
+        self.output_identity = {**self.part_identity, "shards_per_file": config.shards_per_file or 1,
+                                "max_tokens_per_file": config.max_tokens_per_file}
+        if config.sharded:
+            groups = plan_groups(self.listing, config.shards_per_file or 1)
+            self.partition = config.partition or Partition(0, 1, "the whole input")
+            self.groups = assign_groups(groups, self.partition.count)[self.partition.index]
+        else:
+            everything = tuple(range(len(self.listing.shards)))
+            self.groups = [ShardGroup(0, "", everything, sum(shard.size for shard in self.listing.shards))]
+            self.partition = None
+        self.manifest: PartitionManifest | None = None
+        self.records: dict[int, GroupRecord] = {}  # finished groups (sharded output)
+        self.buckets: dict[str, BucketStats] = {}
+        self.files: list[str] = []
+        self.max_token_id = -1
+        self.chunks = self.reused_chunks = self.reused_groups = 0
+        self._work_of_shard: dict[int, _GroupWork] = {}
+        self._shards_done: set[int] = set()
+        label = f"partition {self.partition}: " if config.partition else ""
+        self.progress = ProgressLine(label, sum(len(group.shards) for group in self.groups),
+                                     sum(group.size for group in self.groups))
+
+    def output_of(self, group: ShardGroup) -> GroupOutput:
+        if not self.config.sharded:
+            return GroupOutput(group, self.config.output_prefix, pieces=False)
+        return GroupOutput(group, f"{self.config.output_prefix}_{group.index:06d}",
+                           pieces=self.config.max_tokens_per_file is not None)
+
+    def run(self) -> PreprocessSummary:
+        start = time.monotonic()
+        Path(self.config.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+        if self.config.sharded:
+            self._open_manifest()
+        with _ChunkDispatcher(self.config, self._chunk_done, self.progress) as dispatcher:
+            for group in self.groups:
+                if group.index in self.records:
+                    continue
+                self._plan_group(group, dispatcher)
+            dispatcher.finish()
+            tokenize_seconds = (dispatcher.last_done or 0.0) - (dispatcher.first_submit or 0.0)
+            new_stats = dispatcher.new_stats
+        if self.reused_chunks:
+            print(f"resuming: reused {self.reused_chunks} finished chunks of {self.chunks}", file=sys.stderr)
+        manifest_file = None
+        if self.manifest is not None:
+            self.manifest.groups = [self.records[index] for index in sorted(self.records)]
+            self.manifest.complete = True
+            manifest_file = self._write_manifest()
+        self.progress.print()
+        totals = BucketStats()
+        for stats in self.buckets.values():
+            totals.add(stats)
+        if totals.documents == 0 and self.groups:
+            where = (f"; {manifest_file} records its shards as covered" if manifest_file
+                     else f"; nothing was written to {self.config.dataset_prefix}")
+            raise NoDocumentsError(f"no document written: every record of the {totals.shards} shard(s) was empty or "
+                                   f"bad (see the bad records above){where}")
+        return PreprocessSummary(
+            shards=totals.shards, chunks=self.chunks, reused_chunks=self.reused_chunks,
+            reused_groups=self.reused_groups, documents=totals.documents, tokens=totals.tokens,
+            max_token_id=self.max_token_id, empty_documents=totals.empty_documents,
+            bad_records=totals.dropped_records, bad_by_kind=totals.dropped, buckets=self.buckets, files=self.files,
+            manifest=manifest_file, seconds=time.monotonic() - start, tokenize_seconds=tokenize_seconds,
+            processed_tokens=sum(s.tokens for s in new_stats), processed_bytes=sum(s.input_bytes for s in new_stats))
+
+    # -- planning and handing out
+
+    def _plan_group(self, group: ShardGroup, dispatcher: _ChunkDispatcher) -> None:
+        work = _GroupWork(self.output_of(group))
+        parts_dir = work.output.parts_dir
+        parts_dir.mkdir(parents=True, exist_ok=True)
+        for shard in group.shards:
+            path = self.listing.shards[shard].path
+            chunk_bytes = chunk_bytes_for(path, self.config.chunk_bytes)
+            plan = ShardPlan(shard, path, shard_fingerprint(path, self.part_identity, chunk_bytes))
+            work.plans.append(plan)
+            self._work_of_shard[shard] = work
+            finished = _reuse_finished_shard(parts_dir, plan)
+            if finished is not None:
+                work.stats.update(finished)
+                self.chunks += len(finished)
+                self.reused_chunks += len(finished)
+                plan.planned = True
+                self._shard_finished(work, plan)
+                continue
+            for chunk, payload in plan_chunks(shard, path, chunk_bytes, self.config.json_key,
+                                              functools.partial(_shard_problem, self.config, plan)):
+                plan.chunks.append(chunk)
+                self.chunks += 1
+                fingerprint = chunk_fingerprint(plan.fingerprint, chunk)
+                previous = completed_chunk_stats(parts_dir, chunk, fingerprint)
+                if previous is not None:
+                    work.stats[(shard, chunk.index)] = previous
+                    self.reused_chunks += 1
+                else:
+                    work.pending += 1
+                    dispatcher.submit(chunk, payload, fingerprint, part_prefix(parts_dir, chunk))
+            _write_shard_manifest(parts_dir, plan)
+            plan.planned = True
+            self._shard_finished(work, plan)
+        work.planned = True
+        if work.pending == 0:
+            self._finish_group(work)
+
+    def _chunk_done(self, chunk: Chunk, stats: ChunkStats) -> None:
+        work = self._work_of_shard[chunk.shard]
+        work.stats[(chunk.shard, chunk.index)] = stats
+        work.pending -= 1
+        self._shard_finished(work, next(plan for plan in work.plans if plan.shard == chunk.shard))
+        if work.planned and work.pending == 0:
+            self._finish_group(work)  # at once: its parts go, and the manifest records it for a resume
+
+    def _shard_finished(self, work: _GroupWork, plan: ShardPlan) -> None:
+        """Count the shard as done for the progress line once it is planned whole and all its chunks are in."""
+        if plan.planned and plan.shard not in self._shards_done and all(
+                (plan.shard, chunk.index) in work.stats for chunk in plan.chunks):
+            self._shards_done.add(plan.shard)
+            self.progress.shard_done(self.listing.shards[plan.shard].size)
+
+    # -- writing a finished group
+
+    def _finish_group(self, work: _GroupWork) -> None:
+        group = work.output.group
+        group_stats = BucketStats()
+        for plan in work.plans:
+            shard_stats = _account_shard(plan, [work.stats[(plan.shard, chunk.index)] for chunk in plan.chunks])
+            self.buckets.setdefault(self.listing.shards[plan.shard].bucket, BucketStats()).add(shard_stats)
+            group_stats.add(shard_stats)
+        if not self.config.sharded and group_stats.documents == 0:
+            return  # run() reports it; nothing is written
+        files = self._write_files(work) if group_stats.documents else []
+        if not self.config.keep_parts:
+            shutil.rmtree(work.output.parts_dir, ignore_errors=True)
+        if self.manifest is not None:
+            self.records[group.index] = GroupRecord(
+                group.index, group.bucket, [self.listing.shards[p].name for p in group.shards],
+                group_fingerprint(self.output_identity, self.listing, group), files, group_stats)
+            self.manifest.groups = [self.records[index] for index in sorted(self.records)]
+            self._write_manifest()
+
+    def _write_files(self, work: _GroupWork) -> list[OutputFile]:
+        chunks = [(plan.shard, chunk) for plan in work.plans for chunk in plan.chunks]
+        prefixes = [part_prefix(work.output.parts_dir, chunk) for _, chunk in chunks]
+        lengths = [document_lengths(prefix) if work.stats[(shard, chunk.index)].documents else np.zeros(0, np.int64)
+                   for prefix, (shard, chunk) in zip(prefixes, chunks)]
+        files = []
+        for piece, ranges in enumerate(plan_files(lengths, self.config.max_tokens_per_file)):
+            dataset_prefix = work.output.dataset_prefix(piece)
+            writer = DocumentWriter(f"{dataset_prefix}.bin.tmp", self.dtype)
+            for part, first, stop in ranges:
+                writer.copy_documents(prefixes[part], lengths[part], first, stop)
+            _publish(writer, dataset_prefix)
+            write_dataset_meta(dataset_prefix, DatasetMeta(
+                max_token_id=writer.max_token_id, vocab_size=self.vocab_size, tokenizer_sha256=self.tokenizer_hash,
+                documents=writer.documents, tokens=writer.tokens))  # last: the file is complete
+            files.append(OutputFile(Path(dataset_prefix).name, writer.documents, writer.tokens, writer.max_token_id,
+                                    Path(f"{dataset_prefix}.bin").stat().st_size,
+                                    Path(f"{dataset_prefix}.idx").stat().st_size))
+            self.files.append(dataset_prefix)
+            self.max_token_id = max(self.max_token_id, writer.max_token_id)
+        return files
+
+    # -- the partition's manifest
+
+    def _manifest_path(self) -> Path:
+        return manifest_path(self.config.output_prefix, self.partition.index, self.partition.count)
+
+    def _write_manifest(self) -> Path:
+        path = self._manifest_path()
+        write_manifest(path, self.manifest)
+        return path
+
+    def _open_manifest(self) -> None:
+        """Start the manifest, keeping the groups an earlier run of this partition finished intact."""
+        self.manifest = PartitionManifest(self.partition.index, self.partition.count, self.output_identity,
+                                          str(self.listing.root), self.listing.identity())
+        path = self._manifest_path()
+        try:
+            previous = read_manifest(path) if path.exists() else None
+        except ManifestError as error:
+            print(f"not resuming from {path}: {error}", file=sys.stderr)
+            previous = None
+        if previous is not None and (previous.run, previous.listing) == (self.manifest.run, self.manifest.listing):
+            expected = {group.index: group for group in self.groups}
+            for record in previous.groups:
+                group = expected.get(record.index)
+                if group is None or record.fingerprint != group_fingerprint(self.output_identity, self.listing, group):
+                    continue
+                if any(output_file_problem(path.parent, output) for output in record.files):
+                    continue
+                self.records[record.index] = record
+                self.reused_groups += 1
+                self.buckets.setdefault(record.bucket, BucketStats()).add(record.stats)
+                self.files += [str(path.parent / output.name) for output in record.files]
+                self.max_token_id = max([self.max_token_id, *(output.max_token_id for output in record.files)])
+                for shard in group.shards:
+                    self.progress.shard_done(self.listing.shards[shard].size, reused=True)
+        if self.reused_groups:
+            print(f"resuming: partition {self.partition} reuses {self.reused_groups} finished group(s) of "
+                  f"{len(self.groups)}", file=sys.stderr)
+        self.manifest.groups = [self.records[index] for index in sorted(self.records)]
+        self._write_manifest()
 
 
 def run_preprocess(config: PreprocessConfig) -> PreprocessSummary:
-    """Tokenize all shards and write the final indexed dataset. Raises on errors (see main)."""
-    start = time.monotonic()
-    shard_paths = resolve_inputs(config.inputs)
-    tokenizer = load_tokenizer(config.tokenizer_model, config.tokenizer_type)
-    dtype = token_dtype(tokenizer.vocab_size)
-    tokenizer_hash = tokenizer_sha256(tokenizer)
-    run_identity = {"version": PART_FORMAT_VERSION, "tokenizer_sha256": tokenizer_hash, "json_key": config.json_key,
-                    "append_eod": config.append_eod, "dtype": np.dtype(dtype).name}
-    config.parts_dir.mkdir(parents=True, exist_ok=True)
+    """Tokenize all shards (of this partition) and write the indexed datasets. Raises on errors (see main)."""
+    return _Preprocess(config).run()
 
-    plans: list[ShardPlan] = []
-    stats: dict[tuple[int, int], ChunkStats] = {}
-    reused = 0
-    with _ChunkDispatcher(config) as dispatcher:
-        for shard, path in enumerate(shard_paths):
-            chunk_bytes = chunk_bytes_for(path, config.chunk_bytes)
-            plan = ShardPlan(path, shard_fingerprint(path, run_identity, chunk_bytes))
-            plans.append(plan)
-            finished = _reuse_finished_shard(config, plan, shard)
-            if finished is not None:
-                stats.update(finished)
-                reused += len(finished)
-                continue
-            for chunk, payload in plan_chunks(shard, path, chunk_bytes, config.json_key,
-                                              functools.partial(_shard_problem, config, plan)):
-                plan.chunks.append(chunk)
-                fingerprint = chunk_fingerprint(plan.fingerprint, chunk)
-                previous = completed_chunk_stats(config, chunk, fingerprint)
-                if previous is not None:
-                    stats[(shard, chunk.index)] = previous
-                    reused += 1
-                else:
-                    dispatcher.submit(chunk, payload, fingerprint)
-            _write_shard_manifest(config, plan, shard)
-        dispatcher.finish()
-        stats.update(dispatcher.results)
-        tokenize_seconds = (dispatcher.last_done or 0.0) - (dispatcher.first_submit or 0.0)
-    if reused:
-        print(f"resuming: reused {reused} finished chunks of {sum(len(p.chunks) for p in plans)}", file=sys.stderr)
 
-    bad_by_kind = _report_bad_records(plans, stats)
-    all_stats = [stats[(shard, chunk.index)] for shard, plan in enumerate(plans) for chunk in plan.chunks]
-    documents = sum(s.documents for s in all_stats)
-    if documents == 0:
-        raise NoDocumentsError(f"no document written: every record of the {len(plans)} shard(s) was empty or bad "
-                               f"(see the bad records above); nothing was written to {config.dataset_prefix}")
-    tokens = sum(s.tokens for s in all_stats)
-    max_token_id = max(s.max_token_id for s in all_stats)
-    _merge_parts([part_prefix(config, chunk) for plan in plans for chunk in plan.chunks], config.dataset_prefix, dtype)
-    write_dataset_meta(config.dataset_prefix, DatasetMeta(
-        max_token_id=max_token_id, vocab_size=tokenizer.vocab_size, tokenizer_sha256=tokenizer_hash,
-        documents=documents, tokens=tokens))  # last: the dataset is complete
-    if not config.keep_parts:
-        shutil.rmtree(config.parts_dir)
-
-    new_stats = [stats[key] for key in dispatcher.results]
-    return PreprocessSummary(
-        shards=len(plans),
-        chunks=len(all_stats),
-        reused_chunks=reused,
-        documents=documents,
-        tokens=tokens,
-        max_token_id=max_token_id,
-        empty_documents=sum(s.empty_documents for s in all_stats),
-        bad_records=sum(bad_by_kind.values()),
-        bad_by_kind=bad_by_kind,
-        seconds=time.monotonic() - start,
-        tokenize_seconds=tokenize_seconds,
-        processed_tokens=sum(s.tokens for s in new_stats),
-        processed_bytes=sum(s.input_bytes for s in new_stats),
-    )
+def _publish(writer: DocumentWriter, dataset_prefix: str) -> None:
+    """Finish the writer's temporary .bin, write the .idx, and move both over the final names."""
+    final_bin, final_idx = f"{dataset_prefix}.bin", f"{dataset_prefix}.idx"
+    idx_tmp = f"{final_idx}.tmp"
+    writer.finalize(idx_tmp)
+    for tmp in (f"{final_bin}.tmp", idx_tmp):
+        _fsync_file(tmp)
+    # Never pair a new .bin with a stale .idx or .meta.json from an earlier run: they go first, come last.
+    meta_path(dataset_prefix).unlink(missing_ok=True)
+    Path(final_idx).unlink(missing_ok=True)
+    os.replace(f"{final_bin}.tmp", final_bin)
+    os.replace(idx_tmp, final_idx)
+    fsync_dir(Path(final_idx).parent)
 
 
 def _shard_problem(config: PreprocessConfig, plan: ShardPlan, record: BadRecord) -> None:
@@ -421,92 +656,68 @@ def _shard_problem(config: PreprocessConfig, plan: ShardPlan, record: BadRecord)
     plan.problems.append(record)
 
 
-def _shard_manifest_path(config: PreprocessConfig, shard: int) -> Path:
-    return config.parts_dir / f"shard-{shard:05d}.json"
+def _shard_manifest_path(parts_dir: Path, shard: int) -> Path:
+    return parts_dir / f"shard-{shard:05d}.json"
 
 
-def _write_shard_manifest(config: PreprocessConfig, plan: ShardPlan, shard: int) -> None:
+def _write_shard_manifest(parts_dir: Path, plan: ShardPlan) -> None:
     """The shard's full chunk plan: with it, a rerun that finds every chunk done need not read the shard."""
     manifest = {
         "fingerprint": plan.fingerprint,
         "chunks": [[chunk.start, chunk.stop, chunk.records_before] for chunk in plan.chunks],
         "problems": [[record.line, record.kind, record.detail] for record in plan.problems],
     }
-    write_text_durably(_shard_manifest_path(config, shard), json.dumps(manifest))
+    write_text_durably(_shard_manifest_path(parts_dir, plan.shard), json.dumps(manifest))
 
 
-def _reuse_finished_shard(config: PreprocessConfig, plan: ShardPlan, shard: int) -> dict | None:
+def _reuse_finished_shard(parts_dir: Path, plan: ShardPlan) -> dict | None:
     """The stats of every chunk when an earlier run finished the whole shard (filling `plan`), else None."""
     try:
-        manifest = json.loads(_shard_manifest_path(config, shard).read_text())
+        manifest = json.loads(_shard_manifest_path(parts_dir, plan.shard).read_text())
     except (OSError, ValueError):
         return None
     if manifest.get("fingerprint") != plan.fingerprint:
         return None
-    chunks = [Chunk(shard, index, plan.path, start, stop, before)
+    chunks = [Chunk(plan.shard, index, plan.path, start, stop, before)
               for index, (start, stop, before) in enumerate(manifest["chunks"])]
     finished = {}
     for chunk in chunks:
-        previous = completed_chunk_stats(config, chunk, chunk_fingerprint(plan.fingerprint, chunk))
+        previous = completed_chunk_stats(parts_dir, chunk, chunk_fingerprint(plan.fingerprint, chunk))
         if previous is None:
             return None
-        finished[(shard, chunk.index)] = previous
+        finished[(plan.shard, chunk.index)] = previous
     plan.chunks = chunks
     plan.problems = [BadRecord(str(plan.path), line, kind, detail) for line, kind, detail in manifest["problems"]]
     return finished
 
 
-def _report_bad_records(plans: list[ShardPlan], stats: dict[tuple[int, int], ChunkStats]) -> dict[str, int]:
-    """Print the first bad records of each shard with their line in the shard; return the counts by kind."""
-    bad_by_kind: dict[str, int] = {}
-    for shard, plan in enumerate(plans):
-        records: list[BadRecord] = list(plan.problems)
-        total = len(plan.problems)
-        lines_before = 0
-        well_formed = 0
-        for chunk in plan.chunks:
-            chunk_stats = stats[(shard, chunk.index)]
-            records += [BadRecord(str(plan.path), lines_before + line, kind, detail)
-                        for line, kind, detail in chunk_stats.bad_examples]
-            total += chunk_stats.bad_records
-            for kind, count in chunk_stats.bad_by_kind.items():
-                bad_by_kind[kind] = bad_by_kind.get(kind, 0) + count
-            lines_before += chunk_stats.records
-            well_formed += chunk_stats.documents + chunk_stats.empty_documents
-        for record in plan.problems:
-            bad_by_kind[record.kind] = bad_by_kind.get(record.kind, 0) + 1
-        if well_formed == 0 and not any(record.line == 0 for record in plan.problems):
-            records.append(BadRecord(str(plan.path), 0, "empty_shard", "shard holds no document"))
-            bad_by_kind["empty_shard"] = bad_by_kind.get("empty_shard", 0) + 1
-            total += 1
-        records.sort(key=lambda record: record.line)
-        for record in records[:BAD_RECORDS_REPORTED_PER_SHARD]:
-            print(f"bad record: {record}", file=sys.stderr)
-        if total > BAD_RECORDS_REPORTED_PER_SHARD:
-            print(f"bad record: ... and {total - BAD_RECORDS_REPORTED_PER_SHARD} more in {plan.path}", file=sys.stderr)
-    return bad_by_kind
-
-
-def _merge_parts(part_prefixes: list[str], dataset_prefix: str, dtype) -> None:
-    final_bin, final_idx = f"{dataset_prefix}.bin", f"{dataset_prefix}.idx"
-    bin_tmp, idx_tmp = f"{final_bin}.tmp", f"{final_idx}.tmp"
-    builder = IndexedDatasetBuilder(bin_tmp, dtype=dtype)
-    # add_index runs gc.collect() per part; frozen, the large torch/megatron heap is not rescanned.
-    gc.freeze()
-    try:
-        for prefix in part_prefixes:
-            builder.add_index(prefix)
-    finally:
-        gc.unfreeze()
-    builder.finalize(idx_tmp)
-    for tmp in (bin_tmp, idx_tmp):
-        _fsync_file(tmp)
-    # Never pair a new .bin with a stale .idx or .meta.json from an earlier run: they go first, come last.
-    meta_path(dataset_prefix).unlink(missing_ok=True)
-    Path(final_idx).unlink(missing_ok=True)
-    os.replace(bin_tmp, final_bin)
-    os.replace(idx_tmp, final_idx)
-    fsync_dir(Path(final_idx).parent)
+def _account_shard(plan: ShardPlan, chunk_stats: list[ChunkStats]) -> BucketStats:
+    """Print the shard's first bad records with their line in the shard; return its counts."""
+    stats = BucketStats(shards=1)
+    records: list[BadRecord] = list(plan.problems)
+    lines_before = well_formed = 0
+    for chunk in chunk_stats:
+        records += [BadRecord(str(plan.path), lines_before + line, kind, detail)
+                    for line, kind, detail in chunk.bad_examples]
+        for kind, count in chunk.bad_by_kind.items():
+            stats.dropped[kind] = stats.dropped.get(kind, 0) + count
+        lines_before += chunk.records
+        well_formed += chunk.documents + chunk.empty_documents
+        stats.documents += chunk.documents
+        stats.tokens += chunk.tokens
+        stats.empty_documents += chunk.empty_documents
+    for record in plan.problems:
+        stats.dropped[record.kind] = stats.dropped.get(record.kind, 0) + 1
+    if well_formed == 0 and not any(record.line == 0 for record in plan.problems):
+        records.append(BadRecord(str(plan.path), 0, "empty_shard", "shard holds no document"))
+        stats.dropped["empty_shard"] = stats.dropped.get("empty_shard", 0) + 1
+    records.sort(key=lambda record: record.line)
+    for record in records[:BAD_RECORDS_REPORTED_PER_SHARD]:
+        print(f"bad record: {record}", file=sys.stderr)
+    if stats.dropped_records > BAD_RECORDS_REPORTED_PER_SHARD:
+        print(f"bad record: ... and {stats.dropped_records - BAD_RECORDS_REPORTED_PER_SHARD} more in {plan.path}",
+              file=sys.stderr)
+    return stats
 
 
 def _part_sizes(prefix: str) -> dict[str, int | None]:
@@ -522,13 +733,52 @@ def _fsync_file(path: str | Path) -> None:
         os.fsync(handle.fileno())
 
 
-def parse_args(argv: Sequence[str] | None = None) -> PreprocessConfig:
+# ---------------------------------------------------------------------------------------------
+# The merge: manifests -> the blend.
+
+
+@dataclass
+class MergeSummary:
+    partitions: int
+    entries: list[BlendEntry]
+    buckets: dict[str, BucketStats]
+    multipliers: dict[str, float]
+
+
+def run_merge(config: MergeConfig) -> MergeSummary:
+    """Check that the partitions' manifests cover every shard exactly once; write the blend."""
+    paths = []
+    for pattern in config.manifests:
+        matches = sorted(glob.glob(pattern)) or ([pattern] if Path(pattern).exists() else [])
+        if not matches:
+            raise ManifestError(f"--merge-manifests {pattern!r} matched no file")
+        paths += [Path(match) for match in matches]
+    manifests = {path: read_manifest(path) for path in dict.fromkeys(paths)}
+    groups = check_coverage(manifests)
+    buckets = bucket_totals([covered.record for covered in groups])
+    weights = parse_bucket_weights(config.bucket_weights) if config.bucket_weights else {}
+    multipliers = bucket_multipliers(buckets, weights)
+    entries = [BlendEntry(output.tokens * multipliers[covered.record.bucket], str((covered.folder / output.name).resolve()))
+               for covered in groups for output in covered.record.files if multipliers[covered.record.bucket] > 0]
+    if not entries:
+        raise ManifestError("the blend would be empty: no partition wrote a document"
+                            + (" in a bucket of weight > 0" if weights else ""))
+    write_data_args(config.data_args_path, entries)
+    return MergeSummary(len(manifests), entries, buckets, multipliers)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line.
+
+
+def parse_args(argv: Sequence[str] | None = None) -> PreprocessConfig | MergeConfig:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", nargs="+", required=True,
+    parser.add_argument("--input", nargs="+",
                         help="shard files, dirs (searched recursively) or globs: "
                              ".jsonl.zstd .jsonl.zst .jsonl.gz .jsonl .parquet")
-    parser.add_argument("--output-prefix", required=True, help="writes PREFIX_text_document.bin/.idx/.meta.json")
-    parser.add_argument("--tokenizer-model", type=Path, required=True,
+    parser.add_argument("--output-prefix", help="writes PREFIX_text_document.bin/.idx/.meta.json "
+                                                "(sharded: PREFIX_000123_text_document..., and a manifest)")
+    parser.add_argument("--tokenizer-model", type=Path,
                         help="SentencePiece .model, Hugging Face tokenizer.json, or a folder holding a tokenizer.json")
     parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES,
                         help="Megatron's spelling; checked against the model file (default: read from it)")
@@ -545,13 +795,48 @@ def parse_args(argv: Sequence[str] | None = None) -> PreprocessConfig:
                         help="chunk size in MB of uncompressed text (default: 1/64 of each shard, 1-256 MiB)")
     parser.add_argument("--strict", action="store_true", help="fail on the first bad record")
     parser.add_argument("--keep-parts", action="store_true", help="keep the per-chunk parts after merging")
+    sharding = parser.add_argument_group("sharded output, split across machines")
+    sharding.add_argument("--partition", metavar="I/N",
+                          help="process the I-th (0-based) of N shares of the input (default inside a Slurm array "
+                               "job: its SLURM_ARRAY_TASK_ID among the array's tasks)")
+    sharding.add_argument("--shards-per-file", type=int,
+                          help="input shards (of one bucket) per output file (default 1 when sharded)")
+    sharding.add_argument("--max-tokens-per-file", type=int,
+                          help="cut each output file at document boundaries to at most this many tokens")
+    merge = parser.add_argument_group("merging the partitions (reads metadata only)")
+    merge.add_argument("--merge-manifests", nargs="+", metavar="MANIFEST",
+                       help="the partitions' PREFIX_partition-*-of-*.json files (or globs)")
+    merge.add_argument("--data-args-path", type=Path, help="where the merge writes the blend (weights and prefixes, "
+                                                           "as the trainer's and Megatron's --data-args-path read it)")
+    merge.add_argument("--bucket-weights", metavar="NAME=W,...|FILE.json",
+                       help="multiply the token-count weight of each bucket matching NAME (a folder such as "
+                            "quality=high, or its value high) by W")
     args = parser.parse_args(argv)
+    if args.merge_manifests:
+        if not args.data_args_path:
+            parser.error("--merge-manifests needs --data-args-path FILE (where the blend goes)")
+        given = [flag for flag in ("input", "output_prefix", "tokenizer_model", "partition") if getattr(args, flag)]
+        if given:
+            parser.error(f"--merge-manifests reads manifests only; drop --{given[0].replace('_', '-')}")
+        return MergeConfig(tuple(args.merge_manifests), args.data_args_path, args.bucket_weights)
+    missing = [flag for flag in ("input", "output_prefix", "tokenizer_model") if not getattr(args, flag)]
+    if missing:
+        parser.error(f"the following arguments are required: --{missing[0].replace('_', '-')}")
+    if args.data_args_path or args.bucket_weights:
+        parser.error("--data-args-path and --bucket-weights belong to --merge-manifests")
     if args.workers < 1:
         parser.error("--workers must be at least 1")
     if args.json_keys is not None and len(args.json_keys) != 1:
         parser.error(f"--json-keys takes one key here (every document is one field), got {args.json_keys}")
     if args.chunk_mb is not None and args.chunk_mb <= 0:
         parser.error("--chunk-mb must be positive")
+    for flag in ("shards_per_file", "max_tokens_per_file"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    try:
+        partition = Partition.parse(args.partition) if args.partition else Partition.from_slurm(os.environ)
+    except PartitionError as error:
+        parser.error(str(error))
     return PreprocessConfig(
         inputs=tuple(args.input),
         output_prefix=args.output_prefix,
@@ -563,12 +848,20 @@ def parse_args(argv: Sequence[str] | None = None) -> PreprocessConfig:
         strict=args.strict,
         keep_parts=args.keep_parts,
         chunk_bytes=None if args.chunk_mb is None else max(1, int(args.chunk_mb * 1e6)),
+        partition=partition,
+        shards_per_file=args.shards_per_file,
+        max_tokens_per_file=args.max_tokens_per_file,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
     try:
+        if isinstance(config, MergeConfig):
+            _print_merge(config, run_merge(config))
+            return 0
+        if config.partition is not None:
+            print(f"partition {config.partition} (from {config.partition.source})", file=sys.stderr)
         summary = run_preprocess(config)
     except (NoInputMatchedError, StrictModeError, FileNotFoundError, ValueError) as error:
         print(f"preprocess_data: error: {error}", file=sys.stderr)
@@ -584,8 +877,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"empty_documents={summary.empty_documents} bad_records={summary.bad_records} ({bad}) "
         f"seconds={summary.seconds:.2f} tokens/s={summary.tokens_per_second:.0f} MB/s={summary.megabytes_per_second:.2f}"
     )
-    print(f"wrote {config.dataset_prefix}.bin, .idx and .meta.json")
+    for bucket, stats in sorted(summary.buckets.items()):
+        print(f"bucket {bucket or '(all)'}: {stats.describe()}")
+    if summary.manifest is None:
+        print(f"wrote {config.dataset_prefix}.bin, .idx and .meta.json")
+    else:
+        count = config.partition.count if config.partition else 1
+        print(f"wrote {len(summary.files)} file(s) ({summary.reused_groups} group(s) from an earlier run) and "
+              f"{summary.manifest}; once all {count} partition(s) are done: python tools/preprocess_data.py "
+              f"--merge-manifests '{config.output_prefix}_partition-*-of-{count:05d}.json' "
+              f"--data-args-path {config.output_prefix}.data_args")
     return 0
+
+
+def _print_merge(config: MergeConfig, summary: MergeSummary) -> None:
+    total_weight = sum(entry.weight for entry in summary.entries)
+    weight_of = {bucket: summary.multipliers[bucket] * stats.tokens for bucket, stats in summary.buckets.items()}
+    for bucket, stats in sorted(summary.buckets.items()):
+        print(f"bucket {bucket or '(all)'}: {stats.describe()} weight x{summary.multipliers[bucket]:g} "
+              f"share {100 * weight_of[bucket] / total_weight:.2f}%")
+    totals = BucketStats()
+    for stats in summary.buckets.values():
+        totals.add(stats)
+    print(f"merged {summary.partitions} partition(s): {totals.describe()}")
+    print(f"wrote {config.data_args_path}: {len(summary.entries)} prefixes weighted by tokens x bucket weight "
+          f"(use it as --data-args-path)")
 
 
 if __name__ == "__main__":

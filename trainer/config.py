@@ -57,6 +57,8 @@ class DataConfig(ConfigBlock):
     split: str = "98,2,0"
     tokenizer_model: str | None = None
     vocab_size: int | None = setting(None, ge=1, flag="--vocab-size")
+    data_args_path: str | None = None  # a file holding the train blend (trainer/data.py reads it)
+    per_split_data_args_path: str | None = None  # a JSON file of train and valid blends
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=[], help="prefix, or weight prefix weight prefix ...")
     g.add_argument("--valid-data-path", nargs="+", default=[])
+    g.add_argument("--data-args-path", default=None, help="a file holding what --data-path takes (Megatron's flag)")
+    g.add_argument("--per-split-data-args-path", default=None,
+                   help='a JSON file {"train": [...], "valid": [...]} of blends (Megatron\'s flag)')
     g.add_argument("--split", default=field_default(DataConfig, "split"))
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--vocab-size", type=int, default=None, help="when no tokenizer model is given")
@@ -238,7 +243,7 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
         model_preset=args.model, model=shape, tensor_parallel=sizes.tensor, pipeline_parallel=sizes.pipeline,
         batch=batch, optimizer=ds.optimizer, schedule=ds.scheduler.params, clip_grad=ds.gradient_clipping,
         data=DataConfig(tuple(args.data_path), tuple(args.valid_data_path), args.split, args.tokenizer_model,
-                        args.vocab_size),
+                        args.vocab_size, args.data_args_path, args.per_split_data_args_path),
         run_dir=run_dir, tensorboard_dir=args.tensorboard_dir or str(Path(run_dir) / "tensorboard"),
         # Mixed precision is Megatron's autocast over fp32 parameters (the optimizers need whole fp32
         # tensors, not DeepSpeed's flattened bf16 partitions), so DeepSpeed never sees the bf16 block.

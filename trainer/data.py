@@ -10,6 +10,7 @@ The order depends on the run length only through the number of epochs Megatron b
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
+from dataprep.blend import read_data_args, read_per_split_data_args
 from dataprep.dataset_meta import meta_path, read_dataset_meta
 from tokenizer.interface import load_tokenizer, tokenizer_sha256
 from trainer.comm import barrier
@@ -48,18 +50,70 @@ def tokenizer_info(data: DataConfig) -> TokenizerInfo:
     raise ValueError("give --tokenizer-model (or --vocab-size for pre-tokenized data without a tokenizer)")
 
 
-def _blend(paths: list[str]) -> tuple[list[str], list[float] | None]:
-    if len(paths) == 1:
-        prefixes, weights = paths, None
-    elif len(paths) % 2 == 0:
-        weights, prefixes = [float(w) for w in paths[0::2]], paths[1::2]
+Blend = tuple[list[str], list[float] | None]  # Megatron's: prefixes, and their weights (None: one prefix)
+_BLEND_SHOWN = 8  # prefixes printed before "... and N more"
+
+
+def data_blends(data: DataConfig) -> tuple[Blend, Blend | None]:
+    """The train blend and the validation blend (None: split off the train blend) from --data-path and
+    --valid-data-path, --data-args-path (instead of --data-path) or --per-split-data-args-path (instead of
+    both), each checked: weights positive, every prefix's .bin and .idx present."""
+    return tuple(_blend(items, source) if items else None for items, source in _blend_lists(data))
+
+
+def _blend_lists(data: DataConfig) -> list[tuple[list[str] | None, str]]:
+    given = [flag for flag, value in (("--data-path", data.data_path), ("--valid-data-path", data.valid_data_path),
+                                      ("--data-args-path", data.data_args_path),
+                                      ("--per-split-data-args-path", data.per_split_data_args_path)) if value]
+    if data.per_split_data_args_path and len(given) > 1 or data.data_path and data.data_args_path:
+        raise ConfigError(f"{' and '.join(given)} cannot be combined: give one (--per-split-data-args-path "
+                          "replaces --data-path and --valid-data-path, --data-args-path replaces --data-path)")
+    if data.per_split_data_args_path:
+        splits = read_per_split_data_args(data.per_split_data_args_path)
+        return [(splits[split], f"{data.per_split_data_args_path} ({split})") for split in ("train", "valid")]
+    if data.data_args_path:
+        train = (read_data_args(data.data_args_path), data.data_args_path)
+    elif data.data_path:
+        train = (list(data.data_path), "--data-path")
     else:
-        raise ValueError(f"--data-path takes one prefix or weight/prefix pairs, got {paths}")
+        raise ValueError("no training data: give --data-path PREFIX (the P of P.bin/P.idx) or --data-args-path FILE")
+    return [train, (list(data.valid_data_path), "--valid-data-path")]
+
+
+def _blend(items: list[str], source: str) -> Blend:
+    if len(items) == 1:
+        prefixes, weights = items, None
+    elif len(items) % 2 == 0:
+        weights, prefixes = [_weight(item, source) for item in items[0::2]], items[1::2]
+    else:
+        raise ConfigError(f"{source} takes one prefix or weight/prefix pairs, got {len(items)} items: "
+                          f"{' '.join(items[:6])}{' ...' if len(items) > 6 else ''}")
     for prefix in prefixes:
         for suffix in (".bin", ".idx"):
             if not Path(prefix + suffix).is_file():
-                raise FileNotFoundError(f"dataset file {prefix + suffix} not found (from --data-path)")
+                raise FileNotFoundError(f"dataset file {prefix + suffix} not found (from {source})")
     return prefixes, weights
+
+
+def _weight(item: str, source: str) -> float:
+    try:
+        weight = float(item)
+    except ValueError:
+        weight = math.nan
+    if not (math.isfinite(weight) and weight > 0):
+        raise ConfigError(f"{source}: blend weight {item!r} is not a number > 0 (the form is weight prefix ...)")
+    return weight
+
+
+def describe_blend(blend: Blend, what: str) -> str:
+    """The blend as the run uses it, weights normalised as Megatron normalises them."""
+    prefixes, weights = blend
+    if weights is None:
+        return f"data: {what}: {prefixes[0]}"
+    total = sum(weights)
+    lines = [f"  {weight / total:.6f} {prefix}" for weight, prefix in zip(weights[:_BLEND_SHOWN], prefixes)]
+    more = [f"  ... and {len(prefixes) - _BLEND_SHOWN} more"] if len(prefixes) > _BLEND_SHOWN else []
+    return "\n".join([f"data: {what}: blend of {len(prefixes)} prefixes (share of samples, prefix):", *lines, *more])
 
 
 @dataclass
@@ -70,9 +124,8 @@ class Datasets:
 
 def check_data(data: DataConfig) -> None:
     """Fail on missing data or tokenizer before any process group or collective exists."""
-    if not data.data_path:
-        raise ValueError("no training data: give --data-path PREFIX (the P of P.bin/P.idx)")
-    prefixes = [*_blend(data.data_path)[0], *(_blend(data.valid_data_path)[0] if data.valid_data_path else ())]
+    train, valid = data_blends(data)
+    prefixes = [*train[0], *(valid[0] if valid else ())]
     if data.tokenizer_model and not Path(data.tokenizer_model).exists():  # a file, or a tokenizer.json folder
         raise FileNotFoundError(f"tokenizer model {data.tokenizer_model} not found (from --tokenizer-model)")
     if not data.tokenizer_model and not data.vocab_size:
@@ -96,15 +149,16 @@ def _check_token_ids_fit(data: DataConfig, prefixes: list[str]) -> None:
         return
     tokenizer = load_tokenizer(data.tokenizer_model) if data.tokenizer_model else None
     vocab_size = tokenizer.vocab_size if tokenizer else data.vocab_size
+    tokenizer_hash = tokenizer_sha256(tokenizer) if tokenizer else None  # once: a blend may have thousands of files
     flag = f"--tokenizer-model {data.tokenizer_model}" if tokenizer else "--vocab-size"
     for path, meta in metas.items():
         if meta.max_token_id >= vocab_size:
             raise ConfigError(f"{path}: the data holds token id {meta.max_token_id}, but the vocabulary of {flag} has "
                               f"only {vocab_size} ids (0..{vocab_size - 1}): tokenize with this tokenizer, or use the "
                               "one the data was made with")
-        if tokenizer is not None and meta.tokenizer_sha256 != tokenizer_sha256(tokenizer):
+        if tokenizer_hash is not None and meta.tokenizer_sha256 != tokenizer_hash:
             raise ConfigError(f"{path}: the data was tokenized with a tokenizer whose SHA-256 is "
-                              f"{meta.tokenizer_sha256}, but {flag} has {tokenizer_sha256(tokenizer)}: use the "
+                              f"{meta.tokenizer_sha256}, but {flag} has {tokenizer_hash}: use the "
                               "tokenizer the data was made with")
 
 
@@ -134,8 +188,11 @@ def build_datasets(data: DataConfig, tokenizer: TokenizerInfo, seq_length: int, 
     With `document_masking` positions restart at each document and each micro-batch carries its
     tokens' document ids (`collate`), from which attention builds its block-causal mask on the
     compute device; Megatron's per-sample [s, s] host mask is not made."""
-    if not data.data_path:
-        raise ValueError("no training data: give --data-path PREFIX (the P of P.bin/P.idx)")
+    train_blend, valid_blend = data_blends(data)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(describe_blend(train_blend, "training" if valid_blend else "training and validation"), flush=True)
+        if valid_blend:
+            print(describe_blend(valid_blend, "validation"), flush=True)
     refuse_unsafe_index_cache(Path(cache_dir))
     if dist.is_initialized():
         # Megatron's rank 0 writes the cache while the others wait; none may start writing while a
@@ -144,11 +201,10 @@ def build_datasets(data: DataConfig, tokenizer: TokenizerInfo, seq_length: int, 
     common = dict(random_seed=seed, sequence_length=seq_length, tokenizer=tokenizer,
                   reset_position_ids=document_masking, reset_attention_mask=document_masking, eod_mask_loss=False,
                   create_attention_mask=False, path_to_cache=cache_dir)
-    if data.valid_data_path:
-        config = GPTDatasetConfig(blend_per_split=[_blend(data.data_path), _blend(data.valid_data_path), None],
-                                  **common)
+    if valid_blend:
+        config = GPTDatasetConfig(blend_per_split=[train_blend, valid_blend, None], **common)
     else:
-        config = GPTDatasetConfig(blend=_blend(data.data_path), split=data.split, **common)
+        config = GPTDatasetConfig(blend=train_blend, split=data.split, **common)
     # Test split size 0, not None: Megatron refuses a None size for a weighted blend.
     train, valid, _ = BlendedMegatronDatasetBuilder(
         GPTDataset, [train_samples, valid_samples, 0], lambda: True, config).build()

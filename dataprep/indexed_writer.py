@@ -1,0 +1,83 @@
+"""Writing Megatron indexed datasets (.bin/.idx) a batch of documents at a time, and cutting the
+documents of a run of parts into output files of at most a given number of tokens.
+
+Every document here is one sequence (what Megatron's preprocessing writes for a document that is
+not split into sentences), so sequence and document counts agree.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
+
+class DocumentWriter(IndexedDatasetBuilder):
+    """Megatron's builder (so its .bin layout and its .idx writer) fed whole batches of documents, each
+    batch written straight from its array, not copied per document as `add_document` does."""
+
+    def __init__(self, bin_path: str, dtype: type[np.number]):
+        super().__init__(bin_path, dtype=dtype)
+        self.tokens = 0
+        self.max_token_id = -1
+
+    @property
+    def documents(self) -> int:
+        return len(self.sequence_lengths)
+
+    def add_documents(self, tokens: np.ndarray, lengths: Sequence[int]) -> None:
+        """Documents laid end to end in `tokens` (of this writer's dtype), `lengths[i]` tokens each."""
+        if tokens.dtype != self.dtype:
+            raise TypeError(f"tokens are {tokens.dtype}, this dataset holds {np.dtype(self.dtype)}")
+        first = len(self.sequence_lengths)
+        self.data_file.write(memoryview(np.ascontiguousarray(tokens)))
+        self.sequence_lengths.extend(lengths)
+        self.document_indices.extend(range(first + 1, first + 1 + len(lengths)))
+        if tokens.size:
+            self.max_token_id = max(self.max_token_id, int(tokens.max()))
+        self.tokens += tokens.size
+
+    def copy_documents(self, prefix: str, lengths: np.ndarray, start: int, stop: int) -> None:
+        """Documents [start, stop) of the dataset at `prefix`, whose documents are `lengths` tokens long."""
+        if start == stop:
+            return
+        offset, count = int(lengths[:start].sum()), int(lengths[start:stop].sum())
+        tokens = (np.memmap(f"{prefix}.bin", dtype=self.dtype, mode="r", offset=offset * np.dtype(self.dtype).itemsize,
+                            shape=(count,)) if count else np.empty(0, self.dtype))
+        self.add_documents(tokens, lengths[start:stop].tolist())
+
+
+def document_lengths(prefix: str) -> np.ndarray:
+    """Tokens per document of the dataset at `prefix` (read from its .idx by Megatron's reader)."""
+    dataset = IndexedDataset(prefix)  # kept alive until the lengths are copied out: deleting it unmaps them
+    lengths = np.array(dataset.index.sequence_lengths, dtype=np.int64)
+    del dataset
+    return lengths
+
+
+def plan_files(lengths: Sequence[np.ndarray], max_tokens: int | None) -> list[list[tuple[int, int, int]]]:
+    """The output files for documents that lie in parts `lengths` (tokens per document of each part), in
+    order: each file a list of (part, first document, stop document). A file takes documents while they
+    fit in `max_tokens`; a longer document gets a file of its own; None puts everything in one file."""
+    if max_tokens is None:
+        return [[(part, 0, len(part_lengths)) for part, part_lengths in enumerate(lengths)]]
+    sizes = np.concatenate([np.asarray(part, dtype=np.int64) for part in lengths] or [np.zeros(0, np.int64)])
+    ends = np.cumsum(sizes)  # tokens up to and including each document
+    part_starts = np.cumsum([0] + [len(part) for part in lengths])
+    files, first = [], 0
+    while first < len(sizes):
+        before = ends[first] - sizes[first]
+        stop = max(first + 1, int(np.searchsorted(ends, before + max_tokens, side="right")))
+        files.append(_part_ranges(part_starts, first, stop))
+        first = stop
+    return files
+
+
+def _part_ranges(part_starts: np.ndarray, first: int, stop: int) -> list[tuple[int, int, int]]:
+    """Documents [first, stop) of the concatenated parts as (part, start, stop) within each part."""
+    ranges = []
+    for part in range(len(part_starts) - 1):
+        start, end = max(first, part_starts[part]), min(stop, part_starts[part + 1])
+        if start < end:
+            ranges.append((part, int(start - part_starts[part]), int(end - part_starts[part])))
+    return ranges

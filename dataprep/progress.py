@@ -1,0 +1,53 @@
+"""The progress line of a preprocessing run (or partition): plain lines a batch log keeps readable,
+at most one per interval, with shards done, tokens/s and an ETA from the input bytes still to do."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+PROGRESS_INTERVAL_S = 30.0
+
+
+class ProgressLine:
+    def __init__(self, label: str, shards: int, input_bytes: int, interval_s: float = PROGRESS_INTERVAL_S,
+                 stream: TextIO = sys.stderr):
+        self._label, self._shards, self._input_bytes = label, shards, input_bytes
+        self._interval_s, self._stream = interval_s, stream
+        self._start = time.monotonic()
+        self._last_print = self._start
+        self.shards_done = self._bytes_done = self._bytes_this_run = self.tokens = 0
+
+    def add_tokens(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def shard_done(self, size: int, reused: bool = False) -> None:
+        """A shard finished (its size in bytes on disk); a reused one counts as done but not towards the rate."""
+        self.shards_done += 1
+        self._bytes_done += size
+        if not reused:
+            self._bytes_this_run += size
+
+    def maybe_print(self) -> None:
+        if time.monotonic() - self._last_print >= self._interval_s:
+            self.print()
+
+    def print(self) -> None:
+        now = time.monotonic()
+        self._last_print = now
+        seconds = max(now - self._start, 1e-9)
+        remaining = self._input_bytes - self._bytes_done
+        if remaining <= 0:
+            eta = "0:00:00"
+        elif self._bytes_this_run:
+            eta = _clock(remaining * seconds / self._bytes_this_run)
+        else:
+            eta = "unknown"
+        print(f"progress: {self._label}shards {self.shards_done}/{self._shards} "
+              f"({self._bytes_done / 1e6:.1f} of {self._input_bytes / 1e6:.1f} MB), {self.tokens} tokens, "
+              f"{self.tokens / seconds:.0f} tokens/s, ETA {eta}", file=self._stream, flush=True)
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
