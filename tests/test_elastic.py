@@ -260,8 +260,6 @@ def test_membership_leaves_out_joining_nonfinite_and_outlier_members():
 
 
 @pytest.mark.parametrize("block, flags, message", [
-    ({"collective": "reduce_scatter"}, ["--worker-id", "0"], "collective 'reduce_scatter'"),
-    ({"streaming": {"fragments": 2}}, ["--worker-id", "0"], "streaming"),
     ({}, [], "needs --worker-id"),
     ({}, ["--worker-id", "3"], "outside 0..2"),
 ])
