@@ -146,6 +146,18 @@ class _Pending:
     future: Future  # of a SyncResult
 
 
+def _relayout(flat: torch.Tensor, source: BucketLayout, target: BucketLayout) -> torch.Tensor:
+    return flat if source == target else target.flatten(source.unflatten(flat))
+
+
+def _recut(bucket: Bucket, parts: int) -> Bucket:
+    """The bucket in `parts` row chunks (the reduce-scatter's), when its layout has another count."""
+    if bucket.layout.parts in (1, parts):
+        return bucket
+    layout = BucketLayout(bucket.layout.shapes, parts)
+    return Bucket(bucket.compressor, layout, _relayout(bucket.flat, bucket.layout, layout))
+
+
 def _done(result) -> Future:
     future: Future = Future()
     future.set_result(result)
@@ -188,7 +200,7 @@ class OuterLoop:
 
     def _buckets(self, fragment: int) -> list[_BucketSpec]:
         compression = self.config.compression
-        parts = self.topology.sizes.workers if self.config.collective == "reduce_scatter" else 1
+        parts = self.config.workers if self.config.collective == "reduce_scatter" else 1
         keyed: dict[tuple[str, bool], list[int]] = {}
         for i in self.owned:
             p = self.params[i]
@@ -303,9 +315,14 @@ class OuterLoop:
                           spec.error_feedback.accumulate(d) if spec.error_feedback and contributing else d)
                    for spec, d in zip(specs, deltas)]
         session.wire.begin(task.outer_step, task.fragment, epoch=getattr(session, "epoch", 0))
-        exchanged = average_buckets(buckets, session.wire, self.config.collective, context,
+        # Reduce-scatter cuts each bucket into one chunk per member: a quorum of fewer than K members
+        # (elastic) exchanges the buckets re-cut for its size, and the results come back in K chunks.
+        cut = [_recut(b, session.wire.size) for b in buckets]
+        exchanged = average_buckets(cut, session.wire, self.config.collective, context,
                                     header=session.header(ballot, task.step, task.fragment), choose=session.choose,
                                     max_norm_ratio=self.config.max_norm_ratio, leave_out=session.leave_out)
+        exchanged.averaged = [Averaged(_relayout(a.average, c.layout, b.layout), _relayout(a.residual, c.layout, b.layout))
+                              for a, c, b in zip(exchanged.averaged, cut, buckets)]
         exchange = session.wire.take_stats()
         decision = session.decide(exchanged)
         record = {"outer_step": task.outer_step, "fragment": task.fragment, "step": task.step, **decision.record,

@@ -31,9 +31,10 @@ class LocalSums:
 
 
 def verdict_digest(rejected: dict[int, str], skipped: str | None) -> float:
-    """A 32-bit digest of which senders an outer group rejected and why, and whether it skipped the
-    sync (exact as a float, and its sums over a worker's ranks stay exact)."""
-    text = json.dumps([sorted(rejected.items()), skipped])
+    """A 32-bit digest of the decision an outer group took: which senders it rejected, and whether it
+    skipped the sync (the reasons' wording may differ between members; what decides the weights may
+    not). Exact as a float, and its sums over a worker's ranks stay exact."""
+    text = json.dumps([sorted(rejected), skipped is not None])
     return float(int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little"))
 
 
