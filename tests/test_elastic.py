@@ -194,7 +194,8 @@ def test_while_a_worker_is_down_the_outer_step_averages_exactly_the_survivors_ps
     assert a["sha_after"] == b["sha_after"]
 
 
-SYNCS = FRAGMENTS * TRAIN_ITERS // SYNC_INTERVAL
+# Syncs applied: those launched by TRAIN_ITERS - OVERLAP (a later one's result would land after the run).
+SYNCS = FRAGMENTS * (TRAIN_ITERS - OVERLAP) // SYNC_INTERVAL
 
 
 def sync_step(outer_step: int) -> int:

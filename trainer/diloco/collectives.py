@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -70,6 +71,7 @@ class CollectiveStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     round_trips: int = 0
+    link_seconds: float = 0.0  # held by the emulated slow link
 
 
 class CollectiveError(RuntimeError):
@@ -148,7 +150,9 @@ class Wire:
         self.stats.bytes_received += received
         self.stats.round_trips += 1
         if self.link is not None:
+            held = time.perf_counter()
             self.link.wait(sent)
+            self.stats.link_seconds += time.perf_counter() - held
 
     def all_gather(self, buffer: torch.Tensor, context: str) -> list[torch.Tensor | None]:
         """All-gather equal-size 1-D uint8 buffers; returns one per rank, in rank order, on the wire's

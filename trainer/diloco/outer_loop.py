@@ -231,9 +231,22 @@ class OuterLoop:
                 yield self
             finally:
                 handle.remove()
-            self.flush_metrics()  # a failed run skips this: its peers may never reduce them
+            self.finish()  # a failed run skips this: its peers may never finish these syncs
         finally:
             self.membership.leave()
+
+    def finish(self) -> None:
+        """At the end of the run: every sync still in flight finishes its collectives (every worker
+        launched it; leaving early would strand the others), but lands after the last inner step and
+        is not applied; then the metrics of the applied syncs are logged."""
+        landing = [entry.future for entry in self.pending]
+        for future in landing:
+            future.result()
+        if landing and self.topology.is_logging_rank:
+            print(f"outer loop: {len(landing)} sync(s) launched in the last {self.config.streaming.overlap_steps} "
+                  f"step(s) land after the run and are not applied", flush=True)
+        self.pending = []
+        self.flush_metrics()
 
     def after_inner_step(self, step: int) -> None:
         self._log_statistics(wait=False)
@@ -241,7 +254,10 @@ class OuterLoop:
             due = [e for e in self.pending if e.apply_at == step]
             self.pending = [e for e in self.pending if e.apply_at != step]
         for entry in due:
-            self.apply(entry.future.result(), overlapped=True)
+            waited = time.perf_counter()
+            result = entry.future.result()
+            result.record["apply_wait_seconds"] = time.perf_counter() - waited  # what overlap did not hide
+            self.apply(result, overlapped=True)
         for fragment, offset in enumerate(self.offsets):
             if step % self.config.sync_interval == offset:
                 self._launch(fragment, step)
@@ -296,14 +312,14 @@ class OuterLoop:
     def sync(self, task: SyncTask, deltas: list[torch.Tensor]) -> SyncResult:
         """One sync through the membership; may run in the background thread, so it reads the outer
         state but changes none of it (the caller applies the result)."""
-        start = time.perf_counter()
+        start = time.perf_counter(), time.thread_time()
         ballot = vote.ballot(*self._vote_share(self.buckets[task.fragment], deltas))
         if self.membership.ballot_group is not None:
             comm.all_reduce(ballot, group=self.membership.ballot_group)  # the worker's totals, inside the datacenter
         return self.membership.run(self, task, lambda session: self._exchange(session, task, deltas, ballot, start))
 
     def _exchange(self, session: Session, task: SyncTask, deltas: list[torch.Tensor], ballot: torch.Tensor,
-                  start: float) -> SyncResult:
+                  start: tuple[float, float]) -> SyncResult:
         caught_up = getattr(session, "caught_up", None)  # this member just received a peer's state and sync
         if caught_up is not None:
             task, deltas, ballot = caught_up, self.zero_deltas(caught_up.fragment), torch.zeros_like(ballot)
@@ -327,7 +343,9 @@ class OuterLoop:
         decision = session.decide(exchanged)
         record = {"outer_step": task.outer_step, "fragment": task.fragment, "step": task.step, **decision.record,
                   "pseudograd_norm": statistics.fmean(decision.norms) if decision.skipped is None else None,
-                  "round_trips": exchange.round_trips, "sync_seconds": time.perf_counter() - start}
+                  "round_trips": exchange.round_trips, "sync_seconds": time.perf_counter() - start[0],
+                  # what the sync's time went to: the (emulated) link, and this thread's own work
+                  "link_seconds": exchange.link_seconds, "sync_cpu_seconds": time.thread_time() - start[1]}
         averaged = None
         if decision.skipped is not None:
             record["skipped"] = decision.skipped
