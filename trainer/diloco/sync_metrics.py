@@ -38,11 +38,11 @@ def verdict_digest(rejected: dict[int, str], skipped: str | None) -> float:
     return float(int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little"))
 
 
-def sync_record(rows: list[list[float]], contributors: list[int], ranks: int, norms: list[float],
+def sync_record(rows: list[list[float]], contributors: list[int], ranks_per_worker: int, norms: list[float],
                 context: str) -> dict:
     """The sync's statistics from every member's LocalSums summed over its ranks (`rows`, one per
-    member), over the `contributors` (empty for a sync nobody applied: then only the verdicts are
-    checked); `ranks` is how many ranks' bytes the mean is over.
+    member), over the `contributors` (`norms` empty for a sync nobody applied: then only the verdicts
+    are checked); bytes are the mean over every member's ranks (each sent its payload).
 
     Every rank of an outer group checks the same received bytes, so the groups' verdicts agree unless
     a message was altered on its way to some receivers only; then those receivers' weights now differ
@@ -60,6 +60,6 @@ def sync_record(rows: list[list[float]], contributors: list[int], ranks: int, no
         "pseudograd_cosine": statistics.fmean(
             dots[k] / max(norms[k] * math.sqrt(average_sq), 1e-30) for k in range(len(sums))),
         "averaged_norm": math.sqrt(average_sq),
-        "bytes_sent_per_rank": sum(s[2] for s in sums) / ranks,
+        "bytes_sent_per_rank": sum(row[2] for row in rows) / (len(rows) * ranks_per_worker),
         "compression_error": math.sqrt(residual_sq / sent_sq) if sent_sq > 0 else 0.0,
     }
