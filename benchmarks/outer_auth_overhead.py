@@ -47,6 +47,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
     from trainer.diloco.auth import JobKey
     from trainer.diloco.config import CompressionConfig
     from trainer.diloco.config import MuLoCoConfig
+    from trainer.diloco.membership import StaticMembership
     from trainer.diloco.outer_loop import OuterLoop
     from trainer.model.builder import canonical_names
 
@@ -62,7 +63,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 records = []
                 outer = OuterLoop(config, list(model.named_parameters()), canonical_names(model), topology, 0,
                                   shape.num_layers, log=lambda record, step: records.append(record),
-                                  key=key if with_key else None)
+                                  membership=StaticMembership(config, topology, key if with_key else None))
                 with torch.no_grad():
                     for p in model.parameters():
                         p.add_(torch.randn(p.shape, generator=generator), alpha=1e-3)

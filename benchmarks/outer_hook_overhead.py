@@ -11,6 +11,14 @@ since a long-lived one slowed down run after run): K = 2 workers of one rank eac
   sync+link         over an emulated 1 Gbit/s, 50 ms link
   sync+link, tau=1  over that link, the sync running in the background during the next inner step
   sync+link, tau=2  the same, with two inner steps to hide it in
+  elastic nosync    the elastic mode (each worker its own job, a torchft lighthouse with the job
+                    secret, trainer/elastic/), the outer loop never syncing after the first quorum
+  elastic sync+link, tau=1   the elastic mode syncing over the link, tau = 1
+Elastic cases are compared with `elastic nosync` (the same runs with syncs disabled), the others with
+`nosync`. Beside each ratio, per sync: the time the emulated link held it (`link_seconds`), the CPU
+time of the sync's own work (`sync_cpu_seconds`: encode, decode, checks, tags, on the thread that ran
+it) and how long applying the result waited for the background sync (`apply_wait_seconds`), which
+tells a codec competing with the inner step for the rank's core from a link that is not hidden.
 The cases are interleaved `--repeats` times, each repeat in an order rotated by one, so machine load
 drifts hit all of them alike. Throughput is the job's over the windows of H steps after the first
 (each window holds one sync; the first is warm-up): tokens over the time the slowest rank takes to
@@ -42,17 +50,27 @@ SLOW_LINK = {"bandwidth_gbit_s": 1, "latency_ms": 50}
 FOUR_BIT_EF = {"method": "statistical", "bits": 4, "error_feedback": True}
 
 
+ELASTIC = {"quorum_timeout_s": 300, "max_attempts": 2}  # the lighthouse's address comes from $TORCHFT_LIGHTHOUSE
+
+
 def cases(sync_interval: int, steps: int) -> dict[str, dict]:
     """Name -> muloco block."""
     muloco = {"workers": 2, "sync_interval": sync_interval, "outer_lr": 0.7, "outer_momentum": 0.6,
               "nesterov": True, "compression": FOUR_BIT_EF}
+    tau1 = {"link": SLOW_LINK, "streaming": {"overlap_steps": 1}}
     return {
         "nosync": {**muloco, "sync_interval": steps + 1},
         "sync": muloco,
         "sync+link": {**muloco, "link": SLOW_LINK},
-        "sync+link, tau=1": {**muloco, "link": SLOW_LINK, "streaming": {"overlap_steps": 1}},
+        "sync+link, tau=1": {**muloco, **tau1},
         "sync+link, tau=2": {**muloco, "link": SLOW_LINK, "streaming": {"overlap_steps": 2}},
+        "elastic nosync": {**muloco, "sync_interval": steps + 1, "elastic": ELASTIC},
+        "elastic sync+link, tau=1": {**muloco, **tau1, "elastic": ELASTIC},
     }
+
+
+def baseline_of(case: str) -> str:
+    return "elastic nosync" if case.startswith("elastic") else "nosync"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,6 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workdir", help=argparse.SUPPRESS)  # these three are set by the launcher
     p.add_argument("--case", help=argparse.SUPPRESS)
     p.add_argument("--run-index", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--worker-id", type=int, help=argparse.SUPPRESS)  # an elastic case's worker
     return p.parse_args(argv)
 
 
@@ -108,28 +127,71 @@ def train_one(args: argparse.Namespace) -> None:
 
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=COLLECTIVE_TIMEOUT)
     workdir, i = Path(args.workdir), args.run_index
-    base = {k: v for k, v in json.loads(BASE_CONFIG.read_text()).items() if k != "muloco"}
     ds_path = workdir / f"run{i}.json"
-    if dist.get_rank() == 0:
-        ds_path.write_text(json.dumps({**base, "muloco": cases(args.sync_interval, steps(args))[args.case]}))
+    elastic = args.worker_id is not None
+    if dist.get_rank() == 0 and not elastic:  # an elastic case's launcher wrote it
+        write_config(ds_path, cases(args.sync_interval, steps(args))[args.case])
     dist.barrier()
+    run_dir = workdir / f"run{i}" / (f"worker{args.worker_id}" if elastic else "")
     flags = build_parser().parse_args([
         "--ds_config", str(ds_path), "--model", args.model, "--data-path", str(workdir / "markov"),
         "--vocab-size", "1000", "--train-iters", str(steps(args)), "--seq-length", str(args.seq_length),
         "--micro-batch-size", "4", "--log-interval", str(args.sync_interval), "--eval-interval", "0",
-        "--run-dir", str(workdir / f"run{i}")])
+        "--run-dir", str(run_dir), *(["--worker-id", str(args.worker_id)] if elastic else [])])
     run(resolve(flags, dist.get_world_size()), TimedTrainer)
 
 
+def write_config(path: Path, muloco: dict) -> None:
+    base = {k: v for k, v in json.loads(BASE_CONFIG.read_text()).items() if k != "muloco"}
+    path.write_text(json.dumps({**base, "muloco": muloco}))
+
+
 def read_run(run_dir: Path, sync_interval: int) -> tuple[float, list[dict]]:
-    """(the job's tokens/s over the windows after the first, the outer-sync records)."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """(the job's tokens/s over the windows after the first, the outer-sync records). An elastic run's
+    folder holds a folder per worker: the job is both, at the slower one's pace."""
+    dirs = sorted(run_dir.glob("worker*")) or [run_dir]
+    records = [json.loads(line) for line in (dirs[0] / "metrics.jsonl").read_text().splitlines()]
     first = next(r for r in records if "tokens_per_s" in r)
     tokens_per_step = first["tokens"] // first["step"]
-    per_rank = [json.loads(path.read_text()) for path in sorted(run_dir.glob("step_times.rank*.json"))]
+    per_rank = [json.loads(path.read_text()) for d in dirs for path in sorted(d.glob("step_times.rank*.json"))]
     measured = len(per_rank[0]) - sync_interval  # steps after the first window
     slowest = max(times[-1] - times[sync_interval - 1] for times in per_rank)
     return measured * tokens_per_step / slowest, [r for r in records if "outer_step" in r]
+
+
+def launch(args: argparse.Namespace, name: str, i: int, workdir: str, env: dict) -> None:
+    """One run of case `name`: a torchrun launch of 2 ranks (K = 2 workers of one rank each), or for an
+    elastic case a lighthouse and one single-process job per worker."""
+    forwarded = [__file__, "--model", args.model, "--sync-interval", str(args.sync_interval), "--windows",
+                 str(args.windows), "--seq-length", str(args.seq_length), "--workdir", workdir, "--case", name,
+                 "--run-index", str(i)]
+    if not name.startswith("elastic"):
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        *forwarded], check=True, env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
+        return
+    write_config(Path(workdir) / f"run{i}.json", cases(args.sync_interval, steps(args))[name])
+    port = free_port()
+    lighthouse = subprocess.Popen([sys.executable, "-m", "trainer.elastic.lighthouse", "--bind", f"127.0.0.1:{port}",
+                                   "--join-timeout-s", "5", "--heartbeat-timeout-s", "5"], env=env, cwd=REPO_ROOT,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        jobs = [subprocess.Popen([sys.executable, *forwarded, "--worker-id", str(k)], cwd=REPO_ROOT,
+                                 env={**env, "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}", "RANK": "0",
+                                      "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                                      "MASTER_PORT": str(free_port())}, stdout=subprocess.DEVNULL)
+                for k in range(2)]
+        if any(job.wait() for job in jobs):
+            raise RuntimeError(f"an elastic worker of run {i} ({name}) failed")
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait()
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -140,43 +202,46 @@ def main() -> None:
     sys.path.insert(0, str(REPO_ROOT / "tests"))
     from synthetic_data import write_markov_dataset
 
+    from trainer.diloco.auth import KEY_FILE_ENV, write_new_key
+
     order = run_order(args)
     with tempfile.TemporaryDirectory() as tmp:
         write_markov_dataset(str(Path(tmp) / "markov"), vocab_size=1000)
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        write_new_key(Path(tmp) / "job.key")  # K = 2 workers talk: with the job secret, as a user runs them
+        env = {**os.environ, "OMP_NUM_THREADS": "1", KEY_FILE_ENV: str(Path(tmp) / "job.key")}
         for i, (name, repeat) in enumerate(order):
             print(f"run {i + 1}/{len(order)}: {name} (repeat {repeat + 1})", file=sys.stderr, flush=True)
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                            __file__, "--model", args.model, "--sync-interval", str(args.sync_interval),
-                            "--windows", str(args.windows), "--seq-length", str(args.seq_length), "--workdir", tmp,
-                            "--case", name, "--run-index", str(i)],
-                           check=True, env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
+            launch(args, name, i, tmp, env)
         results = [read_run(Path(tmp) / f"run{i}", args.sync_interval) for i in range(len(order))]
     names = list(cases(args.sync_interval, steps(args)))
     tokens = {name: [results[i][0] for i, (n, _) in enumerate(order) if n == name] for name in names}
     syncs = {name: [s for i, (n, _) in enumerate(order) if n == name for s in results[i][1]] for name in names}
-    baseline = statistics.median(tokens["nosync"])
+    baselines = {name: statistics.median(tokens[baseline_of(name)]) for name in names}
     print(f"model {args.model}, K = 2 workers x 4 sequences x {args.seq_length} tokens per step, H = {args.sync_interval}, "
           f"4-bit statistical + EF, link {SLOW_LINK['bandwidth_gbit_s']} Gbit/s + {SLOW_LINK['latency_ms']} ms; "
           f"medians of {args.repeats} interleaved runs")
-    print(f"{'case':<18} {'tokens/s':>9} {'overhead_vs_nosync':>19} {'runs (tokens/s)':>26} {'round trips':>12} "
-          f"{'background':>11} {'sync s':>7} {'MB/rank/sync':>13}")
+    print(f"{'case':<26} {'tokens/s':>9} {'overhead_vs_nosync':>19} {'runs (tokens/s)':>26} {'round trips':>12} "
+          f"{'background':>11} {'sync s':>7} {'link s':>7} {'sync CPU s':>11} {'apply wait s':>13} {'MB/rank/sync':>13}")
     rows = []
     for name in names:
         median = statistics.median(tokens[name])
         records = syncs[name]
-        row = {"case": name, "tokens_per_s": median, "overhead_vs_nosync": baseline / median,
+        mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in records) if records else 0.0  # noqa: E731
+        row = {"case": name, "tokens_per_s": median, "overhead_vs_nosync": baselines[name] / median,
                "runs_tokens_per_s": tokens[name],
                "round_trips_per_sync": statistics.fmean(r["round_trips"] for r in records) if records else 0,
                "background_round_trips_per_sync":
                    statistics.fmean(r["background_round_trips"] for r in records) if records else 0,
                "sync_seconds": statistics.fmean(r["sync_seconds"] for r in records) if records else 0.0,
-               "bytes_per_rank_per_sync": statistics.fmean(r["bytes_sent_per_rank"] for r in records) if records else 0}
+               "bytes_per_rank_per_sync": statistics.fmean(r["bytes_sent_per_rank"] for r in records) if records else 0,
+               "link_seconds": mean("link_seconds"), "sync_cpu_seconds": mean("sync_cpu_seconds"),
+               "apply_wait_seconds": mean("apply_wait_seconds")}
         rows.append(row)
         runs = " ".join(f"{t:.0f}" for t in tokens[name])
-        print(f"{name:<18} {median:>9.0f} {row['overhead_vs_nosync']:>19.3f} {runs:>26} "
+        print(f"{name:<26} {median:>9.0f} {row['overhead_vs_nosync']:>19.3f} {runs:>26} "
               f"{row['round_trips_per_sync']:>12.1f} {row['background_round_trips_per_sync']:>11.1f} "
-              f"{row['sync_seconds']:>7.3f} {row['bytes_per_rank_per_sync'] / 1e6:>13.3f}")
+              f"{row['sync_seconds']:>7.3f} {row['link_seconds']:>7.3f} {row['sync_cpu_seconds']:>11.3f} "
+              f"{row['apply_wait_seconds']:>13.3f} {row['bytes_per_rank_per_sync'] / 1e6:>13.3f}")
     print(json.dumps({"model": args.model, "sync_interval": args.sync_interval, "repeats": args.repeats,
                       "load_average": os.getloadavg(), "rows": rows}))
 

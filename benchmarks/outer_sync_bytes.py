@@ -62,6 +62,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
 
     from benchmarks.outer_worker import worker_model
     from trainer.diloco.config import CompressionConfig, MuLoCoConfig
+    from trainer.diloco.membership import StaticMembership
     from trainer.diloco.outer_loop import OuterLoop
     from trainer.model.builder import canonical_names
 
@@ -78,7 +79,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
                                   compression=CompressionConfig(**compression))
             records = []
             outer = OuterLoop(config, list(model.named_parameters()), canonical_names(model), topology, 0,
-                              shape.num_layers, log=lambda record, step: records.append(record))
+                              shape.num_layers, log=lambda record, step: records.append(record),
+                              membership=StaticMembership(config, topology, None))
             with torch.no_grad():  # this worker's H inner steps, as far as the sync can tell
                 for p in model.parameters():
                     p.add_(torch.randn(p.shape, generator=generator), alpha=1e-3)

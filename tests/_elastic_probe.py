@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-import trainer.elastic.outer_loop as elastic_outer_loop  # noqa: E402
+import trainer.run  # noqa: E402
 from tests.trainer_harness import init_distributed, run_trainer  # noqa: E402
+from trainer.diloco.outer_loop import OuterLoop  # noqa: E402
 
 ARGS = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher's comes first
 OUT = Path(ARGS[0])
@@ -36,14 +37,14 @@ OUT = Path(ARGS[0])
 POISON = os.environ.get("ELASTIC_PROBE_NAN_AT")  # "WORKER:STEP": that worker's pseudogradient is NaN at STEP
 
 
-class ProbeLoop(elastic_outer_loop.ElasticOuterLoop):
+class ProbeLoop(OuterLoop):
     detailed = False
 
-    def _sync(self, fragment, deltas, step, outer_step):
-        if POISON == f"{self.worker}:{step}":
+    def sync(self, task, deltas):
+        if POISON == f"{self.topology.coords.worker}:{task.step}":
             deltas[0].view(-1)[0] = float("nan")
         self._sent = [d.detach().cpu().clone() for d in deltas]
-        return super()._sync(fragment, deltas, step, outer_step)
+        return super().sync(task, deltas)
 
     def _wire_flat(self, fragment: int, tensors: dict[int, torch.Tensor]) -> list[torch.Tensor]:
         def view(i):
@@ -51,7 +52,8 @@ class ProbeLoop(elastic_outer_loop.ElasticOuterLoop):
             return (t.t() if self.params[i].transposed else t).reshape(self._wire_shape(i))
         return [spec.layout.flatten([view(i) for i in spec.indices]).cpu().clone() for spec in self.buckets[fragment]]
 
-    def _apply(self, fragment, result, overlapped):
+    def apply(self, result, overlapped):
+        fragment = result.fragment
         averaged, record = result.averaged, result.record
         detailed = (averaged is not None and bool(record.get("missing")) and not record.get("left_out")
                     and not ProbeLoop.detailed)
@@ -60,7 +62,7 @@ class ProbeLoop(elastic_outer_loop.ElasticOuterLoop):
             dump.update(deltas=self._sent, averaged=[a.average.cpu().clone() for a in averaged],
                         global_before=self._wire_flat(fragment, self.global_weights),
                         momentum_before=self._wire_flat(fragment, self.momentum))
-        super()._apply(fragment, result, overlapped)
+        super().apply(result, overlapped)
         dump["sha_after"] = self.weights_checksum()
         if detailed:
             dump["global_after"] = self._wire_flat(fragment, self.global_weights)
@@ -73,6 +75,6 @@ class ProbeLoop(elastic_outer_loop.ElasticOuterLoop):
 
 
 if __name__ == "__main__":
-    elastic_outer_loop.ElasticOuterLoop = ProbeLoop  # trainer.run looks the class up when it builds the loop
+    trainer.run.OuterLoop = ProbeLoop  # trainer.run looks the class up when it builds the loop
     init_distributed()
     run_trainer(ARGS[1:])

@@ -66,3 +66,62 @@ def run_ranks(size: int, fn: Callable[[int], object]) -> list:
     with ThreadPoolExecutor(max_workers=size) as pool:
         futures = [pool.submit(fn, rank) for rank in range(size)]
         return [future.result(timeout=TIMEOUT_S * 4) for future in futures]
+
+
+class FakeStatic:
+    """The single-world membership on fake wires: the K ranks of `boards` (outer, metrics)."""
+    ballot_group = None
+    records_checksum = False
+    replays_pending = True
+
+    def __init__(self, boards: tuple[Board, Board], rank: int, key: JobKey | None, max_norm_ratio: float = 10.0):
+        from trainer.diloco.membership import _StaticSession
+        outer, metrics = boards
+        self.session = _StaticSession(FakeWire(outer, rank, key), FakeWire(metrics, rank, key, "metrics"),
+                                      outer.size, max_norm_ratio)
+
+    def join(self, loop, trainer) -> None:
+        pass
+
+    def leave(self) -> None:
+        pass
+
+    def run(self, loop, task, sync):
+        return sync(self.session)
+
+
+class FakeQuorum:
+    """trainer/elastic/quorum.py's QuorumGroup with the quorum fixed to the board's ranks: each attempt
+    a fresh epoch, torchft's commit counting and its count of members at the highest committed syncs."""
+
+    def __init__(self, board: Board, rank: int, key: JobKey | None, committed: int = 0, wire=None):
+        self.board, self.rank, self.key, self.committed_syncs = board, rank, key, committed
+        self.wire_class = wire or FakeWire
+        self.epoch, self._errored, self._at_top = 0, None, board.size
+        self.manager = self
+
+    def start(self) -> None:
+        seen = self.board.exchange(self.rank, (self.committed_syncs, self.epoch))
+        counts = [committed for committed, _ in seen]
+        # torchft's quorum ids are the lighthouse's, the same for every member of a quorum
+        self._at_top, self.epoch, self._errored = counts.count(max(counts)), max(e for _, e in seen) + 1, None
+
+    def num_participants(self) -> int:
+        return self._at_top
+
+    def wire(self, link) -> FakeWire:
+        return self.wire_class(self.board, self.rank, self.key, channel="quorum")
+
+    def set_committed_syncs(self, committed: int) -> None:
+        self.committed_syncs = committed
+
+    def report_error(self, exc: Exception) -> None:
+        self._errored = exc
+
+    def commit(self) -> bool:
+        if self._errored is None:
+            self.committed_syncs += 1
+        return self._errored is None
+
+    def shutdown(self) -> None:
+        pass

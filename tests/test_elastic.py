@@ -1,7 +1,8 @@
 """Elastic MuLoCo (trainer/elastic): three workers launched as three separate jobs, joined only by
 torchft's lighthouse, through one failure scenario shared by every test:
 
-1. workers 0, 1, 2 start together (one `deepspeed` launch each) and sync every SYNC_INTERVAL steps;
+1. workers 0, 1, 2 start together (one `deepspeed` launch each) and sync FRAGMENTS streaming fragments
+   every SYNC_INTERVAL steps, each sync overlapping OVERLAP inner steps (it runs in the background);
 2. worker 1's pseudogradient is NaN at its second sync (NAN_AT);
    worker 2 is killed (SIGKILL) after its first sync;
 3. while it is down, workers 0 and 1 sync on their own (K_eff = 2);
@@ -33,9 +34,10 @@ from trainer_harness import EXTENSIONS_ENV, REPO_ROOT, TINY_VOCAB, free_port
 PROBE = REPO_ROOT / "tests" / "_elastic_probe.py"
 WORKERS = 3
 SYNC_INTERVAL = 4
+FRAGMENTS, OVERLAP = 2, 1  # fragment 0 syncs at steps 2, 6, 10, ...; fragment 1 at 4, 8, 12, ...
 TRAIN_ITERS = 128
 # The survivors must outlast worker 2's restart (20-60 s): an emulated WAN latency per round trip
-# (3 per sync) keeps them from racing through the run on an idle machine.
+# (2 per sync: the exchange, then the metrics) keeps them from racing through the run on an idle machine.
 LINK = {"bandwidth_gbit_s": 10, "latency_ms": 500}
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.6
 SYNC_TIMEOUT_S = 8
@@ -52,6 +54,7 @@ def ds_config(lighthouse: str) -> dict:
         "gradient_clipping": 1.0, "steps_per_print": 1000000,
         "muloco": {"workers": WORKERS, "sync_interval": SYNC_INTERVAL, "outer_lr": OUTER_LR,
                    "outer_momentum": OUTER_MOMENTUM, "nesterov": True, "compression": {"method": "none"},
+                   "streaming": {"fragments": FRAGMENTS, "overlap_steps": OVERLAP},
                    "sync_timeout_s": SYNC_TIMEOUT_S, "link": LINK,
                    "elastic": {"lighthouse": lighthouse, "quorum_timeout_s": 240, "max_attempts": 4}},
     }
@@ -191,11 +194,23 @@ def test_while_a_worker_is_down_the_outer_step_averages_exactly_the_survivors_ps
     assert a["sha_after"] == b["sha_after"]
 
 
+# Syncs applied: those launched by TRAIN_ITERS - OVERLAP (a later one's result would land after the run).
+SYNCS = FRAGMENTS * (TRAIN_ITERS - OVERLAP) // SYNC_INTERVAL
+
+
+def sync_step(outer_step: int) -> int:
+    """The inner step that outer step n syncs after (fragments in turn, every SYNC_INTERVAL / FRAGMENTS steps)."""
+    return outer_step * SYNC_INTERVAL // FRAGMENTS
+
+
 def test_survivors_apply_every_outer_step_once_and_the_restarted_worker_rejoins_bit_identical(scenario):
     w0, w2b = scenario.syncs("w0"), scenario.syncs("w2b")
     steps = [r["outer_step"] for r in _records(w0)]
-    assert steps == list(range(1, TRAIN_ITERS // SYNC_INTERVAL + 1)), "an outer step applied twice or skipped"
-    assert all(r["step"] == SYNC_INTERVAL * r["outer_step"] for r in _records(w0))
+    assert steps == list(range(1, SYNCS + 1)), "an outer step applied twice or skipped"
+    assert all(r["step"] == sync_step(r["outer_step"]) for r in _records(w0))
+    assert all(r["fragment"] == (r["outer_step"] - 1) % FRAGMENTS for r in _records(w0))
+    # One round trip on the critical path: the exchange carries the membership (a catch-up adds its own).
+    assert all(r["round_trips"] == 1 for r in _records(w0) if r["attempts"] == 1 and "joining" not in r["left_out"].values())
     rejoin = min(w2b)
     assert w2b[rejoin]["record"]["rejoined"] and w2b[rejoin]["record"]["left_out"] == {"2": "joining"}
     # It took the survivors' state and inner step (its data stream position) and the same outer step.
@@ -221,17 +236,19 @@ def test_a_frozen_worker_is_dropped_after_the_sync_timeout_and_the_run_finishes(
     # Dropped by the lighthouse (heartbeats stop) or by the collective's timeout, then one retry.
     assert first["sync_seconds"] < SYNC_TIMEOUT_S + 3 * LIGHTHOUSE_TIMEOUT_S + 20
     assert all(1 in r["missing"] for r in w0[w0.index(first):]), "the frozen worker came back"
-    assert w0[-1]["outer_step"] == TRAIN_ITERS // SYNC_INTERVAL and w0[-1]["workers_in_sync"] == 2
+    assert w0[-1]["outer_step"] == SYNCS and w0[-1]["workers_in_sync"] == 2
     assert scenario.syncs("w2b")[w0[-1]["outer_step"]]["sha_after"] == scenario.syncs("w0")[w0[-1]["outer_step"]]["sha_after"]
 
 
 def test_a_nonfinite_pseudogradient_is_left_out_while_the_others_proceed(scenario):
     w0, w1 = scenario.syncs("w0"), scenario.syncs("w1")
-    record = w0[2]["record"]
-    assert record["left_out"] == {"1": "non-finite pseudogradient"} == w1[2]["record"]["left_out"]
-    assert record["workers_in_sync"] == len(record["quorum"]) - 1 and record["outer_step"] == 2
-    assert w1[2]["sha_after"] == w0[2]["sha_after"]  # it takes the others' step and goes on
-    assert w0[3]["record"]["left_out"] == {} and w0[3]["record"]["workers_in_sync"] == len(w0[3]["record"]["quorum"])
+    n = next(n for n in sorted(w0) if w0[n]["record"]["step"] == 2 * SYNC_INTERVAL)  # NAN_AT
+    record = w0[n]["record"]
+    assert record["left_out"] == {"1": "non-finite pseudogradient"} == w1[n]["record"]["left_out"]
+    assert record["workers_in_sync"] == len(record["quorum"]) - 1
+    assert w1[n]["sha_after"] == w0[n]["sha_after"]  # it takes the others' step and goes on
+    after = w0[n + 1]["record"]
+    assert after["left_out"] == {} and after["workers_in_sync"] == len(after["quorum"])
 
 
 def test_a_stranger_without_the_secret_never_joins_and_nobody_heals_from_it(scenario):
@@ -260,8 +277,6 @@ def test_membership_leaves_out_joining_nonfinite_and_outlier_members():
 
 
 @pytest.mark.parametrize("block, flags, message", [
-    ({"collective": "reduce_scatter"}, ["--worker-id", "0"], "collective 'reduce_scatter'"),
-    ({"streaming": {"fragments": 2}}, ["--worker-id", "0"], "streaming"),
     ({}, [], "needs --worker-id"),
     ({}, ["--worker-id", "3"], "outside 0..2"),
 ])

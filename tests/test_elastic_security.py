@@ -6,6 +6,7 @@ that could unpickle what it receives."""
 from __future__ import annotations
 
 import ast
+import re
 import pickle
 import socket
 import struct
@@ -151,14 +152,15 @@ def test_state_bytes_round_trip_and_truncations_are_refused():
 
 
 def _loop_with_state(shape=(4, 5)):
-    """An ElasticOuterLoop's state-checking part over one owned (4, 5) parameter."""
-    from trainer.elastic.outer_loop import ElasticOuterLoop
-    loop = ElasticOuterLoop.__new__(ElasticOuterLoop)
+    """An OuterLoop's state-checking part over one owned (4, 5) parameter, in one fragment."""
+    from trainer.diloco.outer_loop import OuterLoop
+    loop = OuterLoop.__new__(OuterLoop)
     loop.params = [SimpleNamespace(name="w")]
     loop.global_weights, loop.momentum = {0: torch.zeros(shape)}, {0: torch.zeros(shape)}
-    loop.outer_step, loop.skipped = 2, 0
+    loop.outer_step, loop.skipped, loop.pending, loop.buckets = 2, 0, [], [[]]
+    loop._state_lock = threading.Lock()
     scheduler = SimpleNamespace(state_dict=lambda: {"last_epoch": 8, "lr_lambdas": [None]})
-    loop._trainer = SimpleNamespace(step=8, engine=SimpleNamespace(lr_scheduler=scheduler))
+    loop.trainer = SimpleNamespace(step=8, engine=SimpleNamespace(lr_scheduler=scheduler))
     return loop
 
 
@@ -166,18 +168,22 @@ def _loop_with_state(shape=(4, 5)):
     (lambda s: s["global_weights"].update(w=torch.zeros(5)), r"global_weights\[w\] is not a torch.float32 tensor"),
     (lambda s: s["momentum"].update(w=torch.zeros(4, 5, dtype=torch.float64)), r"momentum\[w\]"),
     (lambda s: s["global_weights"].update(extra=torch.zeros(1)), "other parameters"),
-    (lambda s: s.update(step=-5), "step -5 is not a count"),
+    (lambda s: s["sync"].update(step=-5), "sync.step -5 is not a count"),
     (lambda s: s.update(outer_step="3"), "outer_step '3' is not a count"),
-    (lambda s: s.pop("scheduler"), "keys"),
-    (lambda s: s.update(scheduler={"x": 1}), "lr schedule"),
+    (lambda s: s.pop("sync"), "keys"),
+    (lambda s: s["sync"].update(scheduler={"x": 1}), "lr schedule"),
+    (lambda s: s["sync"].update(fragment=3), "not a fragment of this run"),
+    (lambda s: s.update(pending=[{"apply_at": 9, "fragment": 0, "averages": [torch.zeros(2)], "skipped": False}]),
+     "in-flight syncs"),
 ])
 def test_a_crafted_peer_state_is_refused_before_anything_is_loaded(change, message):
+    from trainer.diloco.outer_loop import SyncTask
     loop = _loop_with_state()
-    state = state_from_bytes(state_to_bytes(loop._peer_state()), "x")
+    task = SyncTask(0, 8, 3, None)
+    state = state_from_bytes(state_to_bytes(loop.peer_state(task)), "x")
     change(state)
-    with pytest.raises(RankFileError, match=message):
-        loop._check_peer_state(state)
-    loop._check_peer_state(state_from_bytes(state_to_bytes(loop._peer_state()), "x"))  # the honest one passes
+    assert any(re.search(message, problem) for problem in loop.check_peer_state(state)), loop.check_peer_state(state)
+    assert loop.check_peer_state(state_from_bytes(state_to_bytes(loop.peer_state(task)), "x")) == []  # honest: passes
 
 
 def _non_loopback_address() -> str | None:

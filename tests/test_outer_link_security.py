@@ -247,19 +247,19 @@ def test_tags_are_counted_in_the_bytes_sent():
 def test_workers_that_disagree_on_a_rejection_stop_the_run():
     """A message altered on its way to some receivers only: those reject its sender, the sender does
     not, so their weights part. The metrics round compares the verdicts and every rank stops."""
+    from dataclasses import astuple
+
     from trainer.diloco.collectives import CollectiveError
     from trainer.diloco.sync_metrics import LocalSums, sync_record, verdict_digest
 
-    verdicts = [verdict_digest({1: AUTHENTICATION}), verdict_digest({}), verdict_digest({1: AUTHENTICATION})]
-    board = Board(3)
+    def gathered(verdicts: list[float]) -> list[list[float]]:  # every worker's row, as the metrics round gathers it
+        board = Board(3)
+        return run_ranks(3, lambda r: FakeWire(board, r, KEY, channel="metrics").sum_per_worker(
+            list(astuple(LocalSums(verdict=verdicts[r]))), 3, "t"))
 
-    def rank(r):
-        try:
-            sync_record(FakeWire(board, r, KEY, channel="metrics"), 3, [1.0] * 3, LocalSums(verdict=verdicts[r]), "t")
-        except CollectiveError as err:
-            return str(err)
-    assert all("disagree on which outer payloads to reject" in message for message in run_ranks(3, rank))
-    same = Board(3)
-    agreeing = run_ranks(3, lambda r: sync_record(FakeWire(same, r, KEY, channel="metrics"), 3, [1.0] * 3,
-                                                  LocalSums(verdict=verdicts[0]), "t"))
-    assert all("averaged_norm" in record for record in agreeing)
+    rejected, accepted = verdict_digest({1: AUTHENTICATION}, None), verdict_digest({}, None)
+    for rows in gathered([rejected, accepted, rejected]):
+        with pytest.raises(CollectiveError, match="disagree on which outer payloads to reject"):
+            sync_record(rows, [0, 1, 2], 1, [1.0] * 3, "t")
+    for rows in gathered([accepted] * 3):
+        assert "averaged_norm" in sync_record(rows, [0, 1, 2], 1, [1.0] * 3, "t")

@@ -2,6 +2,7 @@
 see the step already counted, return values to log, and detach through their handle or the
 components' context managers (also when training raises)."""
 from collections import OrderedDict
+from types import SimpleNamespace
 
 import pytest
 
@@ -30,10 +31,12 @@ def test_outer_loop_and_checkpointer_detach_when_the_block_ends_or_raises():
     trainer, synced = bare_trainer(step=3), []
     outer = OuterLoop.__new__(OuterLoop)
     outer.after_inner_step = synced.append
+    left = []
+    outer.membership = SimpleNamespace(join=lambda loop, trainer: None, leave=lambda: left.append(True))
     saver = Checkpointer.__new__(Checkpointer)
     saver._after_step = lambda step: {"checkpoint_seconds": 0.5}
     with pytest.raises(RuntimeError):
         with outer.attached_to(trainer), saver.attached_to(trainer):
             assert trainer._run_step_hooks() == {"checkpoint_seconds": 0.5}
             raise RuntimeError("training failed")
-    assert synced == [3] and not trainer._step_hooks
+    assert synced == [3] and not trainer._step_hooks and left == [True]  # it left its membership too

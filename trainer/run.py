@@ -22,6 +22,7 @@ from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.config import RunConfig
 from trainer.data import StreamPosition, build_datasets, tokenizer_info
 from trainer.diloco.auth import JobKey, key_file_is_private, read_job_key
+from trainer.diloco.membership import StaticMembership
 from trainer.diloco.outer_loop import OuterLoop
 from trainer.engine import Engine
 from trainer.metrics import MetricsLogger
@@ -34,6 +35,14 @@ from trainer.schedule import lr_multiplier
 from trainer.topology import ParallelSizes, build_topology
 from trainer.training import Trainer
 from trainer.watchdog import Watchdog
+
+
+def _membership(config: RunConfig, topology, key: JobKey | None):
+    """The workers of one world (StaticMembership), or the elastic job's torchft quorum."""
+    if config.elastic:  # only elastic runs import torchft
+        from trainer.elastic.membership import QuorumMembership
+        return QuorumMembership(config.muloco, topology, key, config.worker_id)
+    return StaticMembership(config.muloco, topology, key)
 
 
 def _job_key(config: RunConfig, is_logger: bool) -> JobKey | None:
@@ -124,13 +133,10 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     trainer = trainer_class(config, topology, engine, datasets.train, datasets.valid, position, logger)
     outer = None
     if config.muloco is not None:
-        loop_class = OuterLoop
-        if config.elastic:  # only elastic runs import torchft
-            from trainer.elastic.outer_loop import ElasticOuterLoop as loop_class
-        outer = loop_class(config.muloco, list(model.named_parameters()), canonical, topology,
-                           mps.get_tensor_model_parallel_rank(), config.model.num_layers,
-                           log=lambda record, step: logger.log(record, step, prefix="outer"),
-                           key=_job_key(config, is_logger))
+        outer = OuterLoop(config.muloco, list(model.named_parameters()), canonical, topology,
+                          mps.get_tensor_model_parallel_rank(), config.model.num_layers,
+                          log=lambda record, step: logger.log(record, step, prefix="outer"),
+                          membership=_membership(config, topology, _job_key(config, is_logger)))
         trainer.extra_state["muloco"] = outer
     if is_logger:
         print(f"global batch {config.batch.global_batch} sequences ({config.batch.per_worker} per worker x "

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -70,6 +71,7 @@ class CollectiveStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     round_trips: int = 0
+    link_seconds: float = 0.0  # held by the emulated slow link
 
 
 class CollectiveError(RuntimeError):
@@ -148,7 +150,9 @@ class Wire:
         self.stats.bytes_received += received
         self.stats.round_trips += 1
         if self.link is not None:
+            held = time.perf_counter()
             self.link.wait(sent)
+            self.stats.link_seconds += time.perf_counter() - held
 
     def all_gather(self, buffer: torch.Tensor, context: str) -> list[torch.Tensor | None]:
         """All-gather equal-size 1-D uint8 buffers; returns one per rank, in rank order, on the wire's
@@ -286,6 +290,7 @@ class Averaged:
 REJECTIONS = ("failed authentication", "malformed payload", "payload decodes to non-finite values",
               "payload norm differs from the norm its sender claims", "payload norm is over max_norm_ratio x its peers'")
 AUTHENTICATION, MALFORMED, NONFINITE, CLAIM_MISMATCH, OUTLIER = REJECTIONS
+LEFT_OUT = "left out by its header"  # a reason of the caller's (e.g. joining), as a reduce-scatter owner reports it
 
 
 @dataclass
@@ -403,25 +408,31 @@ def _average_over(kept: list[int], totals: list[tuple[torch.Tensor | None, list[
     return averages
 
 
+Choose = Callable[[list["torch.Tensor | None"]], tuple[list[int], dict[int, str]]]
+
+
+def everyone(headers: list[torch.Tensor | None]) -> tuple[list[int], dict[int, str]]:
+    """Every rank of the group sends a payload to average (the single-world mode)."""
+    return list(range(len(headers))), {}
+
+
 def average_buckets(buckets: Sequence[Bucket], wire: Wire, collective: str, context: str,
-                    members: Sequence[int] | None = None, header: torch.Tensor | None = None,
+                    header: torch.Tensor | None = None, choose: Choose = everyone,
                     max_norm_ratio: float = math.inf, leave_out: bool = False) -> Exchanged:
-    """Average each bucket over the wire's group (or over the group ranks `members` only: the others
-    still take part in the collectives, and receive the average), and deliver every rank's `header`
-    (uint8, the same size on every rank); decoding happens on each bucket's own device. Every payload
-    is checked (see the module docstring); with `leave_out` the average is over the senders that pass,
-    else any rejection drops it (`averaged` is empty). With a header the collectives run even when
-    there are no buckets."""
+    """Average each bucket over the senders `choose` picks from every rank's `header` (uint8, the same
+    size on every rank, delivered with the first collective; it returns the senders and why each
+    other rank is not one). Ranks not chosen still take part in the collectives and receive the
+    average. Every chosen payload is checked (see the module docstring); with `leave_out` the average
+    is over the senders that pass, else any rejection drops it (`averaged` is empty). Decoding happens
+    on each bucket's own device. With a header the collectives run even when there are no buckets."""
     header = torch.empty(0, dtype=torch.uint8) if header is None else header
     if collective == "all_gather":
-        return _all_gather_average(buckets, wire, context, members, header, max_norm_ratio, leave_out)
-    if members is not None or leave_out:
-        raise ValueError("averaging over a subset of the group is implemented for the all_gather collective only")
-    return _reduce_scatter_average(buckets, wire, context, header, max_norm_ratio)
+        return _all_gather_average(buckets, wire, context, header, choose, max_norm_ratio, leave_out)
+    return _reduce_scatter_average(buckets, wire, context, header, choose, max_norm_ratio, leave_out)
 
 
-def _all_gather_average(buckets: Sequence[Bucket], wire: Wire, context: str, members: Sequence[int] | None,
-                        header: torch.Tensor, max_norm_ratio: float, leave_out: bool) -> Exchanged:
+def _all_gather_average(buckets: Sequence[Bucket], wire: Wire, context: str, header: torch.Tensor, choose: Choose,
+                        max_norm_ratio: float, leave_out: bool) -> Exchanged:
     encoded = [_encode_chunks(bucket)[0] for bucket in buckets]
     layouts = [bucket.layout.chunks[0] for bucket in buckets]
     head = torch.cat([_claim(sum(squared_norm(e.decoded) for e in encoded)), header.cpu()])
@@ -433,7 +444,7 @@ def _all_gather_average(buckets: Sequence[Bucket], wire: Wire, context: str, mem
     parts = {r: buffer.split(sizes[r]) for r, buffer in enumerate(buffers) if buffer is not None and r not in failed}
     headers = [parts[r][0][CLAIM_BYTES:] if r in parts else None for r in range(wire.size)]
 
-    senders = list(range(wire.size)) if members is None else list(members)
+    senders, left_out = choose(headers)
     decodings = _Decodings()
     decodings.failed.update({r: failed.get(r, AUTHENTICATION) for r in senders if r not in parts})
     totals = [decodings.sum_in_rank_order(senders, lambda r: parts[r][i], bucket.compressor, layout, bucket.flat.device)
@@ -441,15 +452,16 @@ def _all_gather_average(buckets: Sequence[Bucket], wire: Wire, context: str, mem
     claims = {r: _read_claim(parts[r][0]) for r in senders if r in parts}
     rejected = _verdicts(senders, decodings.failed, decodings.measured, claims, max_norm_ratio)
     kept = [r for r in senders if r not in rejected]
-    if not kept or (rejected and not leave_out):
+    rejected.update(left_out)
+    if not kept or (rejected.keys() - left_out.keys() and not leave_out):
         return Exchanged([], headers, rejected)
     averages = _average_over(kept, totals, buckets, layouts, lambda r, i: parts[r][i + 1])
     return Exchanged([Averaged(average, bucket.flat - own.decoded)
                       for average, bucket, own in zip(averages, buckets, encoded)], headers, rejected)
 
 
-def _reduce_scatter_average(buckets: Sequence[Bucket], wire: Wire, context: str, header: torch.Tensor,
-                            max_norm_ratio: float) -> Exchanged:
+def _reduce_scatter_average(buckets: Sequence[Bucket], wire: Wire, context: str, header: torch.Tensor, choose: Choose,
+                            max_norm_ratio: float, leave_out: bool) -> Exchanged:
     size, me, n = wire.size, wire.rank, len(buckets)
     encoded = [_encode_chunks(bucket) for bucket in buckets]  # [bucket][chunk]
 
@@ -473,72 +485,116 @@ def _reduce_scatter_average(buckets: Sequence[Bucket], wire: Wire, context: str,
              if buffer is not None and src not in failed}
     headers = [parts[src][0][CLAIM_BYTES:] if src in parts else None for src in range(size)]
 
-    # Phase 2: check the chunks this rank owns, average them in rank order and re-quantize.
-    senders, owned = list(range(size)), [chunks[i][me] for i in range(n)]
+    # Phase 2: check the chunks this rank owns from the senders its headers choose, average them in
+    # rank order and re-quantize.
+    senders, left_out = choose(headers)
+    owned = [chunks[i][me] for i in range(n)]
     decodings = _Decodings()
     decodings.failed.update({src: failed.get(src, AUTHENTICATION) for src in senders if src not in parts})
     totals = [decodings.sum_in_rank_order(senders, lambda src: parts[src][i], bucket.compressor, layout,
                                           bucket.flat.device)
               for i, (bucket, layout) in enumerate(zip(buckets, owned), start=1)]
-    claims = {src: _read_claim(parts[src][0]) for src in parts}
-    verdicts = _verdicts(senders, decodings.failed, decodings.measured, claims, max_norm_ratio)
-    kept = [src for src in senders if src not in verdicts]
-    averages = (_average_over(kept, totals, buckets, owned, lambda src, i: parts[src][i + 1]) if kept
-                else [torch.zeros(sum(r * c for r, c in layout), device=b.flat.device) for b, layout in zip(buckets, owned)])
-    requantized = [bucket.compressor.encode_bucket(average, layout)
-                   for bucket, average, layout in zip(buckets, averages, owned)]
+    claims = {src: _read_claim(parts[src][0]) for src in senders if src in parts}
+    verdicts = {**left_out, **_verdicts(senders, decodings.failed, decodings.measured, claims, max_norm_ratio)}
 
-    # Phase 3: all-gather the verdicts and the re-quantized chunks; every rank checks and decodes all
-    # of them, its own included. A part holds the K verdict codes and the claim, then the buckets.
-    codes = torch.tensor([REJECTIONS.index(verdicts[src]) + 1 if src in verdicts else 0 for src in senders],
-                         dtype=torch.uint8)
-    q_head = torch.cat([codes, _claim(sum(squared_norm(q.decoded) for q in requantized))])
-    q_fixed = [q_head.numel()] + [buckets[i].compressor.bucket_nbytes(owned[i]) for i in range(n)]
-    if None in q_fixed:
-        q_limits = [[q_head.numel()] + [buckets[i].compressor.max_bucket_nbytes(chunks[i][j]) for i in range(n)]
-                    for j in range(size)]
-        q_sizes, q_failed = [], {}
-        for j, claimed in enumerate(wire.all_gather_ints([q_head.numel()] + [q.nbytes for q in requantized], context)):
-            ok = claimed is not None and len(claimed) == n + 1 and all(0 <= a <= b for a, b in zip(claimed, q_limits[j]))
-            if not ok:
-                q_failed[j] = AUTHENTICATION if claimed is None else MALFORMED
-            q_sizes.append(claimed if ok else [0] * (n + 1))
-    else:
-        q_sizes = [[q_head.numel()] + [buckets[i].compressor.bucket_nbytes(chunks[i][j]) for i in range(n)]
-                   for j in range(size)]
-        q_failed = {}
-    q_payload = torch.cat([q_head.to(wire.device)] + [q.data.to(wire.device) for q in requantized])
-    q_buffers = wire.all_gather_padded(q_payload, [sum(s) for s in q_sizes], context)
-    rejected: dict[int, str] = {}
-    checked = _Decodings()
-    checked.failed.update(q_failed)
-    decoded_chunks = []
-    for j, buffer in enumerate(q_buffers):
-        if buffer is None or j in q_failed:
-            checked.failed.setdefault(j, AUTHENTICATION)
-            decoded_chunks.append(None)
-            continue
-        q_parts = buffer.split(q_sizes[j])
-        for src, code in enumerate(q_parts[0][:size].tolist()):
-            if 0 < code <= len(REJECTIONS):
-                rejected.setdefault(src, f"{REJECTIONS[code - 1]} (found by the owner of chunk {j})")
-            elif code:
-                checked.failed[j] = MALFORMED
-        decoded_chunks.append([checked.decode(j, buckets[i].compressor, q_parts[i + 1], chunks[i][j],
-                                              buckets[i].flat.device) for i in range(n)])
-        if j not in checked.failed:
-            checked.measured.setdefault(j, 0.0)
-            q_claim = _read_claim(q_parts[0][size:])
-            if not (math.isfinite(q_claim) and abs(checked.measured[j] - q_claim)
-                    <= CLAIM_TOLERANCE * max(abs(checked.measured[j]), abs(q_claim))):
-                checked.failed[j] = CLAIM_MISMATCH
-    for j, reason in checked.failed.items():
-        rejected.setdefault(j, f"{reason} (its re-quantized chunk {j})")
-    if rejected:
+    def requantize(kept: list[int]) -> list[Encoded]:
+        averages = (_average_over(kept, totals, buckets, owned, lambda src, i: parts[src][i + 1]) if kept else
+                    [torch.zeros(sum(r * c for r, c in layout), device=b.flat.device) for b, layout in zip(buckets, owned)])
+        return [bucket.compressor.encode_bucket(average, layout)
+                for bucket, average, layout in zip(buckets, averages, owned)]
+
+    # Phase 3: every rank gathers every owner's verdicts (a code per sender: 0 averaged, else why not)
+    # and re-quantized chunk, and checks them. Owners that saw different headers or payloads may have
+    # averaged over different senders; with leave_out they average again over the senders no owner
+    # refused (phase 4, only then), else any refusal drops the sync.
+    kept = [src for src in range(size) if src not in verdicts]
+    gathered = _gather_requantized(wire, requantize(kept), _codes(verdicts, size), buckets, chunks, context)
+    refused = {src: reason for codes in gathered.codes for src, reason in codes.items()}
+    if gathered.failed_owners:
+        return _refused_owners(gathered, headers, verdicts | refused, leave_out, context)
+    if leave_out and any(set(codes) != set(refused) for codes in gathered.codes):
+        final = [src for src in range(size) if src not in refused]
+        gathered = _gather_requantized(wire, requantize(final), _codes(refused, size), buckets, chunks, context)
+        if gathered.failed_owners:
+            return _refused_owners(gathered, headers, refused, leave_out, context)
+    rejected = {src: verdicts.get(src, reason) for src, reason in refused.items()}
+    if not leave_out and rejected.keys() - left_out.keys() or len(rejected) == size:
         return Exchanged([], headers, rejected)
     out = []
     for i, bucket in enumerate(buckets):
-        average = torch.cat([decoded_chunks[j][i] for j in range(size)])
+        average = torch.cat([gathered.decoded[j][i] for j in range(size)])
         sent = torch.cat([chunk.decoded for chunk in encoded[i]])
         out.append(Averaged(average, bucket.flat - sent))
     return Exchanged(out, headers, rejected)
+
+
+def _codes(verdicts: dict[int, str], size: int) -> torch.Tensor:
+    """An owner's verdict on every sender: 0 averaged, else 1 + the index of the reason's category
+    (a header's own reasons, e.g. "joining", travel as LEFT_OUT)."""
+    return torch.tensor([REJECTIONS.index(verdicts[src]) + 1 if verdicts.get(src) in REJECTIONS
+                         else len(REJECTIONS) + 1 if src in verdicts else 0 for src in range(size)], dtype=torch.uint8)
+
+
+@dataclass
+class _Requantized:
+    decoded: list[list[torch.Tensor] | None]  # [owner][bucket]
+    codes: list[dict[int, str]]  # every owner's refusals: sender -> reason
+    failed_owners: dict[int, str]  # owners whose part failed its tag or checks
+
+
+def _gather_requantized(wire: Wire, requantized: list[Encoded], codes: torch.Tensor, buckets: Sequence[Bucket],
+                        chunks: list[list[Layout]], context: str) -> _Requantized:
+    """All-gather each owner's verdict codes, claim and re-quantized chunk; decode and check them all."""
+    size, me, n = wire.size, wire.rank, len(buckets)
+    q_head = torch.cat([codes, _claim(sum(squared_norm(q.decoded) for q in requantized))])
+    fixed = [q_head.numel()] + [buckets[i].compressor.bucket_nbytes(chunks[i][me]) for i in range(n)]
+    failed: dict[int, str] = {}
+    if None in fixed:
+        limits = [[q_head.numel()] + [buckets[i].compressor.max_bucket_nbytes(chunks[i][j]) for i in range(n)]
+                  for j in range(size)]
+        sizes = []
+        for j, claimed in enumerate(wire.all_gather_ints([q_head.numel()] + [q.nbytes for q in requantized], context)):
+            ok = claimed is not None and len(claimed) == n + 1 and all(0 <= a <= b for a, b in zip(claimed, limits[j]))
+            if not ok:
+                failed[j] = AUTHENTICATION if claimed is None else MALFORMED
+            sizes.append(claimed if ok else [0] * (n + 1))
+    else:
+        sizes = [[q_head.numel()] + [buckets[i].compressor.bucket_nbytes(chunks[i][j]) for i in range(n)]
+                 for j in range(size)]
+    payload = torch.cat([q_head.to(wire.device)] + [q.data.to(wire.device) for q in requantized])
+    buffers = wire.all_gather_padded(payload, [sum(s) for s in sizes], context)
+    checked = _Decodings()
+    checked.failed.update(failed)
+    decoded: list[list[torch.Tensor] | None] = []
+    all_codes: list[dict[int, str]] = []
+    for j, buffer in enumerate(buffers):
+        if buffer is None or j in failed:
+            checked.failed.setdefault(j, AUTHENTICATION)
+            decoded.append(None)
+            all_codes.append({})
+            continue
+        q_parts = buffer.split(sizes[j])
+        owner_codes = {}
+        for src, code in enumerate(q_parts[0][:size].tolist()):
+            if 0 < code <= len(REJECTIONS) + 1:
+                owner_codes[src] = f"{(*REJECTIONS, LEFT_OUT)[code - 1]} (found by the owner of chunk {j})"
+            elif code:
+                checked.failed[j] = MALFORMED
+        all_codes.append(owner_codes)
+        decoded.append([checked.decode(j, buckets[i].compressor, q_parts[i + 1], chunks[i][j], buckets[i].flat.device)
+                        for i in range(n)])
+        if j not in checked.failed:
+            measured, claim = checked.measured.get(j, 0.0), _read_claim(q_parts[0][size:])
+            if not (math.isfinite(claim) and abs(measured - claim) <= CLAIM_TOLERANCE * max(abs(measured), abs(claim))):
+                checked.failed[j] = CLAIM_MISMATCH
+    return _Requantized(decoded, all_codes, checked.failed)
+
+
+def _refused_owners(gathered: _Requantized, headers, rejected: dict[int, str], leave_out: bool, context: str) -> Exchanged:
+    """An owner whose re-quantized chunk fails: nobody can complete the average. The single world skips
+    the sync (the owner's worker named); where a sender is left out instead, the attempt fails."""
+    reasons = {j: f"{reason} (its re-quantized chunk {j})" for j, reason in gathered.failed_owners.items()}
+    if leave_out:
+        raise CollectiveError(f"re-quantized chunks failed their checks in {context}: "
+                              + "; ".join(f"rank {j}: {why}" for j, why in reasons.items()))
+    return Exchanged([], headers, {**rejected, **reasons})

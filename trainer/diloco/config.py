@@ -117,8 +117,4 @@ class MuLoCoConfig(ConfigBlock):
         if self.streaming.overlap_steps >= self.sync_interval:
             problems.append(("streaming.overlap_steps", f"({self.streaming.overlap_steps}) must be below "
                                                         f"sync_interval ({self.sync_interval})"))
-        if self.elastic is not None:
-            unsupported = self.elastic.unsupported(self)
-            if unsupported:
-                problems.append(("elastic", "does not support: " + "; ".join(unsupported)))
         return problems

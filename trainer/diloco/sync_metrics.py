@@ -14,9 +14,9 @@ import math
 import statistics
 import hashlib
 import json
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
-from trainer.diloco.collectives import CollectiveError, Wire
+from trainer.diloco.collectives import CollectiveError
 
 
 @dataclass
@@ -30,33 +30,36 @@ class LocalSums:
     verdict: float = 0.0  # verdict_digest of the payloads this rank's outer group rejected
 
 
-def verdict_digest(rejected: dict[int, str]) -> float:
-    """A 32-bit digest of which senders an outer group rejected and why (exact as a float, and its
-    sums over a worker's ranks stay exact)."""
-    text = json.dumps(sorted(rejected.items()))
+def verdict_digest(rejected: dict[int, str], skipped: str | None) -> float:
+    """A 32-bit digest of the decision an outer group took: which senders it rejected, and whether it
+    skipped the sync (the reasons' wording may differ between members; what decides the weights may
+    not). Exact as a float, and its sums over a worker's ranks stay exact."""
+    text = json.dumps([sorted(rejected), skipped is not None])
     return float(int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little"))
 
 
-def sync_record(wire: Wire, workers: int, norms: list[float], local: LocalSums, context: str) -> dict:
-    """The sync's statistics (empty for a sync nobody applied: then only the verdicts are checked).
+def sync_record(rows: list[list[float]], contributors: list[int], ranks_per_worker: int, norms: list[float],
+                context: str) -> dict:
+    """The sync's statistics from every member's LocalSums summed over its ranks (`rows`, one per
+    member), over the `contributors` (`norms` empty for a sync nobody applied: then only the verdicts
+    are checked); bytes are the mean over every member's ranks (each sent its payload).
 
     Every rank of an outer group checks the same received bytes, so the groups' verdicts agree unless
     a message was altered on its way to some receivers only; then those receivers' weights now differ
     from the others', and the run stops here, on every rank, rather than train on apart."""
-    sums = wire.sum_per_worker(list(astuple(local)), workers, f"sync metrics, {context}")
-    verdicts = {s[5] for s in sums}
-    if len(verdicts) > 1:
+    if len({row[5] for row in rows}) > 1:
         raise CollectiveError(f"the workers disagree on which outer payloads to reject in {context} (a message was "
                               f"altered on its way to some of them): their weights now differ; restart from the last "
                               f"checkpoint")
     if not norms:
         return {}
+    sums = [rows[i] for i in contributors]
     dots, average_sq = [s[0] for s in sums], sums[0][1]  # every worker holds the same average
     residual_sq, sent_sq = sum(s[3] for s in sums), sum(s[4] for s in sums)
     return {
         "pseudograd_cosine": statistics.fmean(
-            dots[k] / max(norms[k] * math.sqrt(average_sq), 1e-30) for k in range(workers)),
+            dots[k] / max(norms[k] * math.sqrt(average_sq), 1e-30) for k in range(len(sums))),
         "averaged_norm": math.sqrt(average_sq),
-        "bytes_sent_per_rank": sum(s[2] for s in sums) / wire.size,
+        "bytes_sent_per_rank": sum(row[2] for row in rows) / (len(rows) * ranks_per_worker),
         "compression_error": math.sqrt(residual_sq / sent_sq) if sent_sq > 0 else 0.0,
     }

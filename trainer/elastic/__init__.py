@@ -2,13 +2,12 @@
 fault-tolerant outer group built on torchft (https://github.com/pytorch/torchft).
 
 - `lighthouse`: the quorum server every worker's torchft ManagerServer talks to (`python -m
-  trainer.elastic.lighthouse`).
-- `quorum`: this rank's torchft Manager and its reconfigurable gloo group, which joins rank (d, p, t)
-  of every worker in the current quorum; `QuorumWire` runs the outer exchange on it.
-- `membership`: who in a quorum contributes to a sync (left out: joining, non-finite, outlier).
-- `outer_loop`: the MuLoCo outer loop on that group: a quorum per sync, K_eff = the members that
-  contribute, retries with a fresh quorum when a peer dies or stalls, and state transfer from a live
-  peer for a worker that (re)joins.
+  trainer.elastic.lighthouse`), behind `tunnel`'s authenticated gateway.
+- `quorum`: this rank's torchft Manager and its reconfigurable group, which joins rank (d, p, t) of
+  every worker in the current quorum; `QuorumWire` runs the outer exchange on it.
+- `membership`: the outer loop's membership on that group (trainer/diloco/membership.py): a quorum
+  per sync, who in it contributes, retries with a fresh quorum when a peer dies or stalls, and the
+  state a member behind its peers receives first.
 
 Only `config` is imported by the config modules; the rest imports torchft.
 """

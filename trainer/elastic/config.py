@@ -42,19 +42,6 @@ class ElasticConfig(ConfigBlock):
             raise ConfigError(f"elastic workers need the lighthouse's address: muloco.elastic.lighthouse or ${LIGHTHOUSE_ENV}")
         return address
 
-    def unsupported(self, muloco) -> list[str]:
-        """The muloco block's settings the elastic outer group does not support today."""
-        problems = []
-        if muloco.streaming.fragments != 1 or muloco.streaming.overlap_steps != 0:
-            problems.append("streaming fragments/overlap (use fragments 1, overlap_steps 0)")
-        if muloco.collective != "all_gather":
-            problems.append(f"collective {muloco.collective!r} (use all_gather: its average can leave a member out)")
-        if muloco.outer_backend != "gloo":
-            problems.append(f"outer_backend {muloco.outer_backend!r} (the quorum group is torchft's gloo group)")
-        if muloco.identical_worker_data:
-            problems.append("identical_worker_data")
-        return problems
-
 
 def check_worker_id(worker_id: int | None, workers: int, elastic: bool) -> None:
     if elastic and worker_id is None:

@@ -1,19 +1,63 @@
-"""Who contributes to one elastic outer sync.
+"""The elastic membership: one job per worker (datacenter), meeting at each outer sync in a torchft
+quorum (trainer/elastic/quorum.py). The outer loop's sync body (trainer/diloco/outer_loop.py) runs
+once per attempt:
 
-Every member of the quorum publishes one row; every rank sees the same rows in the same (quorum)
-order, so every rank draws the same conclusion. A member is left out of the average when its row
-fails its tag, when it is joining (it has just loaded the outer state from a peer, or the run is starting, so it has no
-pseudogradient of its own), when its pseudogradient is non-finite, or when its norm is more than
-`max_norm_ratio` times the median of the other contributors'. Members left out still receive the
-average and take the same outer step, so every member leaves the sync with the same global weights.
+1. quorum: the workers that are alive and at the sync (torchft lighthouse, through the tunnel);
+2. catch-up, only when torchft counts fewer members at the highest number of committed syncs than in
+   the quorum: every member publishes (worker id, committed syncs), tagged; the first member that has
+   them all sends its state and the sync's task to the members behind, over the quorum's group, tagged,
+   as safetensors (nothing received is unpickled), each checked against its own shapes before it is
+   loaded (trainer.diloco.outer_loop.OuterLoop.peer_state / load_peer_state);
+3. the exchange: every member's row rides in its payload's header (worker id, inner step, joining,
+   non-finite, squared norm, committed syncs), so who contributes (`left_out` below) is decided in the
+   same collective: one round trip. Left out: a row that fails its tag, a member that is joining (it
+   has just loaded the state, or the run is starting), a non-finite or outlier pseudogradient, a
+   payload that fails its checks. Members left out receive the same average, so every member leaves
+   the sync with the same global weights;
+4. commit: every rank of the worker agrees the sync finished (torchft's should_commit); a failed
+   attempt (a peer died, or stalled past `muloco.sync_timeout_s`) is retried with a fresh quorum on
+   the same pseudogradient, so the survivors apply every outer step exactly once; after
+   `elastic.max_attempts` failures the job stops.
+
+A worker that restarts joins at its peers' next sync, whichever fragment it is: it catches up first
+(state, inner step, engine counters, lr schedule, the peers' syncs still in flight), takes that sync's
+outer step with them as a member that does not contribute, and goes on from their inner step. Its
+inner optimizer state is its own (fresh, or from its --load checkpoint); its error feedback restarts
+from zero. A fresh run waits (up to `quorum_timeout_s`) until all K workers are in the first quorum.
+One known gap: when a peer dies in the middle of the last collective, one survivor may commit a sync
+another one retries; the one left behind catches up at its next attempt, losing its inner steps since.
 """
 from __future__ import annotations
 
 import math
 import statistics
+import time
 from dataclasses import dataclass
+from datetime import timedelta
 
-ROW = ("worker", "step", "joining", "nonfinite", "sq_norm", "committed")  # one member's published values, in order
+import torch
+
+from trainer import comm
+from trainer.checkpoint.rank_file import RankFileError, state_from_bytes, state_to_bytes
+from trainer.diloco.auth import JobKey
+from trainer.diloco.collectives import CollectiveError, Exchanged, Wire
+from trainer.diloco.config import MuLoCoConfig
+from trainer.diloco.membership import Decision
+from trainer.elastic.quorum import QuorumGroup
+from trainer.topology import Topology, worker_ranks
+
+# One member's header, float64, in order; `weights` digests its global weights of the fragment synced.
+ROW = ("worker", "step", "joining", "nonfinite", "sq_norm", "committed", "weights")
+# What a failed attempt raises: our collectives (CollectiveError), a state that fails its checks
+# (RankFileError), torchft's quorum (RuntimeError, TimeoutError).
+_ATTEMPT_FAILURES = (CollectiveError, RankFileError, RuntimeError, TimeoutError)
+_START_POLL_S = 1.0
+# Bytes a peer's serialized state may hold beyond the tensors this rank owns (its JSON tree, its
+# in-flight averages are counted separately).
+_STATE_SLACK_BYTES = 16 << 20
+
+
+DIVERGED = "global weights differ from its peers'"
 
 
 @dataclass(frozen=True)
@@ -23,14 +67,15 @@ class Member:
     joining: bool
     nonfinite: bool
     norm: float
-    committed: int = 0  # outer syncs this worker has committed: a member below the highest is behind
+    committed: int = 0  # outer syncs this worker has committed
+    weights: float = 0.0  # a digest of its global weights of the fragment synced
     authentic: bool = True  # False: its row failed its tag (it is in the quorum, but not one of us)
 
     @classmethod
     def from_row(cls, row: list[float]) -> Member:
-        worker, step, joining, nonfinite, sq, committed = row
+        worker, step, joining, nonfinite, sq, committed, weights = row
         return cls(int(worker), int(step), joining > 0, nonfinite > 0, math.sqrt(sq) if math.isfinite(sq) else math.inf,
-                   int(committed))
+                   int(committed), weights)
 
     @classmethod
     def unauthenticated(cls) -> Member:
@@ -38,9 +83,16 @@ class Member:
 
 
 def left_out(members: list[Member], max_norm_ratio: float) -> dict[int, str]:
-    """Quorum index -> why that member does not contribute to this sync."""
+    """Quorum index -> why that member does not contribute to this sync (from the rows alone). A
+    member whose global weights differ from most members' (it committed a sync alone that the others
+    retried, say) is left out too; it catches up at its next sync."""
     reasons = {i: "failed authentication" for i, m in enumerate(members) if not m.authentic}
     reasons.update({i: "joining" for i, m in enumerate(members) if m.joining and i not in reasons})
+    settled = [m.weights for i, m in enumerate(members) if i not in reasons]
+    if settled:
+        usual = max(settled, key=lambda w: (settled.count(w), -settled.index(w)))  # the most common, then the first
+        reasons.update({i: DIVERGED for i, m in enumerate(members)
+                        if i not in reasons and m.weights != usual})
     reasons.update({i: "non-finite pseudogradient" for i, m in enumerate(members) if m.nonfinite and i not in reasons})
     candidates = [i for i in range(len(members)) if i not in reasons]
     for i in candidates:
@@ -48,3 +100,176 @@ def left_out(members: list[Member], max_norm_ratio: float) -> dict[int, str]:
         if others and members[i].norm > max_norm_ratio * max(statistics.median(others), 1e-12):
             reasons[i] = f"pseudogradient norm {members[i].norm:.3g} is over {max_norm_ratio}x its peers'"
     return reasons
+
+
+class _WaitingForPeers(Exception):
+    """A fresh run's first quorum does not yet hold every worker."""
+
+
+def _members(headers: list[torch.Tensor | None]) -> list[Member]:
+    return [Member.unauthenticated() if h is None or h.numel() != 8 * len(ROW)
+            else Member.from_row(h.cpu().clone().view(torch.float64).tolist()) for h in headers]
+
+
+class _QuorumSession:
+    """One attempt of one sync on the current quorum."""
+    leave_out = True
+
+    def __init__(self, membership: QuorumMembership, wire: Wire, attempt: int):
+        self.membership, self.wire, self.metrics_wire, self.attempt = membership, wire, wire, attempt
+        self.epoch = membership.quorum.epoch
+        self.joining = membership.loop.joining
+        self.caught_up = None  # the sync this member takes part in after catching up (else the one it launched)
+        self.members: list[Member] = []
+
+    def header(self, ballot: torch.Tensor, step: int, fragment: int) -> torch.Tensor:
+        nonfinite, sq = ballot.tolist() if not self.joining else (0.0, 0.0)
+        row = [float(self.membership.worker), float(step), float(self.joining), nonfinite, sq,
+               float(self.membership.quorum.committed_syncs), self.membership.loop.weights_digest(fragment)]
+        return torch.tensor(row, dtype=torch.float64).view(torch.uint8)
+
+    def choose(self, headers: list[torch.Tensor | None]) -> tuple[list[int], dict[int, str]]:
+        self.members = _members(headers)
+        reasons = left_out(self.members, self.membership.config.max_norm_ratio)
+        if reasons.get(self.wire.rank) == DIVERGED:  # count one sync fewer: the next one catches this member up
+            self.membership.quorum.set_committed_syncs(self.membership.quorum.committed_syncs - 1)
+        return [i for i in range(len(self.members)) if i not in reasons], reasons
+
+    def decide(self, exchanged: Exchanged) -> Decision:
+        members, config = self.members, self.membership.config
+        ours = [m for m in members if m.authentic]
+        if all(m.joining for m in ours) and len(ours) < config.workers and time.monotonic() < self.membership.start_deadline:
+            raise _WaitingForPeers(f"{len(ours)} of {config.workers} workers in the first quorum")
+        contributors = [i for i in range(len(members)) if i not in exchanged.rejected]
+        in_quorum = [m.worker for m in ours]
+        record = {"workers_in_sync": len(contributors), "quorum": in_quorum,
+                  "missing": sorted(set(range(config.workers)) - set(in_quorum)),
+                  "left_out": {str(members[i].worker): why for i, why in sorted(exchanged.rejected.items())
+                               if members[i].authentic},
+                  "attempts": self.attempt, "rejoined": self.membership.rejoined}
+        if len(ours) < len(members):  # quorum members whose row failed its tag: not ours
+            record["unauthenticated"] = len(members) - len(ours)
+        if not contributors:
+            record["start"] = all(m.joining for m in ours)
+            return Decision([], [], "no member has a pseudogradient to contribute", record)
+        return Decision(contributors, [members[i].norm for i in contributors], None, record)
+
+    def sums(self, values: list[float], outer_step: int, fragment: int, context: str) -> list[list[float]]:
+        local = torch.tensor(values, dtype=torch.float64)
+        if self.membership.ballot_group is not None:
+            comm.all_reduce(local, group=self.membership.ballot_group)
+        return [row or [0.0] * len(values) for row in self.wire.all_gather_floats(local.tolist(), context)]
+
+
+class QuorumMembership:
+    records_checksum = True  # every record carries weights_sha: equal on two members iff bit-identical
+    replays_pending = False  # a restarted worker catches up from its peers instead
+
+    def __init__(self, config: MuLoCoConfig, topology: Topology, key: JobKey | None, worker: int,
+                 timeout: timedelta = comm.COLLECTIVE_TIMEOUT):
+        self.config, self.elastic, self.topology, self.key, self.worker = config, config.elastic, topology, key, worker
+        sizes = topology.sizes
+        # The loop's own group for in-worker sums (the ballots, the statistics): safe from its background thread.
+        self.ballot_group = comm.new_subgroups(worker_ranks(sizes), timeout) if sizes.ranks_per_worker > 1 else None
+        self.quorum: QuorumGroup | None = None
+        self.loop = None
+        self.rejoined = False  # the state came from a peer in this sync
+        self.start_deadline = 0.0
+        self._at_start = False
+
+    # -- joining and leaving ---------------------------------------------------------------------
+
+    def join(self, loop, trainer) -> None:
+        """Enter the outer group before the first inner step. A fresh run waits (up to
+        quorum_timeout_s) until all K workers are in the first quorum; a restarted worker waits for
+        its peers' next sync, catches up, takes that sync's outer step with them and goes on from
+        their inner step."""
+        from trainer.diloco.outer_loop import SyncTask
+
+        self.loop = loop
+        sizes = self.topology.sizes
+        self.quorum = QuorumGroup(
+            self.worker, self.topology.rank, sizes.ranks_per_worker, self.elastic.lighthouse_address(),
+            self.elastic.manager_host, self.key, self.config.outer_backend,
+            timedelta(seconds=self.config.sync_timeout_s), timedelta(seconds=self.elastic.quorum_timeout_s))
+        loop.joining, self._at_start = True, True
+        self.start_deadline = time.monotonic() + self.elastic.quorum_timeout_s
+        task = SyncTask(0, trainer.step, loop.outer_step + 1, trainer.engine.lr_scheduler.state_dict())
+        try:
+            result = loop.sync(task, loop.zero_deltas(0))
+        finally:
+            self._at_start = False
+        if not result.record.get("start"):  # a fresh run has nothing to average: every worker holds the seed's weights
+            loop.apply(result, overlapped=False)
+
+    def leave(self) -> None:
+        if self.quorum is not None:
+            self.quorum.shutdown()
+
+    # -- one sync ---------------------------------------------------------------------------------
+
+    def run(self, loop, task, sync):
+        attempt = 0
+        while True:
+            attempt += 1
+            result, error = None, None
+            try:
+                self.quorum.start()
+                session = _QuorumSession(self, self.quorum.wire(self.config.link), attempt)
+                self._catch_up(session, task)
+                result = sync(session)
+            except (_WaitingForPeers, *_ATTEMPT_FAILURES) as exc:
+                error = exc
+                self.quorum.report_error(exc)
+            if self.quorum.commit():
+                loop.joining = self.rejoined = False
+                self.start_deadline = 0.0
+                return result
+            if isinstance(error, _WaitingForPeers):
+                attempt -= 1
+                time.sleep(_START_POLL_S)
+                continue
+            if self.topology.is_logging_rank:
+                print(f"worker {self.worker}: outer sync attempt {attempt} failed: {str(error).splitlines()[0][:300]}",
+                      flush=True)
+            if attempt >= self.elastic.max_attempts:
+                raise CollectiveError(f"worker {self.worker}: outer sync failed {attempt} times in a row") from error
+
+    def _catch_up(self, session: _QuorumSession, task) -> None:
+        """When some members are behind (torchft counts fewer at the highest committed syncs than in the
+        quorum), the first member with every sync sends its state and `task` to them. Tagged for this
+        quorum alone: a member behind does not know the outer step yet."""
+        wire, loop = session.wire, self.loop
+        if self.quorum.manager.num_participants() >= wire.size:
+            return
+        wire.begin(outer_step=0, fragment=0, epoch=session.epoch)
+        context = f"catch-up in quorum {session.epoch}"
+        rows = wire.all_gather_ints([self.worker, self.quorum.committed_syncs], context)
+        committed = [row[1] if row is not None else -1 for row in rows]
+        top = max(committed)
+        behind = [i for i, c in enumerate(committed) if 0 <= c < top]
+        source = committed.index(top)
+        me = wire.rank
+        blob = (torch.frombuffer(bytearray(state_to_bytes(loop.peer_state(task))), dtype=torch.uint8) if me == source
+                else torch.empty(0, dtype=torch.uint8))
+        sizes = wire.all_gather_ints([blob.numel()], context)
+        blocks = [blob if j in behind and me == source else blob[:0] for j in range(wire.size)]
+        if me not in behind:
+            wire.all_to_all(blocks, [0] * wire.size, context)
+            return
+        own = sum(t.numel() * t.element_size() for t in (*loop.global_weights.values(), *loop.momentum.values()))
+        limit = 2 * own + _STATE_SLACK_BYTES  # the weights and momentum, and at most as much in flight
+        if sizes[source] is None or not 0 < sizes[source][0] <= limit:
+            raise RankFileError(f"the state size announced by quorum member {source} "
+                                + ("failed authentication" if sizes[source] is None else f"is not within {limit} bytes"))
+        received = wire.all_to_all(blocks, [sizes[source][0] if src == source else 0 for src in range(wire.size)],
+                                   context)[source]
+        if received is None:
+            raise RankFileError(f"the state from quorum member {source} failed authentication")
+        state = state_from_bytes(received.numpy().tobytes(), f"the state from quorum member {source}")
+        problems = loop.check_peer_state(state)
+        if problems:
+            raise RankFileError("the state from a peer is refused: " + "; ".join(problems[:5]))
+        session.caught_up = loop.load_peer_state(state, at_start=self._at_start)
+        session.joining = self.rejoined = True
+        self.quorum.set_committed_syncs(top)

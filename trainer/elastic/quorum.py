@@ -9,7 +9,7 @@ through a live member's store).
 
 What is not torchft's here: healing. torchft would send a behind worker the state over its HTTP
 transport, which unpickles what it receives (so any peer could run code in it) and listens on every
-interface; here torchft heals nobody, and the outer loop (trainer/elastic/outer_loop.py) sends the
+interface; here torchft heals nobody, and the elastic membership (trainer/elastic/membership.py) sends the
 state itself over the quorum's group, tagged and in safetensors. The ManagerServer binds the address
 the config names (its clients are this worker's own ranks).
 
@@ -28,8 +28,9 @@ import torchft.manager
 from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 from torchft import Manager
 from torchft.checkpointing import CheckpointTransport
-from torchft.process_group import ProcessGroupGloo
+from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
+from trainer import comm
 from trainer.diloco.auth import JobKey
 from trainer.diloco.collectives import Wire
 from trainer.diloco.link import SlowLink
@@ -37,11 +38,11 @@ from trainer.elastic.tunnel import Tunnel, host_port
 
 
 class QuorumWire(Wire):
-    """The outer exchange (trainer.diloco.collectives.Wire) on the current quorum's gloo group: the
-    rank is this worker's place in the quorum, the size the quorum's size. Valid for one quorum."""
+    """The outer exchange (trainer.diloco.collectives.Wire) on the current quorum's group: the rank is
+    this worker's place in the quorum, the size the quorum's size. Valid for one quorum."""
 
-    def __init__(self, group: ProcessGroupGloo, rank: int, size: int, link: SlowLink | None, key: JobKey | None):
-        super().__init__(rank, size, torch.device("cpu"), link, key, channel="quorum")
+    def __init__(self, group, rank: int, size: int, device: torch.device, link: SlowLink | None, key: JobKey | None):
+        super().__init__(rank, size, device, link, key, channel="quorum")
         self.group = group
 
     def _all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
@@ -52,14 +53,22 @@ class QuorumWire(Wire):
         self.group.alltoall_base(output, input, output_sizes, input_sizes, AllToAllOptions()).wait()
 
 
-class _QuorumGloo(ProcessGroupGloo):
-    """torchft's reconfigurable gloo group, remembering this rank's place in the last quorum (the
-    Manager's own view of it counts only the members at the highest step, and healing is ours)."""
+class _RemembersQuorum:
+    """A torchft reconfigurable group that remembers this rank's place in the last quorum (the
+    Manager's own view of it counts only the members at the highest step, and catching up is ours)."""
     quorum_id, rank_in_quorum, quorum_size = -1, 0, 0
 
     def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None, *args, **kwargs) -> None:
         super().configure(store_addr, replica_id, rank, world_size, quorum_id, *args, **kwargs)
         self.quorum_id, self.rank_in_quorum, self.quorum_size = quorum_id, rank, world_size
+
+
+class _QuorumGloo(_RemembersQuorum, ProcessGroupGloo):
+    pass
+
+
+class _QuorumNCCL(_RemembersQuorum, ProcessGroupNCCL):
+    pass
 
 
 class _NoTransport(CheckpointTransport):
@@ -95,8 +104,10 @@ def _manager_server_bound_to(host: str):
 
 class QuorumGroup:
     def __init__(self, worker: int, group_rank: int, group_size: int, lighthouse: str, manager_host: str,
-                 key: JobKey | None, sync_timeout: timedelta, quorum_timeout: timedelta):
-        self.group = _QuorumGloo(timeout=sync_timeout)
+                 key: JobKey | None, backend: str, sync_timeout: timedelta, quorum_timeout: timedelta):
+        # gloo: the payload goes through host memory (a WAN); nccl: it stays on the device (a fabric).
+        self.device = torch.device("cpu") if backend == "gloo" else comm.compute_device()
+        self.group = (_QuorumGloo if backend == "gloo" else _QuorumNCCL)(timeout=sync_timeout)
         self.key = key
         # Only the worker's rank 0 talks to the lighthouse (its ManagerServer does); with a job key
         # through an authenticated tunnel, since the lighthouse admits nobody else.
@@ -117,7 +128,8 @@ class QuorumGroup:
 
     def start(self) -> None:
         """Block until this worker is in a quorum; raises when the quorum failed. torchft heals
-        nobody (allow_heal=False): who is behind, and the state it receives, is the outer loop's."""
+        nobody (allow_heal=False): the members behind, and the state they receive, are the elastic
+        membership's (`manager.num_participants()` counts those at the highest committed syncs)."""
         self.manager.start_quorum(allow_heal=False)
         if self.manager.errored() is not None:
             raise self.manager.errored().original_exception
@@ -128,14 +140,15 @@ class QuorumGroup:
         return self.group.quorum_id
 
     def wire(self, link: SlowLink | None) -> QuorumWire:
-        return QuorumWire(self.group, self.group.rank_in_quorum, self.group.quorum_size, link, self.key)
+        return QuorumWire(self.group, self.group.rank_in_quorum, self.group.quorum_size, self.device, link, self.key)
 
     @property
     def committed_syncs(self) -> int:
         return self.manager.current_step()
 
-    def caught_up_to(self, committed_syncs: int) -> None:
-        """After loading a peer's state: count its committed syncs as ours."""
+    def set_committed_syncs(self, committed_syncs: int) -> None:
+        """After loading a peer's state: count its committed syncs as ours (or one fewer than ours, to
+        be caught up at the next sync)."""
         self.manager.load_state_dict({"step": committed_syncs, "batches_committed": self.manager.batches_committed()})
 
     def report_error(self, exc: Exception) -> None:

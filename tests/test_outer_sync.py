@@ -1,0 +1,224 @@
+"""The outer loop's one sync body (trainer/diloco/outer_loop.py) under both memberships, in process:
+K workers as threads on fake wires (tests/fake_wire.py), the real OuterLoop, the real StaticMembership
+session and the real elastic QuorumMembership over a fake torchft quorum. References are plain
+computations: the Nesterov outer step on the average of the contributors' payloads, and every
+member's global weights bit-identical after every sync."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fake_wire import Board, FakeQuorum, FakeStatic, FakeWire, run_ranks
+from trainer.diloco.auth import JobKey
+from trainer.diloco.config import CompressionConfig, MuLoCoConfig, StreamingConfig
+from trainer.diloco.outer_loop import OuterLoop, SyncTask
+from trainer.elastic.config import ElasticConfig
+from trainer.elastic.membership import DIVERGED, QuorumMembership
+from trainer.topology import ParallelSizes, RankCoordinates, Topology
+
+KEY = JobKey(b"k" * 32, "test-job")
+SHAPES = {"decoder.layers.0.mlp.linear_fc1.weight": (8, 6), "decoder.layers.0.mlp.linear_fc2.weight": (6, 4),
+          "decoder.layers.1.self_attention.linear_qkv.weight": (6, 6), "decoder.layers.1.input_layernorm.weight": (6,)}
+NUM_LAYERS = 2
+
+
+class Worker:
+    """One worker's parameters, trainer stand-in and outer loop."""
+
+    def __init__(self, rank: int, workers: int, config: MuLoCoConfig, membership, topology: Topology | None = None):
+        generator = torch.Generator().manual_seed(0)  # every worker starts from the same weights
+        self.params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES.values()]
+        optimizer = torch.optim.SGD(self.params, lr=0.1)
+        engine = SimpleNamespace(lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s)),
+                                 optimizer=optimizer, set_step=lambda step: None)
+        self.trainer = SimpleNamespace(step=0, engine=engine)
+        topology = topology or Topology(ParallelSizes(workers, 1, 1, 1), rank, RankCoordinates(rank, 0, 0, 0), None, None)
+        names = list(SHAPES)
+        self.loop = OuterLoop(config, list(zip(names, self.params)), {n: n for n in names}, topology, 0, NUM_LAYERS,
+                              log=lambda record, step: self.records.append(record), membership=membership)
+        self.loop.trainer = self.trainer
+        self.records: list[dict] = []
+
+    def train(self, step: int, scale: float = 1.0) -> None:
+        """Some inner steps' worth of change, different on every worker and step; then the hook."""
+        generator = torch.Generator().manual_seed(1000 * step + self.loop.topology.rank)
+        with torch.no_grad():
+            for p in self.params:
+                p.add_(torch.randn(p.shape, generator=generator), alpha=0.01 * scale)
+        self.trainer.step = step
+        self.loop.after_inner_step(step)
+
+
+def static_workers(workers: int, config: MuLoCoConfig) -> list[Worker]:
+    boards = (Board(workers), Board(workers))
+    return [Worker(r, workers, config, FakeStatic(boards, r, KEY, config.max_norm_ratio)) for r in range(workers)]
+
+
+def elastic_config(**muloco) -> MuLoCoConfig:
+    return MuLoCoConfig(**{"workers": 3, "sync_interval": 4, "elastic": ElasticConfig(lighthouse="http://x:1"), **muloco})
+
+
+def quorum_worker(rank: int, board: Board, config: MuLoCoConfig, wire=FakeWire) -> Worker:
+    """An elastic worker: a world of one rank (it logs), worker id `rank`, on a fake torchft quorum."""
+    topology = Topology(ParallelSizes(1, 1, 1, 1), 0, RankCoordinates(rank, 0, 0, 0), None, None)
+    membership = QuorumMembership(config, topology, KEY, worker=rank)
+    membership.quorum = FakeQuorum(board, rank, KEY, wire=wire)
+    worker = Worker(rank, config.workers, config, membership, topology)
+    membership.loop = worker.loop
+    return worker
+
+
+def checksums(workers: list[Worker]) -> set[str]:
+    return {w.loop.weights_checksum() for w in workers}
+
+
+def sync_all(workers: list[Worker], step: int, scale=lambda rank: 1.0) -> None:
+    """One inner step that is a sync step (no overlap) on every worker."""
+    run_ranks(len(workers), lambda r: workers[r].train(step, scale(r)))
+    for w in workers:
+        w.loop.flush_metrics()
+
+
+def nesterov_reference(before: dict, deltas: list[dict], config: MuLoCoConfig, momentum: dict) -> dict:
+    """theta <- theta - lr (avg + mu m'), m' = mu m + avg, on plain fp32 tensors."""
+    out = {}
+    for name in before:
+        average = sum(d[name] for d in deltas) / len(deltas)
+        m = config.outer_momentum * momentum[name] + average
+        out[name] = before[name] - config.outer_lr * (average + config.outer_momentum * m)
+    return out
+
+
+def global_by_name(worker: Worker) -> dict[str, torch.Tensor]:
+    return {worker.loop.params[i].name: w.clone() for i, w in worker.loop.global_weights.items()}
+
+
+def test_static_sync_is_nesterov_on_the_plain_average_on_every_worker():
+    config = MuLoCoConfig(workers=3, sync_interval=4, outer_momentum=0.5)
+    workers = static_workers(3, config)
+    before = global_by_name(workers[0])
+    zero = {n: torch.zeros_like(t) for n, t in before.items()}
+    deltas = []
+    for w in workers:
+        generator = torch.Generator().manual_seed(1000 * 4 + w.loop.topology.rank)
+        deltas.append({n: -0.01 * torch.randn(SHAPES[n], generator=generator) for n in SHAPES})
+    sync_all(workers, 4)
+    assert len(checksums(workers)) == 1
+    expected = nesterov_reference(before, deltas, config, zero)
+    for name, value in global_by_name(workers[1]).items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6)
+    record = workers[0].records[-1]
+    assert record["round_trips"] == 1 and record["background_round_trips"] == 1 and "skipped" not in record
+
+
+def test_static_sync_is_skipped_for_everyone_when_one_worker_is_non_finite():
+    workers = static_workers(3, MuLoCoConfig(workers=3, sync_interval=4))
+    before = checksums(workers)
+    sync_all(workers, 4, scale=lambda r: math.nan if r == 2 else 1.0)
+    assert checksums(workers) == before  # nobody applied anything
+    assert "worker 2" in workers[0].records[-1]["skipped"]  # the logging rank's record
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
+def test_the_elastic_members_leave_out_a_nan_worker_and_average_the_others_bit_identically(collective):
+    config = elastic_config(collective=collective, compression=CompressionConfig(method="statistical", bits=4))
+    board = Board(3)
+    workers = [quorum_worker(r, board, config) for r in range(3)]
+    sync_all(workers, 4)
+    sync_all(workers, 8, scale=lambda r: math.nan if r == 1 else 1.0)
+    assert len(checksums(workers)) == 1
+    for w in workers:
+        record = w.records[-1]
+        assert record["left_out"] == {"1": "non-finite pseudogradient"} and record["workers_in_sync"] == 2
+        assert record["round_trips"] == (1 if collective == "all_gather" else 2)
+        assert "weights_sha" in record
+
+
+class NaNForTheFirstOwner(FakeWire):
+    """An insider with the secret: the payload it sends owner 0 decodes to NaN (0xFF bytes after the
+    claim and header); its payloads for the others, its header and its claims are honest."""
+    HEAD = 8 + 8 * 7  # claim, then the elastic row
+
+    def all_to_all(self, blocks, receive_sizes, context):
+        blocks = [block.clone() for block in blocks]
+        blocks[0][self.HEAD:] = 255
+        return super().all_to_all(blocks, receive_sizes, context)
+
+
+def test_reduce_scatter_owners_that_disagree_average_again_over_the_senders_nobody_refused():
+    """Owner 0 refuses the insider's chunk, owners 1 and 2 do not: every owner then averages its chunk
+    again without the insider (one more all-gather), so the result is one average over the same
+    senders on every member."""
+    statistical = CompressionConfig(method="statistical", bits=4)
+    config = elastic_config(collective="reduce_scatter", compression=statistical)
+    board = Board(3)
+    workers = [quorum_worker(r, board, config, wire=NaNForTheFirstOwner if r == 2 else FakeWire) for r in range(3)]
+    sync_all(workers, 4)
+    assert len(checksums(workers)) == 1
+    assert all(set(w.records[-1]["left_out"]) == {"2"} for w in workers)
+    assert "non-finite" in workers[0].records[-1]["left_out"]["2"]
+    assert workers[0].records[-1]["round_trips"] == 3  # all-to-all, all-gather, and the second average's all-gather
+
+
+def steps(workers: list[Worker], first: int, last: int) -> None:
+    """Inner steps first..last on every worker (each runs the hook: syncs launch and land)."""
+    for step in range(first, last + 1):
+        run_ranks(len(workers), lambda r: workers[r].train(step))
+    for w in workers:
+        w.loop.flush_metrics()
+
+
+@pytest.mark.parametrize("fragments, tau", [(1, 0), (2, 1)])
+def test_a_restarted_worker_catches_up_at_whichever_sync_its_peers_are_at(fragments, tau):
+    """Worker 2 restarts (fresh weights, no committed syncs) while its peers are at a sync of some
+    fragment, possibly with another fragment's sync still in flight: it receives their state first,
+    takes part in that sync without contributing, and from then on every member's global weights are
+    bit-identical."""
+    config = elastic_config(streaming=StreamingConfig(fragments=fragments, overlap_steps=tau))
+    board = Board(3)
+    workers = [quorum_worker(r, board, config) for r in range(3)]
+    steps(workers, 1, 9)
+    restarted = quorum_worker(2, board, config)  # its outer state is the initial one: committed 0
+    syncing = next(s for s in range(10, 20) if any(s % 4 == o for o in restarted.loop.offsets))
+    steps(workers[:2], 10, syncing - 1) if syncing > 10 else None
+    workers[2] = restarted
+
+    def rank(r):
+        if r < 2:
+            workers[r].train(syncing)
+            return
+        # QuorumMembership.join without torchft: a sync of fragment 0 from the start, whichever the peers are at
+        membership, loop = restarted.loop.membership, restarted.loop
+        loop.joining, membership._at_start = True, True
+        task = SyncTask(0, 0, loop.outer_step + 1, restarted.trainer.engine.lr_scheduler.state_dict())
+        result = loop.sync(task, loop.zero_deltas(0))
+        membership._at_start = False
+        loop.apply(result, overlapped=False)
+    run_ranks(3, rank)
+    assert restarted.trainer.step == syncing
+    steps(workers, syncing + 1, syncing + 12)
+    assert not any(w.loop.pending for w in workers) or tau
+    joined = next(r for r in restarted.records if r.get("rejoined"))
+    assert joined["left_out"] == {"2": "joining"} and joined["step"] == syncing
+    assert joined["fragment"] == restarted.loop.offsets.index(syncing % 4)
+    assert len(checksums(workers)) == 1
+    assert workers[0].records[-1]["workers_in_sync"] == 3 and not workers[0].records[-1]["left_out"]
+
+
+def test_a_member_whose_weights_drifted_is_left_out_and_caught_up_at_its_next_sync():
+    config = elastic_config()
+    board = Board(3)
+    workers = [quorum_worker(r, board, config) for r in range(3)]
+    sync_all(workers, 4)
+    with torch.no_grad():  # worker 1 committed a sync the others did not see
+        next(iter(workers[1].loop.global_weights.values())).add_(1e-3)
+    sync_all(workers, 8)
+    assert all(w.records[-1]["left_out"] == {"1": DIVERGED} for w in workers)
+    sync_all(workers, 12)
+    assert len(checksums(workers)) == 1
+    assert workers[1].records[-1]["rejoined"] and workers[0].records[-1]["left_out"] == {"1": "joining"}
+    sync_all(workers, 16)
+    assert workers[0].records[-1]["workers_in_sync"] == 3 and len(checksums(workers)) == 1

@@ -1,0 +1,128 @@
+"""Who takes part in an outer sync: the one seam between the outer loop's sync body
+(trainer/diloco/outer_loop.py) and the groups it runs on.
+
+A membership runs each sync as one or more attempts; each attempt is a `Session`, which gives the
+sync body the wire to exchange on, the header this rank sends with its payload (it rides in the
+exchange's first collective, so deciding who contributes costs no round trip of its own), how the
+headers choose the senders to average, what a rejected sender means, and the per-worker sums of the
+sync's statistics (gathered off the critical path).
+
+- `StaticMembership` (here): the single-world mode. The K workers are one torch.distributed world;
+  the header is the skip vote's ballot (trainer/diloco/vote.py); a non-finite or outlier worker, or a
+  payload that fails its checks, skips the sync for everyone. One attempt: a failed collective is
+  fatal (the job restarts from its checkpoint).
+- `QuorumMembership` (trainer/elastic/membership.py): one job per datacenter on torchft. The header
+  is the member's row; left-out members receive the average; a failed attempt is retried with a fresh
+  quorum; a member that is behind receives the state before the exchange.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Callable, Protocol
+
+import torch
+
+from trainer import comm
+from trainer.diloco import vote
+from trainer.diloco.auth import JobKey
+from trainer.diloco.collectives import Exchanged, GroupWire, Wire, everyone
+from trainer.diloco.config import MuLoCoConfig
+from trainer.errors import ConfigError
+from trainer.topology import Topology, outer_ranks, worker_ranks
+
+
+@dataclass
+class Decision:
+    """What one exchange decided, the same on every rank of its outer group."""
+    contributors: list[int]  # group ranks whose payloads the average holds
+    norms: list[float]  # their pseudogradient norms (worker totals), in contributor order
+    skipped: str | None = None  # why nothing is applied
+    record: dict = field(default_factory=dict)  # membership's fields of the sync's record
+
+
+class Session(Protocol):
+    wire: Wire
+    leave_out: bool  # a rejected sender is left out (the others average), else the sync is skipped
+    joining: bool  # this rank has no pseudogradient to contribute in this sync
+
+    def header(self, ballot: torch.Tensor, step: int, fragment: int) -> torch.Tensor:
+        """What this rank sends ahead of its payload (uint8); `ballot` is its worker's (non-finite
+        count, squared norm), summed over the worker's ranks."""
+
+    def choose(self, headers: list[torch.Tensor | None]) -> tuple[list[int], dict[int, str]]:
+        """The senders to average, and why each other group rank is not one."""
+
+    def decide(self, exchanged: Exchanged) -> Decision: ...
+
+    def sums(self, values: list[float], outer_step: int, fragment: int, context: str) -> list[list[float]]:
+        """`values` summed over each member's ranks, one row per group rank (runs in the background,
+        after the exchange)."""
+
+
+class Membership(Protocol):
+    ballot_group: object  # the in-worker group the ballots and statistics are summed on (None: one rank)
+    records_checksum: bool  # whether each sync's record carries the global weights' checksum
+
+    def join(self, loop, trainer) -> None: ...
+
+    def leave(self) -> None: ...
+
+    def run(self, loop, task, sync: Callable[[Session], object]) -> object:
+        """sync(session) for each attempt of the sync `task`, until one commits; returns its result."""
+
+
+class _StaticSession:
+    leave_out = False
+    joining = False
+
+    def __init__(self, wire: Wire, metrics: Wire, workers: int, max_norm_ratio: float):
+        self.wire, self.metrics_wire, self.workers, self.max_norm_ratio = wire, metrics, workers, max_norm_ratio
+
+    def header(self, ballot: torch.Tensor, step: int, fragment: int) -> torch.Tensor:
+        return ballot.view(torch.uint8)
+
+    choose = staticmethod(everyone)
+
+    def decide(self, exchanged: Exchanged) -> Decision:
+        everybody = list(range(self.wire.size))
+        if exchanged.rejected:  # every rank of the outer group rejects the same workers
+            return Decision(everybody, [], "; ".join(f"worker {k}: {why}" for k, why in sorted(exchanged.rejected.items())))
+        norms, reason = vote.count(exchanged.headers, self.max_norm_ratio)
+        return Decision(everybody, norms, reason)
+
+    def sums(self, values: list[float], outer_step: int, fragment: int, context: str) -> list[list[float]]:
+        self.metrics_wire.begin(outer_step, fragment)
+        return self.metrics_wire.sum_per_worker(values, self.workers, context)
+
+
+class StaticMembership:
+    """The K workers of one world. Every rank creates every group, in the same order, on
+    `outer_backend`: the outer groups (one per shard position), the metrics group (every rank) and,
+    with several ranks per worker, a group per worker for the ballots (the training loop's worker
+    group stays the training loop's)."""
+    records_checksum = False
+
+    def __init__(self, config: MuLoCoConfig, topology: Topology, key: JobKey | None,
+                 timeout: timedelta = comm.COLLECTIVE_TIMEOUT):
+        backend, sizes = config.outer_backend, topology.sizes
+        if backend == "nccl" and comm.compute_device().type == "cpu":
+            raise ConfigError("muloco.outer_backend 'nccl' needs an accelerator; use 'gloo' on the host")
+        mine = comm.new_subgroups(outer_ranks(sizes), timeout, backend=backend)
+        every_rank = comm.new_group(list(range(sizes.world)), timeout, backend=backend)
+        self.ballot_group = (comm.new_subgroups(worker_ranks(sizes), timeout, backend=backend)
+                             if sizes.ranks_per_worker > 1 else None)
+        self._session = _StaticSession(GroupWire(mine, config.link, key, "outer"),
+                                       GroupWire(every_rank, config.link, key, "metrics"), sizes.workers,
+                                       config.max_norm_ratio)
+
+    def join(self, loop, trainer) -> None:
+        pass
+
+    def leave(self) -> None:
+        pass
+
+    replays_pending = True  # a checkpoint's in-flight syncs are replayed on load (every worker resumes together)
+
+    def run(self, loop, task, sync):
+        return sync(self._session)
