@@ -80,6 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--windows", type=int, default=2, help="measured windows of H steps per run (after one warm-up)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--cases", nargs="+", help="run only these cases (and their baselines)")
     p.add_argument("--workdir", help=argparse.SUPPRESS)  # these three are set by the launcher
     p.add_argument("--case", help=argparse.SUPPRESS)
     p.add_argument("--run-index", type=int, help=argparse.SUPPRESS)
@@ -90,9 +91,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run_order(args: argparse.Namespace) -> list[tuple[str, int]]:
     """Repeat r runs the cases rotated by r, so a load that drifts during the command does not always
     favour the case that runs first."""
-    names = list(cases(args.sync_interval, steps(args)))
+    names = case_names(args)
     return [(name, repeat) for repeat in range(args.repeats)
             for name in names[repeat % len(names):] + names[:repeat % len(names)]]
+
+
+def case_names(args: argparse.Namespace) -> list[str]:
+    names = list(cases(args.sync_interval, steps(args)))
+    if args.cases:
+        unknown = set(args.cases) - set(names)
+        if unknown:
+            sys.exit(f"unknown cases {sorted(unknown)}; known: {names}")
+        wanted = set(args.cases) | {baseline_of(name) for name in args.cases}
+        names = [name for name in names if name in wanted]
+    return names
 
 
 def steps(args: argparse.Namespace) -> int:
@@ -213,7 +225,7 @@ def main() -> None:
             print(f"run {i + 1}/{len(order)}: {name} (repeat {repeat + 1})", file=sys.stderr, flush=True)
             launch(args, name, i, tmp, env)
         results = [read_run(Path(tmp) / f"run{i}", args.sync_interval) for i in range(len(order))]
-    names = list(cases(args.sync_interval, steps(args)))
+    names = case_names(args)
     tokens = {name: [results[i][0] for i, (n, _) in enumerate(order) if n == name] for name in names}
     syncs = {name: [s for i, (n, _) in enumerate(order) if n == name for s in results[i][1]] for name in names}
     baselines = {name: statistics.median(tokens[baseline_of(name)]) for name in names}
