@@ -315,16 +315,18 @@ def test_the_whole_protocol_with_fake_launches(tmp_path, monkeypatch):
     assert {"muloco_k1", "dp_muon", "dp_adamw"} <= more
     # Seed 0 made MuLoCo K=1 0.5 better than DP Muon; the verdict never sees it.
     assert all(seed > 0 for seed in loss_stats(chosen, runs)["muloco_k1"].by_seed)
-    # Alignment: every K > 1 method at 3 lrs x 3 start steps x the 3 test seeds; every DP state removed after.
+    # Alignment: every K > 1 method at 3 start steps on the 3 test seeds, the 0.5x / 2x controls on the first;
+    # every DP state removed after.
     branches = [key for kind, key in launched if kind == "branch"]
-    assert len(branches) == len(set(branches)) == 6 * 3 * 3 * 3
+    assert len(branches) == len(set(branches)) == 6 * 3 * (3 + 2)
+    assert {k.seed for k in branches if k.lr_multiplier != 1.0} == {1}
     assert {k.start_step for k in branches} == set(alignment.start_steps(settings)) == {10, 30, 50}
     assert states == set()
     assert on_three["e"].verdict == HOLDS
     # A rerun launches nothing; with the DP states gone and a branch missing, the DP run is repeated first.
     launched.clear()
     assert sweep.run_protocol(methods, ctx, progress, sweep.Budget(jobs=2)) == [] and launched == []
-    missing = BranchKey("muloco_k2", 2.0, 2, 30)
+    missing = BranchKey("muloco_k2", 1.0, 2, 30)
     del progress.alignments[missing]
     sweep.run_protocol(methods, ctx, progress, sweep.Budget(jobs=1))
     assert [kind for kind, _ in launched] == ["run", "branch"] and launched[1][1] == missing

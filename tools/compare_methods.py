@@ -5,6 +5,7 @@ error feedback), the paper's alignment measure, on a corpus in Nemotron-CC layou
     python tools/compare_methods.py [--out results/compare] [--corpus DIR] [--jobs 2]
         [--max-runs N] [--deadline-minutes M] [--quick] [--steps N] [--sync-interval H] [--warmup N]
         [--test-seeds 1 2 3] [--more-seeds 4 5] [--methods dp_adamw muloco_k4 ...] [--no-alignment]
+        [--control-seeds 1]
         [--report-only] [--work-dir runs/compare]
 
 Each method is a ds_config in configs/compare/ (written from the recipe by
@@ -102,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", nargs="+", choices=METHOD_ORDER,
                    help="default: all on the default corpus, the uncompressed ones on another")
     p.add_argument("--no-alignment", action="store_true", help="skip the alignment measurement")
+    p.add_argument("--control-seeds", type=int, help="test seeds on which the alignment's 0.5x / 2x lr controls run "
+                   f"(default {Settings.control_seeds})")
     p.add_argument("--jobs", type=int, default=1, help="launches at a time")
     p.add_argument("--max-runs", type=int, help="start no more than N launches in this sitting")
     p.add_argument("--deadline-minutes", type=float, help="start no launch after M minutes")
@@ -116,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                  "test_seeds": None if args.test_seeds is None else tuple(args.test_seeds),
                  "more_test_seeds": None if args.more_seeds is None else tuple(args.more_seeds),
                  "methods": tuple(args.methods) if args.methods else None if args.quick else default_methods(corpus),
-                 "alignment": False if args.no_alignment else None}
+                 "alignment": False if args.no_alignment else None, "control_seeds": args.control_seeds}
     try:
         settings = replace(QUICK if args.quick else Settings(), **{k: v for k, v in overrides.items() if v is not None})
     except ValueError as err:

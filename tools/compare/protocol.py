@@ -65,6 +65,7 @@ class Settings:
     lr_grid_size: int = 3  # the middle n of each grid
     outer_tuning: bool = True
     alignment: bool = True
+    control_seeds: int = 1  # the alignment's 0.5x / 2x lr controls run on this many of the test seeds
     run_timeout_s: int = 3600
 
     def __post_init__(self):

@@ -205,7 +205,7 @@ def write_corpus(corpus: str, methods: list[Method], settings: Settings, runs: d
          "lr_grid_size": settings.lr_grid_size, "lr_grids": {k: g.points for k, g in LR_GRIDS.items()},
          "lr_extension_steps": {k: g.step for k, g in LR_GRIDS.items()}, "outer_lr_grid": OUTER_LR_GRID.points,
          "outer_lr_extension_step": OUTER_LR_GRID.step, "max_lr_extensions": MAX_EXTENSIONS,
-         "outer_tuning": settings.outer_tuning, "alignment": settings.alignment,
+         "outer_tuning": settings.outer_tuning, "alignment": settings.alignment, "control_seeds": settings.control_seeds,
          "alignment_start_steps": list(alignment.start_steps(settings)),
          "alignment_lr_multipliers": list(alignment.LR_MULTIPLIERS), "runs": len(runs),
          "alignment_measurements": len(aligned_records), "seconds_total": round(seconds),

@@ -3,8 +3,9 @@ concurrently, at most `jobs` launches at a time:
 1. selection, one task per method;
 2. test seeds, one task per method, with the seeds each needs (3; 5 for the methods of a claim that is
    inconclusive on the first 3, decided at the start of the round from the records);
-3. alignment, one task per DP baseline and seed: its branches (tools/compare/alignment.py), after
-   rerunning the DP run with checkpoints if its start states are gone.
+3. alignment, one task per DP baseline and seed: its branches (tools/compare/alignment.py) at the
+   selected lr, and on the first `control_seeds` test seeds also at 0.5x and 2x, after rerunning the
+   DP run with checkpoints if its start states are gone.
 A round that launches nothing ends the protocol; so does a spent budget (`max_runs` launches or
 `deadline_s` seconds this sitting). Every finished run is recorded at once; a failed launch ends its
 task for the sitting."""
@@ -201,8 +202,9 @@ def _alignment_task(dp: Method, family: list[Method], seed: int, steps: tuple[in
         if dp_chosen is None or not chosen:
             return None
         dp_spec = replace(dp_chosen.spec, seed=seed)
+        controls = seed in ctx.settings.test_seeds[:ctx.settings.control_seeds]
         todo = [(m, BranchKey(m.name, x, seed, step)) for m in family if m.name in chosen
-                for x in alignment.LR_MULTIPLIERS for step in steps]
+                for x in (alignment.LR_MULTIPLIERS if controls else (1.0,)) for step in steps]
         todo = [(m, key) for m, key in todo if key not in progress.alignments]
         root = start_root(ctx, dp_spec.name)
         if not todo:
