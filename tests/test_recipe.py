@@ -29,7 +29,8 @@ def test_published_points(preset, workers, batch, optimizer, weight_decay, lr):
     r = paper_recipe(preset, workers, batch, optimizer)
     assert r.weight_decay == pytest.approx(weight_decay, rel=1e-9)
     assert r.inner_lr == lr
-    assert (r.outer_lr, r.outer_momentum) == ((0.7, 0.6) if workers == 1 else (1.0, 0.9))
+    k1_momentum = 0.8 if optimizer == "adamw" else 0.6  # the authors' DiLoCo / MuLoCo K=1 points
+    assert (r.outer_lr, r.outer_momentum) == ((0.7, k1_momentum) if workers == 1 else (1.0, 0.9))
     assert (r.adamw_lr_factor, r.adamw_weight_decay_factor) == (1.0, 1.0)
     assert (r.warmup_iters, r.min_lr_ratio, r.clip_grad, r.ef_beta) == (500, 0.1, 1.0, 0.9)
     assert (r.ef_form, r.statistical_rounding) == ("paper", "paper")  # the official code's forms

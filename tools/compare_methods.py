@@ -1,26 +1,23 @@
-"""The paper's method comparison at CPU scale: DP AdamW, DP Muon, DiLoCo and MuLoCo at K = 1, 2, 4,
-with pseudogradient compression (statistical 4-bit, statistical / linear 2-bit + error feedback), with
-seeds, on a corpus in Nemotron-CC layout, and the paper's alignment measure.
+"""The paper's method comparison at its recipe, at CPU scale: DP AdamW, DP Muon, DiLoCo and MuLoCo at
+K = 1, 2, 4, 8, pseudogradient compression at K = 4 (statistical 4-bit, statistical / linear 2-bit +
+error feedback), the paper's alignment measure, on a corpus in Nemotron-CC layout.
 
     python tools/compare_methods.py [--out results/compare] [--corpus DIR] [--jobs 2]
         [--max-runs N] [--deadline-minutes M] [--quick] [--steps N] [--sync-interval H] [--warmup N]
-        [--seeds 0 1 2] [--methods dp_adamw muloco_k4 ...] [--no-alignment] [--report-only]
-        [--work-dir runs/compare]
+        [--test-seeds 1 2 3] [--more-seeds 4 5] [--methods dp_adamw muloco_k4 ...] [--no-alignment]
+        [--control-seeds 1]
+        [--report-only] [--work-dir runs/compare]
 
-Each method is a ds_config in configs/compare/ and runs as the real trainer, one rank per worker.
-Protocol (tools/compare/protocol.py): B sequences per step for N steps, split over the K workers;
-inner lr tuned per method on the first seed over a grid that extends itself while the best lr is at
-its edge; one outer-lr neighbour of the paper's tuned point; the best setting rerun with every other
-seed; validation loss on the same E*B sequences (for a given seed) after every outer sync; for K > 1
-the alignment of the averaged pseudogradient with the one-worker full-batch pseudogradient
-(tools/compare/alignment.py).
+Each method is a ds_config in configs/compare/ (written from the recipe by
+tools/write_compare_configs.py) and runs as the real trainer, one rank per worker, tiny shape with
+--arch paper. Protocol (tools/compare/protocol.py): lrs chosen on the selection seed alone (inner,
+then outer, grids that extend at an edge), verdicts from the test seeds alone (tools/compare/claims.py);
+alignment branches from the DP baselines' states (tools/compare/alignment.py).
 
-Finished runs are appended to <out>/<corpus>/runs.jsonl (tools/compare/records.py): a rerun skips
-them, so the protocol completes over several sittings (--max-runs / --deadline-minutes end a sitting
-cleanly). Run directories live under --work-dir (gitignored). Every invocation ends by writing the
-report from the records of every corpus under --out (tools/compare/report.py): per corpus
-summary.csv, settings.json and plots, and the results section of <out>/README.md; <out>/summary.csv
-and <out>/settings.json are those of the default corpus.
+Finished work is appended to <out>/<corpus>/runs.jsonl and alignment.jsonl (tools/compare/records.py):
+a rerun skips it, so the protocol completes over several sittings (--max-runs / --deadline-minutes end
+a sitting cleanly). Run directories live under --work-dir (gitignored). Every invocation ends by
+writing the report from the records of every corpus under --out (tools/compare/report.py).
 """
 from __future__ import annotations
 
@@ -31,13 +28,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from tools.compare.launch import end_live_launches, prepare_data
-from tools.compare.protocol import (CONFIG_DIR, DEFAULT_CORPUS, METHOD_ORDER, QUICK, QUICK_METHODS, REPO, Method,
+from tools.compare.methods import METHOD_ORDER
+from tools.compare.protocol import (CONFIG_DIR, DEFAULT_CORPUS, QUICK, REPO, SECOND_CORPUS_METHODS, Method,
                                     Settings)
-from tools.compare.records import RecordFile
+from tools.compare.records import AlignmentRecord, RecordFile, RunRecord
 from tools.compare.report import CorpusReport, write_corpus, write_readme, write_verdict_summary
-from tools.compare.sweep import Budget, Context, run_sweeps
+from tools.compare.sweep import Budget, Context, Progress, run_protocol
 
-RECORDS = "runs.jsonl"
+RUNS, ALIGNMENTS = "runs.jsonl", "alignment.jsonl"
 DEFAULT_OUT = REPO / "results" / "compare"
 
 
@@ -45,37 +43,47 @@ def _config_hashes() -> dict[str, str]:
     return {p.stem: Method.load(p.stem).config_sha256 for p in sorted(CONFIG_DIR.glob("*.json"))}
 
 
-def _recorded_settings(records: dict) -> Settings:
-    """The settings a record was made with, for a report from the record alone."""
-    protocol = next(iter(records.values())).protocol
-    return Settings(**{k: protocol[k] for k in ("steps", "sync_interval", "warmup", "global_batch", "eval_batches")},
-                    seeds=tuple(sorted({s.seed for s in records})),
-                    methods=tuple(m for m in METHOD_ORDER if any(s.method == m for s in records)))
+def _record_files(out: Path, corpus: str) -> tuple[RecordFile, RecordFile]:
+    return RecordFile(out / corpus / RUNS, RunRecord), RecordFile(out / corpus / ALIGNMENTS, AlignmentRecord)
 
 
-def _report_corpus(out: Path, corpus: str, settings: Settings | None, failures: list[str]) -> CorpusReport | None:
-    records = RecordFile(out / corpus / RECORDS).load(corpus, None if settings is None else settings.protocol(),
-                                                      _config_hashes())
-    if settings is None:
-        if not records:
-            return None
-        settings = _recorded_settings(records)
-    methods = [Method.load(m) for m in METHOD_ORDER if m in settings.methods or any(s.method == m for s in records)]
-    return write_corpus(corpus, methods, settings, records, out / corpus, failures)
+def default_methods(corpus: str) -> tuple[str, ...]:
+    """Every method on the default corpus; elsewhere the ones whose claims need no compression."""
+    return METHOD_ORDER if corpus == DEFAULT_CORPUS.name else SECOND_CORPUS_METHODS
+
+
+def _recorded_settings(corpus: str, runs: dict) -> Settings:
+    """The settings the records were made with, for a report from the records alone."""
+    if not runs:
+        return Settings(methods=default_methods(corpus))
+    protocol = next(iter(runs.values())).protocol
+    seeds = sorted({s.seed for s in runs} - {protocol["selection_seed"]})
+    return Settings(**{k: protocol[k] for k in ("steps", "sync_interval", "warmup", "global_batch", "eval_batches",
+                                                "selection_seed")},
+                    test_seeds=tuple(seeds[:3]), more_test_seeds=tuple(seeds[3:]),
+                    methods=tuple(m for m in METHOD_ORDER if any(s.method == m for s in runs)))
+
+
+def _report_corpus(out: Path, corpus: str, settings: Settings | None, failures: list[str]) -> CorpusReport:
+    runs_file, alignments_file = _record_files(out, corpus)
+    protocol, hashes = None if settings is None else settings.protocol(), _config_hashes()
+    runs, aligned = runs_file.load(corpus, protocol, hashes), alignments_file.load(corpus, protocol, hashes)
+    settings = settings or _recorded_settings(corpus, runs)
+    methods = [Method.load(m) for m in METHOD_ORDER if m in settings.methods]
+    return write_corpus(corpus, methods, settings, runs, aligned, out / corpus, failures)
 
 
 def report(out: Path, current: str | None, settings: Settings | None, failures: list[str]) -> None:
-    """Every corpus's report (the current one with this invocation's settings), then the README."""
-    corpora = sorted({p.parent.name for p in out.glob(f"*/{RECORDS}")} | ({current} if current else set()))
-    reports = [r for c in corpora if (r := _report_corpus(out, c, settings if c == current else None,
-                                                           failures if c == current else [])) is not None]
-    primary = next((r for r in reports if r.corpus == DEFAULT_CORPUS.name), reports[0] if reports else None)
-    if primary is not None:
-        for name in ("summary.csv", "settings.json"):
-            shutil.copyfile(out / primary.corpus / name, out / name)
-    write_readme(out / "README.md", reports)
+    """Every corpus's report (the current one with this invocation's settings), then the READMEs."""
+    corpora = sorted({p.parent.name for p in out.glob(f"*/{RUNS}")} | {current or DEFAULT_CORPUS.name}
+                     | {DEFAULT_CORPUS.name}, key=lambda c: (c != DEFAULT_CORPUS.name, c))
+    reports = [_report_corpus(out, c, settings if c == current else None, failures if c == current else [])
+               for c in corpora]
+    for name in ("summary.csv", "settings.json"):  # the default corpus's, at the top
+        shutil.copyfile(out / reports[0].corpus / name, out / name)
+    write_readme(out, reports)
     if out.resolve() == DEFAULT_OUT.resolve():  # the committed results: the project README shows the verdicts
-        write_verdict_summary(REPO / "README.md", reports, details=str(DEFAULT_OUT.relative_to(REPO) / "README.md"))
+        write_verdict_summary(REPO / "README.md", out, reports, details=str(DEFAULT_OUT.relative_to(REPO) / "README.md"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,46 +92,56 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", type=Path, default=REPO / "runs" / "compare")
     p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS,
                    help="a corpus in Nemotron-CC layout (DIR/train, DIR/valid); its name is the folder's")
-    p.add_argument("--quick", action="store_true", help=f"{QUICK.steps} steps, H={QUICK.sync_interval}, "
-                   f"{QUICK.lr_grid_size} lrs, one seed, no outer-lr neighbour or alignment, {len(QUICK_METHODS)} methods")
+    p.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK.steps} steps, H={QUICK.sync_interval}, "
+                   f"{QUICK.lr_grid_size} inner lrs on the selection seed only, {len(QUICK.methods)} methods")
     p.add_argument("--steps", type=int)
     p.add_argument("--sync-interval", type=int)
     p.add_argument("--warmup", type=int, help=f"warm-up steps (default {Settings.warmup}; keep it with --steps)")
-    p.add_argument("--seeds", type=int, nargs="+")
-    p.add_argument("--methods", nargs="+", choices=METHOD_ORDER)
+    p.add_argument("--test-seeds", type=int, nargs="*", help=f"default {' '.join(map(str, Settings.test_seeds))}")
+    p.add_argument("--more-seeds", type=int, nargs="*", help="test seeds added where a claim is inconclusive on "
+                   f"the test seeds (default {' '.join(map(str, Settings.more_test_seeds))})")
+    p.add_argument("--methods", nargs="+", choices=METHOD_ORDER,
+                   help="default: all on the default corpus, the uncompressed ones on another")
     p.add_argument("--no-alignment", action="store_true", help="skip the alignment measurement")
-    p.add_argument("--jobs", type=int, default=1, help="launches at a time (different methods' sweeps)")
+    p.add_argument("--control-seeds", type=int, help="test seeds on which the alignment's 0.5x / 2x lr controls run "
+                   f"(default {Settings.control_seeds})")
+    p.add_argument("--jobs", type=int, default=1, help="launches at a time")
     p.add_argument("--max-runs", type=int, help="start no more than N launches in this sitting")
     p.add_argument("--deadline-minutes", type=float, help="start no launch after M minutes")
     p.add_argument("--report-only", action="store_true", help="write the report from the records; run nothing")
     args = p.parse_args(argv)
-    corpus_dir = args.corpus.resolve()
-    corpus = corpus_dir.name
     if args.report_only:
         report(args.out, None, None, [])
         return 0
+    corpus_dir = args.corpus.resolve()
+    corpus = corpus_dir.name
     overrides = {"steps": args.steps, "sync_interval": args.sync_interval, "warmup": args.warmup,
-                 "seeds": tuple(args.seeds) if args.seeds else None,
-                 "methods": tuple(args.methods) if args.methods else None, "alignment": False if args.no_alignment else None}
+                 "test_seeds": None if args.test_seeds is None else tuple(args.test_seeds),
+                 "more_test_seeds": None if args.more_seeds is None else tuple(args.more_seeds),
+                 "methods": tuple(args.methods) if args.methods else None if args.quick else default_methods(corpus),
+                 "alignment": False if args.no_alignment else None, "control_seeds": args.control_seeds}
     try:
         settings = replace(QUICK if args.quick else Settings(), **{k: v for k, v in overrides.items() if v is not None})
     except ValueError as err:
         raise SystemExit(str(err)) from None
     if args.jobs < 1:
         raise SystemExit(f"--jobs must be >= 1, got {args.jobs}")
-    records = RecordFile(args.out / corpus / RECORDS)
-    done: dict = records.load(corpus, settings.protocol(), _config_hashes())
+    runs_file, alignments_file = _record_files(args.out, corpus)
+    hashes = _config_hashes()
+    progress = Progress(runs_file.load(corpus, settings.protocol(), hashes),
+                        alignments_file.load(corpus, settings.protocol(), hashes))
     data = prepare_data(corpus_dir, args.work_dir / corpus / "data")
-    work = args.work_dir / corpus / f"steps{settings.steps}_h{settings.sync_interval}"
+    work = args.work_dir / corpus / f"steps{settings.steps}_h{settings.sync_interval}_b{settings.global_batch}"
     budget = Budget(args.jobs, args.max_runs, None if args.deadline_minutes is None else args.deadline_minutes * 60)
-    ctx = Context(corpus, settings, data, work, records)
+    ctx = Context(corpus, settings, data, work, runs_file, alignments_file)
+    print(f"[{corpus}] methods: {' '.join(settings.methods)}", flush=True)
     try:
-        failures = run_sweeps([Method.load(m) for m in settings.methods], ctx, done, budget)
+        failures = run_protocol([Method.load(m) for m in settings.methods], ctx, progress, budget)
     except KeyboardInterrupt:
-        end_live_launches()  # finished runs are recorded; the interrupted ones rerun next time
+        end_live_launches()  # finished work is recorded; the interrupted launches rerun next time
         raise SystemExit(130) from None
     report(args.out, corpus, settings, failures)
-    print((args.out / corpus / "summary.csv").read_text() if (args.out / corpus / "summary.csv").exists() else "")
+    print((args.out / corpus / "summary.csv").read_text())
     return 1 if failures else 0
 
 

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.diloco.config import MuLoCoConfig  # noqa: E402
 from trainer.optim.config import MuonParams  # noqa: E402
-from trainer.recipe import paper_recipe, unpublished_lr  # noqa: E402
+from trainer.recipe import Recipe, paper_recipe, unpublished_lr  # noqa: E402
 
 DS_CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
 COMMAND = "python tools/write_gpu_configs.py"
@@ -60,18 +60,37 @@ GPU_CONFIGS: tuple[ShippedConfig, ...] = (
 )
 
 
+def optimizer_block(r: Recipe, lr: float, ns_dtype: str) -> dict:
+    """The ds_config's optimizer block for recipe `r` at inner lr `lr`; what the recipe does not set is
+    the trainer's default, written out."""
+    defaults = MuonParams()
+    params: dict[str, Any] = {"lr": lr, "weight_decay": r.weight_decay, "betas": list(defaults.betas),
+                              "eps": defaults.eps}
+    if r.optimizer == "muon":
+        params.update(momentum=defaults.momentum, nesterov=defaults.nesterov, ns_schedule=defaults.ns_schedule,
+                      ns_dtype=ns_dtype, lr_scaling=defaults.lr_scaling, adamw_lr_factor=r.adamw_lr_factor,
+                      adamw_weight_decay_factor=r.adamw_weight_decay_factor)
+    return {"type": r.optimizer, "params": params}
+
+
+def muloco_block(r: Recipe, sync_interval: int, compression: dict[str, Any], collective: str) -> dict:
+    """The ds_config's muloco block for recipe `r`: its outer optimizer, and the official codec forms
+    where `compression` (a compression block's method, bits, ...) quantizes or feeds back errors."""
+    compression = dict(compression)
+    if compression.get("method") == "statistical":
+        compression["statistical_rounding"] = r.statistical_rounding
+    if compression.get("error_feedback"):
+        compression.update(ef_form=r.ef_form, ef_beta=r.ef_beta)
+    return {"workers": r.workers, "sync_interval": sync_interval, "outer_lr": r.outer_lr,
+            "outer_momentum": r.outer_momentum, "nesterov": MuLoCoConfig().nesterov, "compression": compression,
+            "collective": collective}
+
+
 def gpu_ds_config(c: ShippedConfig) -> dict:
     """The config's JSON; values the recipe does not set are the trainer's defaults, written out."""
     r = paper_recipe(c.preset, c.workers or 1, c.global_batch, c.optimizer)
     if (r.inner_lr is None) == (c.unpublished_lr is None):
         raise ValueError(f"{c.name}: give an lr exactly where the paper publishes none")
-    defaults, outer = MuonParams(), MuLoCoConfig()
-    params: dict[str, Any] = {"lr": r.inner_lr or c.unpublished_lr, "weight_decay": r.weight_decay,
-                              "betas": list(defaults.betas), "eps": defaults.eps}
-    if c.optimizer == "muon":
-        params.update(momentum=defaults.momentum, nesterov=defaults.nesterov, ns_schedule=defaults.ns_schedule,
-                      ns_dtype="bfloat16", lr_scaling=defaults.lr_scaling, adamw_lr_factor=r.adamw_lr_factor,
-                      adamw_weight_decay_factor=r.adamw_weight_decay_factor)
     notes = {"model": c.preset, "inner_optimizer": c.optimizer, "global_batch": c.global_batch, "generated_by": COMMAND}
     if c.unpublished_lr is not None:
         notes["not_from_the_paper"] = {"optimizer.params.lr": f"{unpublished_lr(c.optimizer)}; {c.unpublished_lr} is this "
@@ -81,7 +100,7 @@ def gpu_ds_config(c: ShippedConfig) -> dict:
         "layout": {"tensor": c.tensor, "pipeline": c.pipeline, "data": c.data},
         "train_micro_batch_size_per_gpu": c.micro_batch,
         "gradient_accumulation_steps": c.accumulation,
-        "optimizer": {"type": c.optimizer, "params": params},
+        "optimizer": optimizer_block(r, r.inner_lr or c.unpublished_lr, ns_dtype="bfloat16"),
         "scheduler": {"params": {"warmup_iters": r.warmup_iters, "min_lr_ratio": r.min_lr_ratio,
                                  "train_iters": r.train_iters}},
         "gradient_clipping": r.clip_grad,
@@ -90,9 +109,7 @@ def gpu_ds_config(c: ShippedConfig) -> dict:
     }
     if c.workers is not None:
         # The paper's runs exchange uncompressed pseudogradients; H is this trainer's default.
-        config["muloco"] = {"workers": c.workers, "sync_interval": outer.sync_interval, "outer_lr": r.outer_lr,
-                            "outer_momentum": r.outer_momentum, "nesterov": outer.nesterov,
-                            "compression": {"method": outer.compression.method}, "collective": c.collective}
+        config["muloco"] = muloco_block(r, MuLoCoConfig().sync_interval, {"method": "none"}, c.collective)
     return config
 
 

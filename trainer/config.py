@@ -172,10 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--load-worker", type=int, default=None, metavar="W",
-                   help="start (not resume) from worker W's weights, inner optimizer and lr schedule in the --load "
-                        "checkpoint, which may have any number of workers K; its outer-loop state and RNG are not "
-                        "carried, so this run must have no muloco block (e.g. one worker's H steps with the full "
-                        "global batch, or continuing one datacenter's state alone)")
+                   help="start (not resume) from worker W's weights, inner optimizer state and step in the --load "
+                        "checkpoint, which may have any number of workers K, with this run's lr, weight decay and "
+                        "schedule; its outer-loop state and RNG are not carried: with a muloco block a new outer "
+                        "loop starts at the loaded weights (e.g. one worker's H steps with the full global batch, "
+                        "K workers branching from a data-parallel checkpoint, or one datacenter carrying on alone)")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--keep-last", type=int, default=None, help="keep only the newest N checkpoints (default: all)")
     g.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",

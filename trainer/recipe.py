@@ -7,7 +7,7 @@ From (model preset, K workers, global batch B in sequences of 2048, inner optimi
 - AdamW-routed parameters (embeddings, head, 1-D) use the Muon group's lr and weight decay
   (factors 1.0);
 - schedule: 500 warmup steps, cosine to 10% of the peak, global-norm clip 1.0;
-- outer Nesterov SGD: K=1 lr 0.7 momentum 0.6, K>1 lr 1.0 momentum 0.9;
+- outer Nesterov SGD: K=1 lr 0.7 momentum 0.6 (DiLoCo, AdamW inner: 0.8), K>1 lr 1.0 momentum 0.9;
 - the official error feedback, `e = 0.9 e + outer_lr delta` (ef_form "paper", beta 0.9), when a
   config compresses with error feedback, and the official statistical rounding `round(c/s + n/2)`
   when it uses the statistical quantizer;
@@ -89,7 +89,7 @@ class Recipe:
              f"{TOKENS_PER_PARAMETER} tokens/parameter at B x {PAPER_SEQ_LENGTH} tokens per step"),
             ("gradient_clipping", self.clip_grad, "global-norm clip"),
             ("muloco.outer_lr", self.outer_lr, "K=1: 0.7, K>1: 1.0"),
-            ("muloco.outer_momentum", self.outer_momentum, "K=1: 0.6, K>1: 0.9 (Nesterov)"),
+            ("muloco.outer_momentum", self.outer_momentum, "K=1: 0.6 (AdamW inner: 0.8), K>1: 0.9 (Nesterov)"),
             ("muloco.compression.ef_form", self.ef_form, "official error feedback e = beta e + outer_lr delta"),
             ("muloco.compression.ef_beta", self.ef_beta, "official error-feedback decay"),
             ("muloco.compression.statistical_rounding", self.statistical_rounding,
@@ -105,6 +105,13 @@ def _base_weight_decay(preset: str, optimizer: str) -> float:
     return _BASE_WEIGHT_DECAY[preset]
 
 
+def _outer_momentum(workers: int, optimizer: str) -> float:
+    """The authors' tuned outer momentum: 0.9 for K > 1; at K=1 0.6 for MuLoCo, 0.8 for DiLoCo."""
+    if workers > 1:
+        return 0.9
+    return 0.8 if optimizer == "adamw" else 0.6
+
+
 def paper_recipe(preset: str, workers: int, global_batch: int, optimizer: str) -> Recipe:
     if optimizer not in ("muon", "adamw"):
         raise ConfigError(f'inner optimizer must be "muon" or "adamw", got {optimizer!r}')
@@ -118,7 +125,7 @@ def paper_recipe(preset: str, workers: int, global_batch: int, optimizer: str) -
         weight_decay=float(f"{weight_decay:.6g}"),  # 5e-05, not 5.000000000000001e-05
         adamw_lr_factor=1.0, adamw_weight_decay_factor=1.0,
         warmup_iters=WARMUP_ITERS, min_lr_ratio=MIN_LR_RATIO, clip_grad=CLIP_GRAD,
-        outer_lr=0.7 if workers == 1 else 1.0, outer_momentum=0.6 if workers == 1 else 0.9,
+        outer_lr=0.7 if workers == 1 else 1.0, outer_momentum=_outer_momentum(workers, optimizer),
         ef_form=EF_FORM, ef_beta=EF_BETA, statistical_rounding=STATISTICAL_ROUNDING,
         train_iters=math.ceil(TOKENS_PER_PARAMETER * parameters / (global_batch * PAPER_SEQ_LENGTH)))
 

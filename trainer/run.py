@@ -131,6 +131,10 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     position = StreamPosition(topology.coords.worker, topology.coords.data, config.batch, identical)
     logger = MetricsLogger(config.run_dir, config.tensorboard_dir, config.schedule.train_iters, is_logger)
     trainer = trainer_class(config, topology, engine, datasets.train, datasets.valid, position, logger)
+    checkpointer = Checkpointer(config, topology, trainer, canonical, tokenizer.vocab_size, vocab)
+    starts_from_worker = bool(config.load) and config.load_worker is not None
+    if starts_from_worker:  # before the outer loop exists: a new one starts from the loaded weights
+        checkpointer.resume(config.load)
     outer = None
     if config.muloco is not None:
         outer = OuterLoop(config.muloco, list(model.named_parameters()), canonical, topology,
@@ -141,8 +145,7 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     if is_logger:
         print(f"global batch {config.batch.global_batch} sequences ({config.batch.per_worker} per worker x "
               f"{config.batch.workers} workers), {config.schedule.train_iters} steps", flush=True)
-    checkpointer = Checkpointer(config, topology, trainer, canonical, tokenizer.vocab_size, vocab)
-    if config.load:
+    if config.load and not starts_from_worker:
         checkpointer.resume(config.load)
     c = topology.coords
     watchdog = Watchdog(config.hang_timeout_s, f"rank {topology.rank} (worker {c.worker}, data {c.data}, "

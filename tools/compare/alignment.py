@@ -1,19 +1,19 @@
-"""The paper's alignment measure (its Fig. 4): at chosen outer steps n, the cosine between
+"""The paper's alignment measure (its Fig. 4), as its official launchers take it: branches from shared
+mid-training states of the data-parallel baselines.
 
-- Delta_K, the K-worker averaged pseudogradient of sync n (as the outer optimizer received it, so
-  after compression when there is some), and
-- Delta_1 = theta_global(n-1) - theta after H inner steps of ONE worker with the full global batch B
-  (the same samples: the union of the K workers' micro-batches), started from the same global
-  weights at the same lr-schedule position, with worker 0's inner optimizer state at step (n-1)H.
-
-Both come from the real trainer. The K-worker run saves a checkpoint after every sync. Delta_K is
-recovered exactly from the outer momentum of consecutive checkpoints: the outer step does
-m_n = mu m_(n-1) + Delta_K, so Delta_K = m_n - mu m_(n-1). The reference is a launch of the same inner
-optimizer without the outer loop, K = 1 and global batch B, started with `--load-worker 0` from the
-checkpoint at step (n-1)H (after a sync every worker holds the global weights; the inner optimizer
-state is worker 0's, the choice the measure needs because one worker's state must be picked) and
-stopped after H steps (`--exit-interval H`, which saves). Checkpoints are read with safetensors and
-JSON only, and removed once measured. The cosine is over all parameters at once.
+The DP Muon (for MuLoCo) and DP AdamW (for DiLoCo) test runs keep their checkpoints at three start
+steps (START_FRACTIONS of the run, multiples of H): weights, inner optimizer state and the position
+in the lr schedule. From each, with the real trainer (`--load-worker 0`, which takes the run's own
+hyperparameters at that position):
+- the branch: the method's K workers run H steps, each on its B/K shard of the global batch, and
+  sync once; the outer loop starts at the loaded weights with zero momentum, so the outer momentum
+  saved after that sync IS the averaged pseudogradient Delta_K (as the outer optimizer received it);
+- the reference: one worker runs the same H steps on the whole batch B (the union of the workers'
+  samples) with the same inner optimizer and hyperparameters: Delta_1 = theta_start - theta_end.
+The measure is the cosine of Delta_K with Delta_1 over the whole model and per logical hidden matrix
+(the matrices Muon orthogonalizes in MuLoCo: Q, K, V, output, gate, up, down), and |Delta_K|/|Delta_1|.
+Each method runs at its selected inner lr and, as the control that shows the lr's own share, at 0.5x
+and 2x of it. Checkpoints are read with safetensors and JSON only, and removed once measured.
 """
 from __future__ import annotations
 
@@ -26,55 +26,72 @@ import torch
 
 from tools.compare.launch import Data, launch, run_config, trainer_flags
 from tools.compare.protocol import Method, RunSpec, Settings
-from tools.compare.records import Alignment
-from trainer.checkpoint.format import LATEST, CheckpointReader, iteration_dir
+from trainer.checkpoint.format import LATEST, CheckpointReader, complete_iterations, iteration_dir
+from trainer.model.layout import logical_matrices
+from trainer.model.presets import ModelShape
 from trainer.topology import RankCoordinates
 
-# Fractions of the run at which to measure (outer steps 2, 5 and 9 of 10 at the full protocol).
-SYNC_FRACTIONS = (0.2, 0.5, 0.9)
+START_FRACTIONS = (0.2, 0.5, 0.8)
+LR_MULTIPLIERS = (0.5, 1.0, 2.0)
+_NOT_HIDDEN = ("word_embeddings.weight", "output_layer.weight")  # AdamW's in MuLoCo too
 
 
-def alignment_syncs(num_syncs: int) -> tuple[int, ...]:
-    """The outer steps measured: from 2 on, since sync 1 would start from the initialization, which no
-    checkpoint holds."""
-    return tuple(sorted({min(num_syncs, max(2, round(f * num_syncs))) for f in SYNC_FRACTIONS})) if num_syncs > 1 else ()
+def start_steps(settings: Settings) -> tuple[int, ...]:
+    """Multiples of H at START_FRACTIONS of the run, from H on (step 0 is the initialization) and
+    leaving H steps to run."""
+    syncs = settings.steps // settings.sync_interval
+    if syncs < 2:
+        return ()
+    return tuple(sorted({min(syncs - 1, max(1, round(f * syncs))) * settings.sync_interval for f in START_FRACTIONS}))
 
 
-def checkpoint_flags(settings: Settings, root: Path) -> list[str]:
-    """What the K-worker run adds to save after every sync."""
+def start_state_flags(settings: Settings, root: Path) -> list[str]:
+    """What a DP run adds to save every H steps (all but the start steps are removed after it)."""
     return ["--save", str(root), "--save-interval", str(settings.sync_interval)]
 
 
-def _worker0_state(root: Path, step: int):
+def keep_only(root: Path, steps: tuple[int, ...]) -> None:
+    for step in complete_iterations(root):
+        if step not in steps:
+            shutil.rmtree(iteration_dir(root, step))
+
+
+def has_start_states(root: Path, steps: tuple[int, ...]) -> bool:
+    return root.is_dir() and set(steps) <= set(complete_iterations(root))
+
+
+def worker0_state(root: Path, step: int):
     reader = CheckpointReader(root, step)
     return reader.rank_state(reader.meta.rank_of(RankCoordinates(0, 0, 0, 0)))
-
-
-def averaged_pseudogradient(root: Path, outer_step: int, sync_interval: int, momentum: float) -> dict[str, torch.Tensor]:
-    """Delta_K of sync `outer_step` from the outer momentum saved after it and after the one before."""
-    new = _worker0_state(root, outer_step * sync_interval)["extra"]["muloco"]["momentum"]
-    old = _worker0_state(root, (outer_step - 1) * sync_interval)["extra"]["muloco"]["momentum"]
-    return {name: new[name] - momentum * old[name] for name in new}
-
-
-def pseudogradient(start: dict[str, torch.Tensor], end: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: start[name] - end[name] for name in start}
 
 
 @dataclass(frozen=True)
 class Comparison:
     cosine: float
     norm_ratio: float  # |a| / |b|
+    matrix_cosines: dict[str, float]
 
 
-def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Comparison:
-    """Cosine of two pseudogradients over all parameters together (fp64 sums)."""
+def _cosine(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+    """(cosine, |a|/|b|) of the concatenations, in fp64."""
+    dot = sum(float((a.double() * b.double()).sum()) for a, b in pairs)
+    aa = sum(float(a.double().square().sum()) for a, _ in pairs)
+    bb = sum(float(b.double().square().sum()) for _, b in pairs)
+    return dot / math.sqrt(aa * bb), math.sqrt(aa / bb)
+
+
+def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], shape: ModelShape) -> Comparison:
+    """Two pseudogradients over the whole model, and per logical hidden matrix."""
     if set(a) != set(b):
         raise ValueError(f"pseudogradients over different parameters: {sorted(set(a) ^ set(b))[:5]}")
-    dot = sum(float((a[n].double() * b[n].double()).sum()) for n in a)
-    aa = sum(float(a[n].double().square().sum()) for n in a)
-    bb = sum(float(b[n].double().square().sum()) for n in a)
-    return Comparison(dot / math.sqrt(aa * bb), math.sqrt(aa / bb))
+    cosine, ratio = _cosine([(a[n], b[n]) for n in sorted(a)])
+    matrices = {}
+    for name in sorted(a):
+        if a[name].dim() == 2 and not name.endswith(_NOT_HIDDEN):
+            parts_b = logical_matrices(name, b[name], shape)
+            for part, piece in logical_matrices(name, a[name], shape).items():
+                matrices[f"{name}:{part}" if part else name] = _cosine([(piece, parts_b[part])])[0]
+    return Comparison(cosine, ratio, matrices)
 
 
 def _start_view(run_root: Path, step: int, view: Path) -> Path:
@@ -86,28 +103,28 @@ def _start_view(run_root: Path, step: int, view: Path) -> Path:
     return view
 
 
-def reference_pseudogradient(method: Method, spec: RunSpec, settings: Settings, data: Data, run_root: Path,
-                             outer_step: int, work: Path) -> dict[str, torch.Tensor]:
-    """Delta_1 of sync `outer_step`: one worker, full batch, H steps from the K-run's state at (n-1)H."""
-    H = settings.sync_interval
-    start = (outer_step - 1) * H
-    view = _start_view(run_root, start, work / "start")
-    flags = [*trainer_flags(spec, settings, data, 1, work, eval_interval=0), "--load", str(view),
-             "--load-worker", "0", "--save", str(work / "ckpt"), "--exit-interval", str(H)]
-    launch(run_config(method, settings, spec.outer_lr, outer_loop=False), flags, 1, work, settings.run_timeout_s)
-    begin = _worker0_state(run_root, start)["extra"]["muloco"]["global_weights"]
-    end = _worker0_state(work / "ckpt", start + H)["model"]
-    return pseudogradient(begin, end)
+def _run_from(method: Method, spec: RunSpec, settings: Settings, data: Data, view: Path, work: Path,
+              outer_loop: bool) -> Path:
+    """H steps of `method` (its K workers, or one worker on the whole batch) from `view`; returns the
+    checkpoint root holding the state after them."""
+    workers = method.workers if outer_loop else 1
+    flags = [*trainer_flags(spec, settings, data, workers, work, eval_interval=0), "--load", str(view),
+             "--load-worker", "0", "--save", str(work / "ckpt"), "--exit-interval", str(settings.sync_interval)]
+    launch(run_config(method, settings, spec.outer_lr, outer_loop), flags, workers, work, settings.run_timeout_s)
+    return work / "ckpt"
 
 
-def measure(method: Method, spec: RunSpec, settings: Settings, data: Data, run_root: Path, work: Path,
-            syncs: tuple[int, ...]) -> Alignment:
-    """The alignment at `syncs` of a finished K-worker run whose checkpoints are under `run_root`."""
-    momentum = method.outer[1]
-    cosines, ratios = [], []
-    for n in syncs:
-        result = compare(averaged_pseudogradient(run_root, n, settings.sync_interval, momentum),
-                         reference_pseudogradient(method, spec, settings, data, run_root, n, work / f"sync{n}"))
-        cosines.append(result.cosine)
-        ratios.append(result.norm_ratio)
-    return Alignment(list(syncs), cosines, ratios)
+def measure(method: Method, spec: RunSpec, settings: Settings, data: Data, start_root: Path, start_step: int,
+            work: Path) -> Comparison:
+    """The alignment of `method` (at `spec`'s lrs and seed) from the state at `start_step` of the DP
+    run whose checkpoints are under `start_root`."""
+    end = start_step + settings.sync_interval
+    view = _start_view(start_root, start_step, work / "start")
+    branch = _run_from(method, spec, settings, data, view, work / "branch", outer_loop=True)
+    averaged = worker0_state(branch, end)["extra"]["muloco"]["momentum"]  # zero before the one sync
+    reference = _run_from(method, spec, settings, data, view, work / "reference", outer_loop=False)
+    start = worker0_state(start_root, start_step)["model"]
+    finish = worker0_state(reference, end)["model"]
+    result = compare(averaged, {n: start[n] - finish[n] for n in start}, CheckpointReader(start_root, start_step).meta.model)
+    shutil.rmtree(work)  # ~25 MB per rank per checkpoint
+    return result

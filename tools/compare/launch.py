@@ -1,5 +1,6 @@
 """Data preparation per corpus and launches of the real trainer (`deepspeed --num_gpus K
-trainer/pretrain.py`, one rank per worker, D = P = T = 1), each on its own free master port."""
+trainer/pretrain.py`, one rank per worker, D = P = T = 1), each on its own free master port and,
+where workers talk, with its own job secret beside its ds_config."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.compare.protocol import MODEL, REPO, VOCAB_SIZE, Method, RunSpec, Settings
+from tools.compare.protocol import ARCH, MODEL, QUERY_GROUPS, REPO, VOCAB_SIZE, Method, RunSpec, Settings
+from trainer.diloco.auth import write_new_key
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ def trainer_flags(spec: RunSpec, settings: Settings, data: Data, workers: int, r
                   eval_interval: int) -> list[str]:
     """The trainer's flags shared by a run and its alignment references: the same data, schedule and
     seed (the seed also fixes the data order), global batch B in one micro-batch of B/K per worker."""
-    return ["--model", MODEL, *data.flags(), "--train-iters", str(settings.steps), "--lr", str(spec.inner_lr),
+    return ["--model", MODEL, "--arch", ARCH, "--num-query-groups", str(QUERY_GROUPS), *data.flags(), "--train-iters", str(settings.steps), "--lr", str(spec.inner_lr),
             "--global-batch-size", str(settings.global_batch),
             "--micro-batch-size", str(settings.global_batch // workers), "--seed", str(spec.seed),
             "--eval-interval", str(eval_interval),
@@ -118,12 +120,23 @@ def trainer_flags(spec: RunSpec, settings: Settings, data: Data, workers: int, r
             "--log-interval", str(settings.sync_interval), "--run-dir", str(run_dir)]
 
 
+def with_job_secret(config: dict, run_dir: Path) -> dict:
+    """`config` with a fresh job secret in `run_dir` (beside the ds_config) when its workers talk: the
+    trainer refuses unauthenticated workers, and each launch is its own job."""
+    if config.get("muloco", {}).get("workers", 1) == 1:
+        return config
+    key = run_dir / "job.key"
+    key.unlink(missing_ok=True)
+    write_new_key(key)
+    return {**config, "muloco": {**config["muloco"], "auth": {"key_file": key.name, "job_id": run_dir.name}}}
+
+
 def launch(config: dict, flags: list[str], workers: int, run_dir: Path, timeout_s: int) -> None:
     """Run the trainer with `config` and `flags` on `workers` ranks; raise RuntimeError when it fails."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a half-finished earlier attempt
     ds_config = run_dir / "ds_config.json"
-    ds_config.write_text(json.dumps(config, indent=2))
+    ds_config.write_text(json.dumps(with_job_secret(config, run_dir), indent=2))
     port = _PORTS.take()
     command = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(workers), "--master_port",
                str(port), "trainer/pretrain.py", "--ds_config", str(ds_config), *flags]

@@ -1,15 +1,17 @@
-"""The comparison's protocol: methods, settings, and what each method's sweep runs next.
+"""The comparison's protocol: settings, methods as configs, and what each phase runs next.
 
-A method's sweep is sequential and depends only on the finished runs, so it is a pure function here
-(`next_launch`) that the scheduler calls again after every run:
-1. the inner-lr grid (LR_GRIDS) on the first seed, at the config's outer lr;
-2. grid extension: while the best lr on the first seed is the smallest or largest tried, one more lr a
-   geometric step (LR_STEP, the grid's own ratio) beyond that edge, at most MAX_EXTENSIONS times;
-3. methods with an outer loop: one neighbour of the paper's tuned outer lr at the best inner lr;
-4. the best setting of the first seed with every other seed;
-5. with alignment on, K > 1 methods: every seed at the best setting runs with the alignment
-   measurement (tools/compare/alignment.py); the first seed's run, made before the best was known,
-   is rerun once for it.
+Settings are chosen on the selection seed alone and judged on the test seeds alone, so the seed that
+picked a setting never tests it (no winner's curse). Each phase is a pure function of the finished
+runs, which the scheduler (tools/compare/sweep.py) calls again after every run:
+1. selection, on the selection seed: the inner-lr grid (LR_GRIDS) at the paper's outer lr; while the
+   best inner lr is the smallest or largest tried, one more a geometric step beyond that edge (at most
+   MAX_EXTENSIONS); then, for methods with an outer loop, the outer-lr grid (OUTER_LR_GRID) at the best
+   inner lr, extending itself the same way. A compressed variant selects nothing: it runs at its
+   uncompressed method's setting (methods.py `tuned_as`);
+2. test: the selected setting on each test seed (3; 5 where a claim is inconclusive on the first 3,
+   tools/compare/claims.py); a data-parallel baseline's test runs keep their checkpoints at the
+   alignment's start steps;
+3. alignment (tools/compare/alignment.py): branches from those start states.
 """
 from __future__ import annotations
 
@@ -19,28 +21,34 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from tools.compare.methods import BY_NAME, METHOD_ORDER, UNCOMPRESSED, MethodSpec
 from trainer.ds_config import DsConfig, load_ds_config, read_json_object
+from trainer.model.presets import PRESETS
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "configs" / "compare"
 DEFAULT_CORPUS = REPO / "corpus" / "shakespeare"
-MODEL = "tiny"
+MODEL, ARCH = "tiny", "paper"
+QUERY_GROUPS = PRESETS[MODEL].num_attention_heads  # one per head: the paper's attention (no GQA)
 VOCAB_SIZE = 4096  # the tokenizer trained per corpus
-
-LR_GRIDS = {"adamw": (1e-3, 3e-3, 1e-2), "muon": (0.01, 0.02, 0.04)}
-# Geometric step of a grid extension: the grids' own ratio (half a decade for AdamW, x2 for Muon).
-LR_STEP = {"adamw": 10 ** 0.5, "muon": 2.0}
 MAX_EXTENSIONS = 3
-# One neighbour of the paper's tuned outer lr, keyed by the tuned point (K=1 and K>1).
-OUTER_LR_NEIGHBOUR = {0.7: 0.5, 1.0: 0.8}
-METHOD_ORDER = ("dp_adamw", "dp_muon", "diloco_k1", "muloco_k1", "diloco_k2", "muloco_k2", "diloco_k4",
-                "muloco_k4", "diloco_k4_stat4", "muloco_k4_stat4", "diloco_k4_stat2ef", "muloco_k4_stat2ef",
-                "muloco_k4_lin2ef", "muloco_k4_stat4_paper", "muloco_k4_stat4_emb8")
-# What issue 17's protocol requires on each corpus (the others are extras).
-REQUIRED_METHODS = ("dp_adamw", "dp_muon", "diloco_k1", "muloco_k1", "diloco_k2", "muloco_k2", "diloco_k4",
-                    "muloco_k4", "diloco_k4_stat4", "muloco_k4_stat4", "muloco_k4_stat2ef", "muloco_k4_lin2ef")
-QUICK_METHODS = ("dp_adamw", "dp_muon", "diloco_k1", "muloco_k1", "diloco_k4", "muloco_k4", "muloco_k4_stat4",
-                 "muloco_k4_stat2ef")
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Initial points of a tuning grid and the geometric step of an extension beyond its edge."""
+    points: tuple[float, ...]
+    step: float
+
+    def initial(self, size: int) -> tuple[float, ...]:
+        """The middle `size` points."""
+        start = (len(self.points) - size) // 2
+        return self.points[start:start + size]
+
+
+LR_GRIDS = {"adamw": Grid((1e-3, 3e-3, 1e-2), 10 ** 0.5), "muon": Grid((0.01, 0.02, 0.04), 2.0)}
+# Both of the paper's tuned points (K=1: 0.7, K>1: 1.0), a step of sqrt(2) apart.
+OUTER_LR_GRID = Grid((0.5, 0.7, 1.0), 2 ** 0.5)
 
 
 @dataclass(frozen=True)
@@ -48,13 +56,16 @@ class Settings:
     steps: int = 300
     sync_interval: int = 30
     warmup: int = 20
-    global_batch: int = 16  # sequences of the tiny preset's 128 tokens
+    global_batch: int = 16  # sequences of the tiny preset's 128 tokens; B/K = 2 at K = 8
     eval_batches: int = 4  # E: validation sequences = E * global_batch
-    seeds: tuple[int, ...] = (0, 1, 2)
-    methods: tuple[str, ...] = REQUIRED_METHODS
-    lr_grid_size: int = 3  # the first n of each LR_GRIDS entry, centred on the middle value
-    outer_neighbours: bool = True
+    selection_seed: int = 0
+    test_seeds: tuple[int, ...] = (1, 2, 3)
+    more_test_seeds: tuple[int, ...] = (4, 5)  # where a claim is inconclusive on test_seeds
+    methods: tuple[str, ...] = METHOD_ORDER
+    lr_grid_size: int = 3  # the middle n of each grid
+    outer_tuning: bool = True
     alignment: bool = True
+    control_seeds: int = 1  # the alignment's 0.5x / 2x lr controls run on this many of the test seeds
     run_timeout_s: int = 3600
 
     def __post_init__(self):
@@ -64,36 +75,47 @@ class Settings:
             raise ValueError(f"warm-up {self.warmup} must be between 0 and the {self.steps} steps")
         if not 2 <= self.lr_grid_size <= 3:
             raise ValueError(f"the lr grid needs 2 or 3 points to have edges, got {self.lr_grid_size}")
+        if self.selection_seed in (*self.test_seeds, *self.more_test_seeds):
+            raise ValueError(f"the selection seed {self.selection_seed} cannot also be a test seed")
+        unknown = [m for m in self.methods if m not in BY_NAME]
+        if unknown:
+            raise ValueError(f"unknown methods {unknown}; the comparison has {list(METHOD_ORDER)}")
 
-    def lr_grid(self, optimizer: str) -> tuple[float, ...]:
-        grid = LR_GRIDS[optimizer]
-        start = (len(grid) - self.lr_grid_size) // 2
-        return grid[start:start + self.lr_grid_size]
+    def inner_grid(self, optimizer: str) -> tuple[float, ...]:
+        return LR_GRIDS[optimizer].initial(self.lr_grid_size)
 
     def protocol(self) -> dict:
-        """What makes two runs of the same method, lr and seed the same run (recorded with each)."""
+        """What makes two runs of the same method, lrs and seed the same run (recorded with each)."""
         return {"steps": self.steps, "sync_interval": self.sync_interval, "warmup": self.warmup,
                 "global_batch": self.global_batch, "eval_batches": self.eval_batches, "model": MODEL,
-                "vocab_size": VOCAB_SIZE}
+                "arch": ARCH, "query_groups": QUERY_GROUPS, "vocab_size": VOCAB_SIZE,
+                "selection_seed": self.selection_seed}
 
 
-QUICK = Settings(steps=60, sync_interval=10, warmup=6, seeds=(0,), methods=QUICK_METHODS, lr_grid_size=2,
-                 outer_neighbours=False, alignment=False)
+QUICK = Settings(steps=60, sync_interval=10, warmup=6, test_seeds=(), more_test_seeds=(),
+                 methods=("dp_adamw", "dp_muon", "diloco_k1", "muloco_k1", "diloco_k4", "muloco_k4"),
+                 lr_grid_size=2, outer_tuning=False, alignment=False)
+# The corpora other than the default run the methods whose claims need no compression.
+SECOND_CORPUS_METHODS = UNCOMPRESSED
 
 
 @dataclass(frozen=True)
 class Method:
-    name: str
+    spec: MethodSpec
     config: dict  # the JSON, as the runs' ds_configs are written from it
     ds: DsConfig  # the same, as the trainer reads it
 
     @classmethod
     def load(cls, name: str) -> Method:
         path = CONFIG_DIR / f"{name}.json"
-        if not path.exists():
-            raise SystemExit(f"unknown method {name!r}: no {path}")
+        if name not in BY_NAME or not path.exists():
+            raise SystemExit(f"unknown method {name!r}: not in tools/compare/methods.py or no {path}")
         config = read_json_object(path)
-        return cls(name, config, load_ds_config(config))
+        return cls(BY_NAME[name], config, load_ds_config(config))
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
     @property
     def workers(self) -> int:
@@ -105,7 +127,7 @@ class Method:
 
     @property
     def outer(self) -> tuple[float, float] | None:
-        """The config's (outer lr, momentum); None for DP."""
+        """The config's (outer lr, momentum): the paper's tuned point; None for DP."""
         muloco = self.ds.muloco
         return (muloco.outer_lr, muloco.outer_momentum) if muloco is not None else None
 
@@ -121,11 +143,6 @@ class Method:
         c = self.ds.muloco.compression
         return f"{c.method} {c.bits}-bit (emb {c.embedding_bits}, 1-D {c.vector_bits})" + (" + EF" if c.error_feedback
                                                                                            else "")
-
-    @property
-    def aligned(self) -> bool:
-        """Whether the alignment measure means something: K = 1 averages one worker (cosine 1 by construction)."""
-        return self.workers > 1
 
 
 @dataclass(frozen=True)
@@ -143,9 +160,9 @@ class RunSpec:
 
 @dataclass(frozen=True)
 class Launch:
-    """One launch a sweep asks for: a run, with or without the alignment measurement."""
+    """One training run a phase asks for; `start_states`: keep its checkpoints at the alignment's start steps."""
     spec: RunSpec
-    alignment: bool
+    start_states: bool = False
 
 
 def extension_lr(losses: Mapping[float, float], initial: tuple[float, ...], step: float,
@@ -164,35 +181,74 @@ def extension_lr(losses: Mapping[float, float], initial: tuple[float, ...], step
     return None
 
 
-def best_spec(method: Method, settings: Settings, losses: Mapping[RunSpec, float]) -> RunSpec | None:
-    """The first seed's best run of `method` so far (inner and outer lr)."""
-    first = [s for s in losses if s.method == method.name and s.seed == settings.seeds[0]]
-    return min(first, key=lambda s: losses[s]) if first else None
+def _at_edge(value: float, tried: list[float]) -> bool:
+    return len(tried) > 1 and value in (min(tried), max(tried))
 
 
-def next_launch(method: Method, settings: Settings, losses: Mapping[RunSpec, float],
-                aligned: set[RunSpec]) -> Launch | None:
-    """What `method`'s sweep runs next given the finished runs (`losses`: spec -> final val loss;
-    `aligned`: specs whose alignment is measured), or None when its sweep is complete."""
-    first = settings.seeds[0]
-    outer = method.outer[0] if method.outer else None
-    for lr in settings.lr_grid(method.optimizer):
-        spec = RunSpec(method.name, lr, outer, first)
-        if spec not in losses:
-            return Launch(spec, False)
-    tried = {s.inner_lr: loss for s, loss in losses.items()
-             if s.method == method.name and s.seed == first and s.outer_lr == outer}
-    lr = extension_lr(tried, settings.lr_grid(method.optimizer), LR_STEP[method.optimizer])
+@dataclass(frozen=True)
+class Selection:
+    """A method's setting chosen on the selection seed (its run there, and whether each lr is still
+    at an edge of those tried after the extensions)."""
+    spec: RunSpec
+    loss: float
+    inner_at_edge: bool
+    outer_at_edge: bool
+
+
+def _selection_losses(name: str, settings: Settings, losses: Mapping[RunSpec, float]) -> dict[RunSpec, float]:
+    return {s: v for s, v in losses.items() if s.method == name and s.seed == settings.selection_seed}
+
+
+def selection_launch(method: Method, settings: Settings, losses: Mapping[RunSpec, float]) -> Launch | None:
+    """The next run of `method`'s selection, or None when it is complete (or it selects nothing)."""
+    if method.spec.tuned_as is not None:
+        return None
+    mine = _selection_losses(method.name, settings, losses)
+    seed, paper_outer = settings.selection_seed, method.outer[0] if method.outer else None
+    initial = settings.inner_grid(method.optimizer)
+    for lr in initial:
+        if RunSpec(method.name, lr, paper_outer, seed) not in mine:
+            return Launch(RunSpec(method.name, lr, paper_outer, seed))
+    inner = {s.inner_lr: v for s, v in mine.items() if s.outer_lr == paper_outer}
+    lr = extension_lr(inner, initial, LR_GRIDS[method.optimizer].step)
     if lr is not None:
-        return Launch(RunSpec(method.name, lr, outer, first), False)
-    if settings.outer_neighbours and outer is not None:
-        spec = RunSpec(method.name, min(tried, key=tried.get), OUTER_LR_NEIGHBOUR[outer], first)
+        return Launch(RunSpec(method.name, lr, paper_outer, seed))
+    if paper_outer is None or not settings.outer_tuning:
+        return None
+    best_inner = min(inner, key=inner.get)
+    for outer_lr in OUTER_LR_GRID.points:
+        if RunSpec(method.name, best_inner, outer_lr, seed) not in mine:
+            return Launch(RunSpec(method.name, best_inner, outer_lr, seed))
+    outer = {s.outer_lr: v for s, v in mine.items() if s.inner_lr == best_inner}
+    outer_lr = extension_lr(outer, OUTER_LR_GRID.points, OUTER_LR_GRID.step)
+    return None if outer_lr is None else Launch(RunSpec(method.name, best_inner, outer_lr, seed))
+
+
+def selection(method: Method, settings: Settings, losses: Mapping[RunSpec, float]) -> Selection | None:
+    """`method`'s chosen setting once its selection (or its `tuned_as` method's) is complete."""
+    tuner = Method.load(method.spec.tuned_as) if method.spec.tuned_as else method
+    if selection_launch(tuner, settings, losses) is not None:
+        return None
+    mine = _selection_losses(tuner.name, settings, losses)
+    if not mine:
+        return None
+    best = min(mine, key=mine.get)
+    paper_outer = tuner.outer[0] if tuner.outer else None
+    inner = [s.inner_lr for s in mine if s.outer_lr == paper_outer]
+    outer = [s.outer_lr for s in mine if s.inner_lr == best.inner_lr and s.outer_lr is not None]
+    return Selection(replace(best, method=method.name), mine[best], _at_edge(best.inner_lr, inner),
+                     best.outer_lr is not None and _at_edge(best.outer_lr, outer))
+
+
+def seed_launch(method: Method, settings: Settings, losses: Mapping[RunSpec, float], seeds: tuple[int, ...],
+                start_state_seeds: tuple[int, ...] = ()) -> Launch | None:
+    """The next test run of `method` (its selected setting on each of `seeds`, keeping its start states
+    on `start_state_seeds`), or None."""
+    chosen = selection(method, settings, losses)
+    if chosen is None:
+        return None
+    for seed in seeds:
+        spec = replace(chosen.spec, seed=seed)
         if spec not in losses:
-            return Launch(spec, False)
-    best = best_spec(method, settings, losses)
-    wants_alignment = settings.alignment and method.aligned
-    for seed in settings.seeds:
-        spec = replace(best, seed=seed)
-        if spec not in losses or (wants_alignment and spec not in aligned):
-            return Launch(spec, wants_alignment)
+            return Launch(spec, seed in start_state_seeds)
     return None

@@ -1,25 +1,29 @@
-"""The report from the record alone: per corpus summary.csv, settings.json, plots and a results
-section with the claims' verdicts (tools/compare/verdicts.py); the README's results section is
-regenerated between its markers."""
+"""The report from the records alone: per corpus summary.csv, alignment.csv, settings.json, plots and
+a results section with the claims' verdicts (tools/compare/claims.py) and the numbers behind them;
+the README's results section and the project README's verdict table are regenerated between their
+markers, beside the first protocol's verdicts (PROTOCOL1_VERDICTS, frozen with its records)."""
 from __future__ import annotations
 
 import csv
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-from tools.compare.protocol import (LR_GRIDS, LR_STEP, MAX_EXTENSIONS, OUTER_LR_NEIGHBOUR, Method, Settings,
-                                    best_spec)
-from tools.compare.records import RunRecord
-from tools.compare.verdicts import (CONFIDENCE, FAILS, HOLDS, INCONCLUSIVE, LOSSLESS_TOLERANCE, MIN_SEEDS, NOT_RUN,
-                                    Stat, all_of, at_most, less, smaller_increase, within)
+from tools.compare import alignment
+from tools.compare.claims import PAPER_150M, Claim, claims
+from tools.compare.methods import KS, METHOD_ORDER
+from tools.compare.protocol import LR_GRIDS, MAX_EXTENSIONS, OUTER_LR_GRID, Method, RunSpec, Selection, Settings
+from tools.compare.records import AlignmentRecord, BranchKey, RunRecord
+from tools.compare.stats import (AlignmentSummary, alignment_stats, alignment_summaries, loss_stats,
+                                 runs_on_test_seeds, selected)
+from tools.compare.verdicts import (CONFIDENCE, FAILS, HOLDS, INCONCLUSIVE, LOSSLESS_MARGIN, MIN_SEEDS,
+                                    NON_INFERIORITY_MARGIN, NOT_RUN, Stat)
 
-# The paper's 150M column (arXiv 2505.23725) for the methods it reports; K=16 there, not K=4.
-PAPER_150M = {"dp_adamw": 3.158, "dp_muon": 3.124, "muloco_k1": 3.120, "diloco_k1": 3.142}
 BEGIN, END = "<!-- results:begin (tools/compare_methods.py writes this section) -->", "<!-- results:end -->"
 SUMMARY_BEGIN = "<!-- compare-verdicts:begin (tools/compare_methods.py writes this table) -->"
 SUMMARY_END = "<!-- compare-verdicts:end -->"
-KS = (1, 2, 4)
+PROTOCOL1 = "protocol1"  # the first protocol's records, report and frozen verdicts, under the results folder
+PROTOCOL1_VERDICTS = f"{PROTOCOL1}/verdicts.json"
 
 
 @dataclass(frozen=True)
@@ -28,138 +32,61 @@ class Summary:
     workers: int
     inner: str
     compression: str
-    inner_lr: float
-    outer: str
-    val_loss: Stat
-    mb_sent_per_worker: float
-    worker_cosine: float | None
-    alignment: Stat | None
-    lr_at_edge: bool  # the best lr is still at an edge of the lrs tried (after the extensions)
+    selection: Selection
+    outer_momentum: float | None
+    val_loss: Stat | None  # on the test seeds
+    mb_sent_per_worker: float | None
     paper_150m: float | None
 
-    COLUMNS = ("method", "workers", "inner", "compression", "inner_lr", "outer", "val_loss_mean", "val_loss_std",
-               "seeds", "mb_sent_per_worker", "worker_cosine", "alignment_mean", "alignment_std",
-               "alignment_seeds", "lr_at_edge", "paper_150m")
+    COLUMNS = ("method", "workers", "inner", "compression", "inner_lr", "inner_lr_at_edge", "outer_lr",
+               "outer_momentum", "outer_lr_at_edge", "selection_seed_val_loss", "val_loss_mean", "val_loss_std",
+               "test_seeds", "mb_sent_per_worker", "paper_150m")
 
     def row(self) -> list:
-        a = self.alignment
-        return [self.method, self.workers, self.inner, self.compression, self.inner_lr, self.outer,
-                f"{self.val_loss.mean:.4f}", f"{self.val_loss.std:.4f}", self.val_loss.n, f"{self.mb_sent_per_worker:.3f}",
-                "" if self.worker_cosine is None else f"{self.worker_cosine:.4f}",
-                "" if a is None else f"{a.mean:.4f}", "" if a is None else f"{a.std:.4f}", 0 if a is None else a.n,
-                self.lr_at_edge, "" if self.paper_150m is None else self.paper_150m]
+        c, v = self.selection, self.val_loss
+        return [self.method, self.workers, self.inner, self.compression, c.spec.inner_lr, c.inner_at_edge,
+                "" if c.spec.outer_lr is None else c.spec.outer_lr, "" if self.outer_momentum is None else
+                self.outer_momentum, c.outer_at_edge, f"{c.loss:.4f}", "" if v is None else f"{v.mean:.4f}",
+                "" if v is None else f"{v.std:.4f}", 0 if v is None else v.n,
+                "" if self.mb_sent_per_worker is None else f"{self.mb_sent_per_worker:.3f}",
+                "" if self.paper_150m is None else self.paper_150m]
 
 
-def summarize(method: Method, settings: Settings, records: dict) -> Summary | None:
-    """The best setting of `method` on the first seed, over every seed run with it."""
-    mine = {s: r for s, r in records.items() if s.method == method.name}
-    best = best_spec(method, settings, {s: r.final_val_loss for s, r in mine.items()})
-    if best is None:
-        return None
-    runs = [r for s, r in sorted(mine.items(), key=lambda kv: kv[0].seed)
-            if (s.inner_lr, s.outer_lr) == (best.inner_lr, best.outer_lr)]
-    tried = sorted({s.inner_lr for s in mine if s.seed == best.seed and s.outer_lr == best.outer_lr})
-    aligned = {r.seed: r.alignment.mean for r in runs if r.alignment is not None}
-    cosines = [r.worker_cosine for r in runs if r.worker_cosine is not None]
-    return Summary(method.name, method.workers, method.optimizer, method.compression, best.inner_lr,
-                   "-" if best.outer_lr is None else f"{best.outer_lr:g}/{method.outer[1]:g}",
-                   Stat({r.seed: r.final_val_loss for r in runs}), sum(r.bytes_per_worker for r in runs) / len(runs) / 1e6,
-                   sum(cosines) / len(cosines) if cosines else None, Stat(aligned) if aligned else None,
-                   len(tried) > 1 and best.inner_lr in (tried[0], tried[-1]), PAPER_150M.get(method.name))
+def summaries(methods: list[Method], chosen: dict[str, Selection], runs: dict[RunSpec, RunRecord]) -> list[Summary]:
+    stats = loss_stats(chosen, runs)
+    out = []
+    for m in methods:
+        if m.name not in chosen:
+            continue
+        tested = runs_on_test_seeds(chosen[m.name], runs)
+        out.append(Summary(m.name, m.workers, m.optimizer, m.compression, chosen[m.name],
+                           m.outer[1] if m.outer else None, stats.get(m.name),
+                           sum(r.bytes_per_worker for r in tested) / len(tested) / 1e6 if tested else None,
+                           PAPER_150M.get(m.name)))
+    return out
 
 
-@dataclass(frozen=True)
-class Claim:
-    key: str
-    text: str
-    paper: str
-    ours: str
-    verdict: str
-    needs: tuple[str, ...]  # the methods it compares: a corpus that ran fewer has NOT_RUN
+RULE = (f"Verdict rule: a setting is chosen on the selection seed alone and every verdict uses only the "
+        f"test seeds (at least {MIN_SEEDS}; more where a claim is inconclusive on the first {MIN_SEEDS}), so "
+        f"the seed that chose a setting never tests it. A seed fixes the initial weights, the data order and "
+        f"the validation sample for every method, so each test is paired: per common test seed the quantity "
+        f"shown, and its {CONFIDENCE:.0%} Student-t interval. 'a < b' **holds** when the interval of b − a "
+        f"lies above 0 and **does not hold** when it lies below 0. 'a ≤ b' is non-inferiority with a stated "
+        f"margin ({NON_INFERIORITY_MARGIN:.1%} of b; {LOSSLESS_MARGIN:.0%} for 'effectively lossless'): it "
+        f"holds when the interval of a − b lies below the margin and does not hold when it lies above it. "
+        f"Everything else is **inconclusive**, and so is a test with fewer than {MIN_SEEDS} common test "
+        f"seeds. A claim of several tests holds when all hold and does not hold when one does not; a corpus "
+        f"that did not run a claim's methods shows **not run**, and the verdict across corpora is over those "
+        f"that did.")
 
 
-def claims(s: dict[str, Summary]) -> list[Claim]:
-    def loss(name: str) -> Stat | None:
-        return s[name].val_loss if name in s else None
-
-    def align(name: str) -> Stat | None:
-        return s[name].alignment if name in s else None
-
-    def show(*names: str, of=loss) -> str:
-        return "; ".join(f"{n} {of(n) if of(n) is not None else 'not run'}" for n in names)
-
-    def delta(base: str, other: str) -> str:
-        if loss(base) is None or loss(other) is None:
-            return "n/a"
-        return f"{loss(other).mean - loss(base).mean:+.4f}"
-
-    def compared(ks: tuple[int, ...]) -> list[int]:
-        """The Ks at which both methods ran (a corpus may run a subset); all of them when neither did."""
-        return [k for k in ks if f"muloco_k{k}" in s and f"diloco_k{k}" in s] or list(ks)
-
-    def pairs(ks: list[int]) -> tuple[str, ...]:
-        return tuple(f"{m}_k{k}" for k in ks for m in ("muloco", "diloco"))
-
-    degradation = {m: delta(f"{m}_k1", f"{m}_k4") for m in ("muloco", "diloco")}
-    beats, aligned = compared(KS), compared(KS[1:])
-    rows = [
-        Claim("a", "MuLoCo K=1 ≤ DP Muon < DP AdamW",
-              "150M: MuLoCo K=1 3.120, DP Muon 3.124, DP AdamW 3.158",
-              show("muloco_k1", "dp_muon", "dp_adamw"),
-              all_of([at_most(loss("muloco_k1"), loss("dp_muon")), less(loss("dp_muon"), loss("dp_adamw"))]),
-              ("muloco_k1", "dp_muon", "dp_adamw")),
-        Claim("b", "MuLoCo beats DiLoCo at every K",
-              "150M: K=1 MuLoCo 3.120 vs DiLoCo 3.142; K=16 MuLoCo 3.222 vs DiLoCo 3.326",
-              show(*pairs(beats)),
-              all_of([less(loss(f"muloco_k{k}"), loss(f"diloco_k{k}")) for k in beats]), pairs(beats)),
-        Claim("c", "MuLoCo degrades less from K=1 to K=4 than DiLoCo",
-              "150M K=1 → K=16: MuLoCo +0.102 (3.120 → 3.222), DiLoCo +0.184 (3.142 → 3.326)",
-              f"K=1 → K=4: MuLoCo {degradation['muloco']}, DiLoCo {degradation['diloco']}",
-              smaller_increase(loss("muloco_k1"), loss("muloco_k4"), loss("diloco_k1"), loss("diloco_k4")),
-              ("muloco_k1", "muloco_k4", "diloco_k1", "diloco_k4")),
-        Claim("d1", f"4-bit statistical is effectively lossless (within {LOSSLESS_TOLERANCE:.0%})",
-              "qualitative: 4-bit quantization matches the uncompressed loss",
-              f"MuLoCo {delta('muloco_k4', 'muloco_k4_stat4')}, DiLoCo {delta('diloco_k4', 'diloco_k4_stat4')} "
-              "vs uncompressed K=4",
-              all_of([within(loss("muloco_k4_stat4"), loss("muloco_k4")),
-                      within(loss("diloco_k4_stat4"), loss("diloco_k4"))]),
-              ("muloco_k4_stat4", "muloco_k4", "diloco_k4_stat4", "diloco_k4")),
-        Claim("d2", f"2-bit statistical + EF works (MuLoCo, within {LOSSLESS_TOLERANCE:.0%})",
-              "qualitative: 2-bit statistical quantization with error feedback stays close to uncompressed",
-              f"MuLoCo {delta('muloco_k4', 'muloco_k4_stat2ef')} vs uncompressed K=4",
-              within(loss("muloco_k4_stat2ef"), loss("muloco_k4")), ("muloco_k4_stat2ef", "muloco_k4")),
-        Claim("d3", "2-bit linear + EF degrades (worse than 2-bit statistical + EF, MuLoCo)",
-              "qualitative: 2-bit linear quantization degrades the loss",
-              f"linear − statistical: {delta('muloco_k4_stat2ef', 'muloco_k4_lin2ef')}",
-              less(loss("muloco_k4_stat2ef"), loss("muloco_k4_lin2ef")), ("muloco_k4_stat2ef", "muloco_k4_lin2ef")),
-        Claim("e", "MuLoCo's pseudogradients are better aligned with the K=1 pseudogradient (K=2, 4)",
-              "Fig. 4: higher cosine with the K=1 pseudogradient for MuLoCo than DiLoCo",
-              show(*pairs(aligned), of=align),
-              all_of([less(align(f"diloco_k{k}"), align(f"muloco_k{k}")) for k in aligned]), pairs(aligned)),
-    ]
-    # A claim whose methods this corpus did not run says so, and does not count across corpora.
-    return [c if all(n in s for n in c.needs) else replace(c, ours="-", verdict=NOT_RUN) for c in rows]
-
-
-RULE = (f"Verdict rule: every method runs the same seeds, and a seed fixes the initial weights, the data "
-        f"order and the validation sample, so each test is paired: over the seeds both sides ran, the "
-        f"per-seed margin in the claim's direction (for a < b: b − a; for 'within "
-        f"{LOSSLESS_TOLERANCE:.0%}': 1% of the uncompressed loss minus the excess; for the degradation claim: "
-        f"the difference of the two methods' K=4 − K=1 increases) and its {CONFIDENCE:.0%} Student-t "
-        f"interval. A claim **holds** when the interval lies above 0 and **does not hold** when it lies "
-        f"below 0; a ≤ b does not hold only when b < a holds. Everything else is **inconclusive**, and so "
-        f"is any test with fewer than {MIN_SEEDS} common seeds. A claim of several parts holds when all "
-        f"hold and does not hold when one does not; a corpus that did not run a claim's methods shows "
-        f"**not run**, and the verdict across corpora is over those that did. The ± columns are the spread "
-        f"over seeds, which the pairing removes from the tests.")
-
-
-def _plot(summaries: dict[str, Summary], out: Path, corpus: str) -> list[str]:
+def _plot(table: list[Summary], aligned: dict[tuple[str, float], AlignmentSummary], out: Path, corpus: str) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    by_name = {s.method: s for s in table if s.val_loss is not None}
     written = []
 
     def save(fig, ax, name: str, **labels) -> None:
@@ -173,93 +100,134 @@ def _plot(summaries: dict[str, Summary], out: Path, corpus: str) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for m in ("muloco", "diloco"):
-        points = [(k, summaries[f"{m}_k{k}"].val_loss) for k in KS if f"{m}_k{k}" in summaries]
+        points = [(k, by_name[f"{m}_k{k}"].val_loss) for k in KS if f"{m}_k{k}" in by_name]
         if points:
             ax.errorbar([k for k, _ in points], [s.mean for _, s in points], yerr=[s.std for _, s in points],
                         marker="o", capsize=3, label=m)
-    for dp in ("dp_muon", "dp_adamw"):
-        if dp in summaries:
-            ax.axhline(summaries[dp].val_loss.mean, linestyle=":", color="grey" if dp == "dp_adamw" else "black",
-                       label=f"{dp} (K=1)")
-    ax.set_xticks(KS)
-    save(fig, ax, "val_loss_vs_K.png", xlabel="workers K", ylabel="final val loss (mean ± std over seeds)",
+    for dp, colour in (("dp_muon", "black"), ("dp_adamw", "grey")):
+        if dp in by_name:
+            ax.axhline(by_name[dp].val_loss.mean, linestyle=":", color=colour, label=f"{dp} (K=1)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(KS, [str(k) for k in KS])
+    save(fig, ax, "val_loss_vs_K.png", xlabel="workers K", ylabel="final val loss (test seeds, mean ± std)",
          title=f"{corpus}: val loss vs K")
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for s in summaries.values():
-        if s.workers > 1:
-            ax.errorbar([s.mb_sent_per_worker], [s.val_loss.mean], yerr=[s.val_loss.std], marker="o" if
-                        s.inner == "muon" else "s", capsize=3, label=s.method)
+    for s in by_name.values():
+        if s.workers > 1 and s.mb_sent_per_worker:
+            ax.errorbar([s.mb_sent_per_worker], [s.val_loss.mean], yerr=[s.val_loss.std],
+                        marker="o" if s.inner == "muon" else "s", capsize=3, label=s.method)
     save(fig, ax, "val_loss_vs_bytes.png", xscale="log", xlabel="MB sent per worker over the run",
-         ylabel="final val loss (mean ± std)", title=f"{corpus}: val loss vs bytes (K > 1)")
+         ylabel="final val loss (test seeds, mean ± std)", title=f"{corpus}: val loss vs bytes (K > 1)")
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for m in ("muloco", "diloco"):
-        points = [(k, summaries[f"{m}_k{k}"].alignment) for k in KS[1:]
-                  if f"{m}_k{k}" in summaries and summaries[f"{m}_k{k}"].alignment is not None]
-        if points:
-            ax.errorbar([1] + [k for k, _ in points], [1.0] + [a.mean for _, a in points],
-                        yerr=[0.0] + [a.std for _, a in points], marker="o", capsize=3, label=m)
-    ax.set_xticks(KS)
-    save(fig, ax, "alignment_vs_K.png", xlabel="workers K (K=1: 1 by construction)",
-         ylabel="cos(averaged, full-batch pseudogradient)", title=f"{corpus}: alignment with K=1")
+    for m, colour in (("muloco", "tab:blue"), ("diloco", "tab:orange")):
+        for x, style in zip(alignment.LR_MULTIPLIERS, (":", "-", "--")):
+            points = [(k, aligned[f"{m}_k{k}", x].cosine) for k in KS[1:]
+                      if (f"{m}_k{k}", x) in aligned and aligned[f"{m}_k{k}", x].cosine.n]
+            if points:
+                ax.errorbar([k for k, _ in points], [a.mean for _, a in points], yerr=[a.std for _, a in points],
+                            marker="o", capsize=3, linestyle=style, color=colour, label=f"{m}, {x:g}x lr")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(KS[1:], [str(k) for k in KS[1:]])
+    save(fig, ax, "alignment_vs_K.png", xlabel="workers K",
+         ylabel="cos(averaged, K=1 pseudogradient)", title=f"{corpus}: alignment from shared DP states")
     return written
 
 
-def _summary_table(summaries: list[Summary]) -> str:
-    lines = ["| method | K | inner | compression | inner lr | outer lr/mom | final val loss (mean ± std, n) | "
-             "MB sent per worker | alignment with K=1 (mean ± std, n) | paper 150M |", "|" + "---|" * 10]
-    for s in sorted(summaries, key=lambda s: s.val_loss.mean):
-        edge = " (edge)" if s.lr_at_edge else ""
-        lines.append(f"| {s.method} | {s.workers} | {s.inner} | {s.compression} | {s.inner_lr:g}{edge} | {s.outer} | "
-                     f"{s.val_loss} | {s.mb_sent_per_worker:.2f} | {s.alignment if s.alignment else '-'} | "
+def _edge(value: str, at_edge: bool) -> str:
+    return value + (" (edge)" if at_edge else "")
+
+
+def _summary_table(table: list[Summary]) -> str:
+    lines = ["| method | K | inner | compression | inner lr | outer lr/mom | selection seed | test seeds (mean ± std, n) "
+             "| MB sent per worker | paper 150M |", "|" + "---|" * 10]
+    for s in sorted(table, key=lambda s: (s.val_loss is None, s.val_loss.mean if s.val_loss else s.selection.loss)):
+        c = s.selection
+        outer = "-" if c.spec.outer_lr is None else _edge(f"{c.spec.outer_lr:g}", c.outer_at_edge) + f"/{s.outer_momentum:g}"
+        lines.append(f"| {s.method} | {s.workers} | {s.inner} | {s.compression} | "
+                     f"{_edge(f'{c.spec.inner_lr:g}', c.inner_at_edge)} | {outer} | {c.loss:.4f} | "
+                     f"{s.val_loss if s.val_loss else 'not yet'} | "
+                     f"{'-' if s.mb_sent_per_worker is None else f'{s.mb_sent_per_worker:.2f}'} | "
                      f"{'-' if s.paper_150m is None else f'{s.paper_150m:.3f}'} |")
     return "\n".join(lines)
 
 
+def _alignment_table(aligned: dict[tuple[str, float], AlignmentSummary], lrs: dict[str, float]) -> str:
+    lines = ["| method | lr (x selected) | cosine, whole model (per seed: mean over starts; mean ± std, n) | by start "
+             "step | norm ratio | per hidden matrix: mean, spread, min |", "|" + "---|" * 6]
+    for (method, x), a in sorted(aligned.items(), key=lambda kv: (METHOD_ORDER.index(kv[0][0]), kv[0][1])):
+        by_start = ", ".join(f"{step}: {c:.3f}" for step, c in a.by_start.items())
+        lr = f"{lrs[method] * x:g} ({x:g}x)" if method in lrs else f"{x:g}x"
+        lines.append(f"| {method} | {lr} | {a.cosine if a.cosine.n else '-'} | {by_start} | {a.norm_ratio:.3f} | "
+                     f"{a.matrix_mean:.3f}, ±{a.matrix_spread:.3f}, {a.matrix_min:.3f} |")
+    return "\n".join(lines)
+
+
 def _claims_table(rows: list[Claim]) -> str:
-    lines = ["| claim | paper | ours | verdict |", "|---|---|---|---|"]
-    lines += [f"| ({c.key}) {c.text} | {c.paper} | {c.ours} | {c.verdict} |" for c in rows]
+    lines = ["| claim | paper | ours (test seeds) | verdict |", "|---|---|---|---|"]
+    for c in rows:
+        evidence = "-" if c.verdict == NOT_RUN else "; ".join(str(t) for t in c.tests)
+        lines.append(f"| ({c.key}) {c.text} | {c.paper} | {evidence} | {c.verdict} |")
     return "\n".join(lines)
 
 
 @dataclass(frozen=True)
 class CorpusReport:
     corpus: str
-    summaries: list[Summary]
     claims: list[Claim]
     runs: int
+    measurements: int
     markdown: str
 
 
-def write_corpus(corpus: str, methods: list[Method], settings: Settings, records: dict[object, RunRecord],
-                 out: Path, failures: list[str]) -> CorpusReport:
+def write_corpus(corpus: str, methods: list[Method], settings: Settings, runs: dict[RunSpec, RunRecord],
+                 aligned_records: dict[BranchKey, AlignmentRecord], out: Path, failures: list[str]) -> CorpusReport:
     out.mkdir(parents=True, exist_ok=True)
-    summaries = [s for m in methods if (s := summarize(m, settings, records)) is not None]
-    by_name = {s.method: s for s in summaries}
+    chosen = selected(methods, settings, runs)
+    table = summaries(methods, chosen, runs)
+    aligned = alignment_summaries(aligned_records, alignment.start_steps(settings))
     with open(out / "summary.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["corpus", *Summary.COLUMNS])
-        w.writerows([corpus, *s.row()] for s in summaries)
-    seconds = sum(r.seconds for r in records.values())
+        w.writerows([corpus, *s.row()] for s in table)
+    with open(out / "alignment.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["corpus", "method", "lr_multiplier", "cosine_mean", "cosine_std", "seeds", "norm_ratio",
+                    "matrix_mean", "matrix_spread", "matrix_min"])
+        w.writerows([corpus, a.method, a.lr_multiplier, f"{a.cosine.mean:.4f}" if a.cosine.n else "",
+                     f"{a.cosine.std:.4f}" if a.cosine.n else "", a.cosine.n, f"{a.norm_ratio:.4f}",
+                     f"{a.matrix_mean:.4f}", f"{a.matrix_spread:.4f}", f"{a.matrix_min:.4f}"] for a in aligned.values())
+    seconds = sum(r.seconds for r in runs.values()) + sum(r.seconds for r in aligned_records.values())
     (out / "settings.json").write_text(json.dumps(
-        {"corpus": corpus, **settings.protocol(), "seeds": list(settings.seeds), "methods": list(settings.methods),
-         "lr_grid_size": settings.lr_grid_size, "lr_grids": LR_GRIDS, "lr_extension_step": LR_STEP,
-         "max_lr_extensions": MAX_EXTENSIONS, "outer_neighbours": settings.outer_neighbours,
-         "outer_lr_neighbour": OUTER_LR_NEIGHBOUR, "alignment": settings.alignment, "runs": len(records),
-         "run_seconds_total": round(seconds), "failures": failures}, indent=2) + "\n")
-    rows = claims(by_name)
-    plots = _plot(by_name, out, corpus) if summaries else []
-    markdown = "\n\n".join([
+        {"corpus": corpus, **settings.protocol(), "test_seeds": list(settings.test_seeds),
+         "more_test_seeds": list(settings.more_test_seeds), "methods": list(settings.methods),
+         "lr_grid_size": settings.lr_grid_size, "lr_grids": {k: g.points for k, g in LR_GRIDS.items()},
+         "lr_extension_steps": {k: g.step for k, g in LR_GRIDS.items()}, "outer_lr_grid": OUTER_LR_GRID.points,
+         "outer_lr_extension_step": OUTER_LR_GRID.step, "max_lr_extensions": MAX_EXTENSIONS,
+         "outer_tuning": settings.outer_tuning, "alignment": settings.alignment, "control_seeds": settings.control_seeds,
+         "alignment_start_steps": list(alignment.start_steps(settings)),
+         "alignment_lr_multipliers": list(alignment.LR_MULTIPLIERS), "runs": len(runs),
+         "alignment_measurements": len(aligned_records), "seconds_total": round(seconds),
+         "failures": failures}, indent=2) + "\n")
+    rows = claims(loss_stats(chosen, runs), alignment_stats(aligned), tuple(m.name for m in methods))
+    plots = _plot(table, aligned, out, corpus) if table else []
+    lrs = {name: c.spec.inner_lr for name, c in chosen.items()}
+    markdown = "\n\n".join(filter(None, [
         f"### {corpus}",
-        f"{len(records)} runs recorded in `{corpus}/runs.jsonl` ({seconds / 3600:.1f} h of launches), "
-        f"{settings.steps} steps, H={settings.sync_interval}. Best setting per method on seed "
-        f"{settings.seeds[0]}, mean ± std over the seeds run with it; '(edge)' marks a best lr still at the edge "
-        f"of the lrs tried.",
-        _summary_table(summaries) if summaries else "No runs recorded yet.",
+        f"{len(runs)} runs in `{corpus}/runs.jsonl` and {len(aligned_records)} alignment measurements in "
+        f"`{corpus}/alignment.jsonl` ({seconds / 3600:.1f} h of launches), {settings.steps} steps, "
+        f"H={settings.sync_interval}, B={settings.global_batch}. The setting of each method is chosen on seed "
+        f"{settings.selection_seed} (its loss there is shown); the test seeds' mean ± std is what the verdicts use. "
+        "'(edge)' marks an lr still at the edge of those tried after the extensions.",
+        _summary_table(table) if table else "No runs recorded yet.",
+        f"Alignment from the DP baselines' states at steps {', '.join(map(str, alignment.start_steps(settings)))}, "
+        f"each method at its selected inner lr and at {', '.join(f'{x:g}x' for x in alignment.LR_MULTIPLIERS if x != 1)} "
+        "of it (the control):" if aligned else "",
+        _alignment_table(aligned, lrs) if aligned else "",
         _claims_table(rows),
-        " ".join(f"![{p}]({corpus}/{p})" for p in plots)])
-    return CorpusReport(corpus, summaries, rows, len(records), markdown)
+        " ".join(f"![{p}]({corpus}/{p})" for p in plots)]))
+    return CorpusReport(corpus, rows, len(runs), len(aligned_records), markdown)
 
 
 def combined_verdict(verdicts: list[str]) -> str:
@@ -274,17 +242,26 @@ def combined_verdict(verdicts: list[str]) -> str:
     return HOLDS if decided and len(decided) == len(verdicts) else INCONCLUSIVE
 
 
-def _verdicts_table(reports: list[CorpusReport], evidence: bool) -> str:
-    """One row per claim: the paper's numbers, per corpus (our numbers and) the verdict, and the verdict
-    across corpora."""
+def _first_protocol(out: Path) -> dict[str, dict]:
+    path = out / PROTOCOL1_VERDICTS
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _verdicts_table(reports: list[CorpusReport], first: dict[str, dict], first_link: str, evidence: bool) -> str:
+    """One row per claim: the paper's numbers, per corpus (our numbers and) the verdict, across corpora,
+    and the first protocol's verdict."""
     per_corpus = [f"{r.corpus}: ours | {r.corpus}: verdict" if evidence else r.corpus for r in reports]
-    lines = ["| claim | paper | " + " | ".join(per_corpus) + " | verdict |",
-             "|" + "---|" * (3 + (2 if evidence else 1) * len(reports))]
+    lines = ["| claim | paper | " + " | ".join(per_corpus) + f" | verdict | [first protocol]({first_link}) |",
+             "|" + "---|" * (4 + (2 if evidence else 1) * len(reports))]
     for i, claim in enumerate(reports[0].claims if reports else []):
         row = [r.claims[i] for r in reports]
-        lines.append(f"| ({claim.key}) {claim.text} | {claim.paper} | "
-                     + " | ".join(f"{c.ours} | {c.verdict}" if evidence else c.verdict for c in row)
-                     + f" | {combined_verdict([c.verdict for c in row])} |")
+        old = first.get(claim.key)
+        before = "-" if old is None else (old["verdict"] if old["claim"] == claim.text else
+                                          f"{old['verdict']} ({old['claim']})")
+        cells = [f"{'-' if c.verdict == NOT_RUN else '; '.join(map(str, c.tests))} | {c.verdict}" if evidence
+                 else c.verdict for c in row]
+        lines.append(f"| ({claim.key}) {claim.text} | {claim.paper} | " + " | ".join(cells)
+                     + f" | {combined_verdict([c.verdict for c in row])} | {before} |")
     return "\n".join(lines)
 
 
@@ -299,15 +276,21 @@ def _replace_section(path: Path, begin: str, end: str, body: str, new_file: str)
     path.write_text(text.rstrip("\n") + "\n")
 
 
-def write_readme(readme: Path, reports: list[CorpusReport]) -> None:
-    body = "\n\n".join(["## Results", RULE, "### Verdicts (all corpora)", _verdicts_table(reports, evidence=True),
-                         *[r.markdown for r in reports]])
-    _replace_section(readme, BEGIN, END, body, "# Method comparison at CPU scale\n")
+def write_readme(out: Path, reports: list[CorpusReport]) -> None:
+    first = _first_protocol(out)
+    body = "\n\n".join(["## Results", RULE, "### Verdicts (all corpora)",
+                        _verdicts_table(reports, first, f"{PROTOCOL1}/README.md", evidence=True),
+                        *[r.markdown for r in reports]])
+    _replace_section(out / "README.md", BEGIN, END, body, "# Method comparison at CPU scale\n")
 
 
-def write_verdict_summary(readme: Path, reports: list[CorpusReport], details: str) -> None:
-    """The project README's short form: the verdicts alone, and where the evidence is."""
-    runs = ", ".join(f"{r.runs} on {r.corpus}" for r in reports)
-    body = "\n\n".join([f"Verdicts of the paper's claims from the committed runs ({runs}; numbers, plots and "
-                         f"the paired-seed rule in `{details}`):", _verdicts_table(reports, evidence=False)])
+def write_verdict_summary(readme: Path, out: Path, reports: list[CorpusReport], details: str) -> None:
+    """The project README's short form: the verdicts alone, where the evidence is, and the first
+    protocol's verdicts beside them."""
+    done = ", ".join(f"{r.runs} runs and {r.measurements} alignment measurements on {r.corpus}" for r in reports)
+    body = "\n\n".join([f"Verdicts of the paper's claims at its recipe ({done or 'no runs yet'}; numbers, plots and "
+                        f"the rule in `{details}`; the first protocol, before issue 28, in "
+                        f"`{Path(details).parent / PROTOCOL1}/README.md`):",
+                        _verdicts_table(reports, _first_protocol(out), f"{Path(details).parent / PROTOCOL1}/README.md",
+                                        evidence=False)])
     _replace_section(readme, SUMMARY_BEGIN, SUMMARY_END, body, "")

@@ -12,9 +12,10 @@ with state that cannot be resharded (the MuLoCo outer loop's), stops with a mess
 difference.
 
 `--load DIR --load-worker W` is a start, not a resume: this run takes worker W's weights, inner
-optimizer state, lr schedule and step from a checkpoint written with any K (and layout, resharded as
-above), without the outer loop's state or RNG states; so the run itself has no outer loop (one
-worker's steps with the full global batch, as tools/compare/alignment.py needs).
+optimizer state and step from a checkpoint written with any K (and layout, resharded as above), with
+its own lr, weight decay and schedule at that step, without the outer loop's state or RNG states. A
+run with an outer loop builds it after the load, so it starts at the loaded weights with zero
+momentum (K workers branching from a data-parallel state, as tools/compare/alignment.py needs).
 """
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.format import CheckpointError, CheckpointMeta, CheckpointReader, latest_iteration

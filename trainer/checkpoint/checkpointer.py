@@ -101,15 +101,11 @@ def check_fits(meta: CheckpointMeta, sizes: ParallelSizes, model: ModelShape, pa
 
 
 def check_worker_start(meta: CheckpointMeta, worker: int, model: ModelShape, padded_vocab_size: int,
-                       global_batch: int, extra_state: list[str]) -> None:
+                       global_batch: int) -> None:
     """Raise unless this run can start from worker `worker` of the checkpoint (--load-worker): any K and
-    layout, the same model, vocabulary and global batch (so the data stream continues), and no outer
-    loop here (the checkpoint's outer state is not carried over, so one would restart from nothing)."""
+    layout, the same model, vocabulary and global batch (so the data stream continues)."""
     if not 0 <= worker < meta.sizes.workers:
         raise CheckpointError(f"--load-worker {worker}: the checkpoint has workers 0..{meta.sizes.workers - 1}")
-    if extra_state:
-        raise CheckpointError(f"--load-worker starts a run without an outer loop, but this run has {extra_state} "
-                              "(remove the ds_config's muloco block)")
     _check_model_and_stream(meta, model, padded_vocab_size, global_batch)
 
 
@@ -296,9 +292,13 @@ class Checkpointer:
     def _load(self, reader: CheckpointReader) -> str:
         worker = self.config.load_worker
         if worker is not None:
+            # A start loads before the outer loop exists (run.py), which then begins at the loaded weights.
+            assert not self.trainer.extra_state, "--load-worker must load before the outer loop is built"
             check_worker_start(reader.meta, worker, self.config.model, self.padded_vocab_size,
-                               self.config.batch.global_batch, sorted(self.trainer.extra_state))
-            rank_state.restore(self.trainer, self._resharded_state(reader, worker), self.param_of)
+                               self.config.batch.global_batch)
+            engine = self.trainer.engine
+            rank_state.restore(self.trainer, rank_state.with_run_hyperparameters(
+                self._resharded_state(reader, worker), engine.optimizer, engine.lr_scheduler), self.param_of)
             return f"worker {worker} of {reader.meta.describe_layout()}"
         if check_fits(reader.meta, self.topology.sizes, self.config.model, self.padded_vocab_size,
                       self.config.batch.global_batch, sorted(self.trainer.extra_state)):

@@ -44,12 +44,16 @@ def optimizer_state(optimizer: torch.optim.Optimizer, name_of: dict[torch.Tensor
             "state": {name_of[p]: dict(s) for p, s in optimizer.state.items()}}
 
 
-def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict, param_of: dict[str, torch.Tensor]) -> None:
+def _check_group_kinds(optimizer: torch.optim.Optimizer, saved_groups: list[dict]) -> None:
     kinds = [g.get("kind") for g in optimizer.param_groups]
-    saved_kinds = [g.get("kind") for g in saved["param_groups"]]
+    saved_kinds = [g.get("kind") for g in saved_groups]
     if kinds != saved_kinds:
         raise CheckpointError(f"checkpoint optimizer has param groups {saved_kinds}, this run {kinds} "
                               "(a different inner optimizer?)")
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict, param_of: dict[str, torch.Tensor]) -> None:
+    _check_group_kinds(optimizer, saved["param_groups"])
     for group, hyper in zip(optimizer.param_groups, saved["param_groups"]):
         group.update(hyper)
     optimizer.state.clear()
@@ -57,6 +61,19 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict, param_of: d
         param = param_of[name]  # state lives beside its parameter (on the accelerator in a GPU run)
         optimizer.state[param] = {k: v.to(param.device, copy=True) if isinstance(v, torch.Tensor) else v
                                   for k, v in s.items()}
+
+
+def with_run_hyperparameters(state: dict, optimizer: torch.optim.Optimizer, scheduler) -> dict:
+    """`state` (another run's) with this run's optimizer hyperparameters and peak lrs: a start from it
+    keeps its position in the lr schedule (the step) and its optimizer moments, and takes its lr, weight
+    decay and schedule from this run's config, at that position."""
+    _check_group_kinds(optimizer, state["optimizer"]["param_groups"])
+    step = state["scheduler"]["last_epoch"]
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    for group, base_lr, multiplier in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * multiplier(step)
+    schedule = {**state["scheduler"], "base_lrs": list(scheduler.base_lrs), "_last_lr": [g["lr"] for g in groups]}
+    return {**state, "optimizer": {**state["optimizer"], "param_groups": groups}, "scheduler": schedule}
 
 
 def capture(trainer, name_of: dict[torch.Tensor, str], probe: dict | None) -> dict:
