@@ -115,7 +115,7 @@ class CheckpointMeta:
     step: int
     sizes: ParallelSizes
     model: ModelShape
-    vocab_size: int  # the tokenizer's
+    vocab_size: int  # the model's vocabulary before padding: the tokenizer's, or an imported model's embedding rows
     padded_vocab_size: int
     ranks: list[RankCoordinates]  # index = global rank
     tokenizer_model: str | None  # file name inside the iteration directory
@@ -123,6 +123,9 @@ class CheckpointMeta:
     config: dict
     rank_files: dict[str, str]  # file name -> SHA-256 of its bytes, index = global rank
     format_version: int = FORMAT_VERSION
+    # Only `model` (and `probe`) in the rank files, as Megatron's "release" checkpoints (an import from
+    # Hugging Face): a run loads it as --finetune does, at step 0 with fresh optimizer, schedule and RNG.
+    weights_only: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, default=str)
