@@ -16,7 +16,7 @@ import torch.distributed as dist  # noqa: E402
 
 from trainer import comm  # noqa: E402
 from trainer.config import build_parser, resolve  # noqa: E402
-from trainer.data import check_data  # noqa: E402
+from trainer.data import check_data, check_model_vocabulary  # noqa: E402
 from trainer.durable import check_output_folders  # noqa: E402
 from trainer.errors import ConfigError, TopologyError  # noqa: E402
 
@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:  # every rank resolves the same config, so every rank stops here together, before any collective
         config = resolve(args, dist.get_world_size())
         check_data(config.data)
+        check_model_vocabulary(config.data, config.model_vocab_size)
         check_output_folders(config)
     except (ConfigError, TopologyError, FileNotFoundError, ValueError) as err:
         if dist.get_rank() == 0:

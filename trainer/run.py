@@ -18,7 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from megatron_patches import apply_cpu_shims_if_needed, initialize_megatron_groups
 from trainer import comm
-from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.checkpointer import Checkpointer, start_from_weights
 from trainer.config import RunConfig
 from trainer.data import StreamPosition, build_datasets, tokenizer_info
 from trainer.diloco.auth import JobKey, key_file_is_private, read_job_key
@@ -101,11 +101,15 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
             print(config.recipe_table, flush=True)
 
     tokenizer = tokenizer_info(config.data)
-    vocab = padded_vocab_size(tokenizer.vocab_size, sizes.tensor)
+    vocab_size = config.model_vocab_size or tokenizer.vocab_size  # the model's rows, before padding
+    vocab = padded_vocab_size(vocab_size, sizes.tensor)
     if config.bf16 and apply_cpu_shims_if_needed():
         raise ValueError("bf16 needs an accelerator; on CPU remove the ds_config's bf16 block (training runs in fp32)")
     model = build_model(config.model, vocab, bf16_autocast=config.bf16)
     initialize_weights(model, config.model, config.seed)
+    # --finetune or a weights-only checkpoint: the loaded weights replace the initial ones before the
+    # optimizer and the outer loop (whose global copy starts from them) exist.
+    started_from = start_from_weights(config, topology.rank, model, vocab) if config.load else None
     model.to(device)  # before the optimizers see the parameters: their state is made beside them
     n_params = _global_parameter_count(model)
     canonical = canonical_names(model)
@@ -131,8 +135,9 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     position = StreamPosition(topology.coords.worker, topology.coords.data, config.batch, identical)
     logger = MetricsLogger(config.run_dir, config.tensorboard_dir, config.schedule.train_iters, is_logger)
     trainer = trainer_class(config, topology, engine, datasets.train, datasets.valid, position, logger)
-    checkpointer = Checkpointer(config, topology, trainer, canonical, tokenizer.vocab_size, vocab)
-    starts_from_worker = bool(config.load) and config.load_worker is not None
+    checkpointer = Checkpointer(config, topology, trainer, canonical, vocab_size, vocab)
+    loads_state = bool(config.load) and started_from is None  # a resume or a --load-worker start
+    starts_from_worker = loads_state and config.load_worker is not None
     if starts_from_worker:  # before the outer loop exists: a new one starts from the loaded weights
         checkpointer.resume(config.load)
     outer = None
@@ -145,8 +150,10 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     if is_logger:
         print(f"global batch {config.batch.global_batch} sequences ({config.batch.per_worker} per worker x "
               f"{config.batch.workers} workers), {config.schedule.train_iters} steps", flush=True)
-    if config.load and not starts_from_worker:
+    if loads_state and not starts_from_worker:
         checkpointer.resume(config.load)
+    elif started_from is not None and is_logger:
+        print(f"started from {started_from}", flush=True)
     c = topology.coords
     watchdog = Watchdog(config.hang_timeout_s, f"rank {topology.rank} (worker {c.worker}, data {c.data}, "
                                                f"pipeline {c.pipeline}, tensor {c.tensor})")

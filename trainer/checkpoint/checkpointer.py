@@ -20,10 +20,11 @@ import trainer.checkpoint.state as rank_state
 from tokenizer.interface import tokenizer_file
 from trainer import comm
 from trainer.checkpoint.format import (COMPLETE, CheckpointError, CheckpointMeta, CheckpointReader, iteration_dir,
-                                       latest_iteration, prune, publish, rank_file, remove_incomplete)
+                                       latest_iteration, prune, publish, rank_file, remove_incomplete, sha256_of)
 from trainer.checkpoint.rank_file import to_plain, write_rank_file
 from trainer.config import RunConfig
 from trainer.durable import TMP_SUFFIX, write_durably, write_text_durably
+from trainer.model.builder import assign_full_weights, canonical_names
 from trainer.model.layout import layout_of, shard
 from trainer.model.presets import ModelShape
 from trainer.topology import ParallelSizes, Topology, coordinates
@@ -109,19 +110,84 @@ def check_worker_start(meta: CheckpointMeta, worker: int, model: ModelShape, pad
     _check_model_and_stream(meta, model, padded_vocab_size, global_batch)
 
 
-def _check_model_and_stream(meta: CheckpointMeta, model: ModelShape, padded_vocab_size: int, global_batch: int) -> None:
-    if meta.model != model:
-        diffs = [f"{k}: checkpoint {v}, this run {getattr(model, k)}"
-                 for k, v in asdict(meta.model).items() if getattr(model, k) != v]
-        raise CheckpointError("model shape differs: " + "; ".join(diffs))
+# What loading weights alone may change: the training length (RoPE has no learned positions) and the
+# initializer's std (unused when the weights come from the checkpoint).
+NOT_IN_WEIGHTS = ("seq_length", "init_std")
+
+
+def check_weights_start(meta: CheckpointMeta, worker: int, model: ModelShape, padded_vocab_size: int) -> None:
+    """Raise unless this run can take worker `worker`'s weights (--finetune, or a weights-only
+    checkpoint): any K, layout, batch and outer loop; the same model up to NOT_IN_WEIGHTS and vocabulary."""
+    if not 0 <= worker < meta.sizes.workers:
+        raise CheckpointError(f"--load-worker {worker}: the checkpoint has workers 0..{meta.sizes.workers - 1}")
+    _check_model(meta, model, padded_vocab_size, ignore=NOT_IN_WEIGHTS)
+
+
+def _check_model(meta: CheckpointMeta, model: ModelShape, padded_vocab_size: int, ignore: tuple[str, ...] = ()) -> None:
+    diffs = [f"{k}: checkpoint {v}, this run {getattr(model, k)}"
+             for k, v in asdict(meta.model).items() if getattr(model, k) != v and k not in ignore]
+    if diffs:
+        raise CheckpointError("model shape differs: " + "; ".join(diffs)
+                              + " (--use-checkpoint-args takes the checkpoint's)")
     if meta.padded_vocab_size != padded_vocab_size:
-        raise CheckpointError(f"checkpoint has padded vocabulary {meta.padded_vocab_size}, "
-                              f"this run {padded_vocab_size} (a different tokenizer?)")
+        raise CheckpointError(f"checkpoint has padded vocabulary {meta.padded_vocab_size}, this run "
+                              f"{padded_vocab_size} (a different tokenizer? --use-checkpoint-args takes the checkpoint's "
+                              "vocabulary)")
+
+
+def _check_model_and_stream(meta: CheckpointMeta, model: ModelShape, padded_vocab_size: int, global_batch: int) -> None:
+    _check_model(meta, model, padded_vocab_size)
     batch = meta.config["batch"]
     saved_batch = batch["micro_batch_size"] * batch["gradient_accumulation_steps"] * batch["data_parallel"] * batch["workers"]
     if saved_batch != global_batch:
         raise CheckpointError(f"checkpoint global batch is {saved_batch} sequences, this run {global_batch}: "
                               "the data stream would not continue")
+
+
+@contextmanager
+def stop_on_checkpoint_error(rank: int):
+    """Every rank stops together, with one `checkpoint error:` line from rank 0 (each rank reads the
+    same checkpoint, so each finds the same problem)."""
+    try:
+        yield
+    except CheckpointError as err:
+        if rank == 0:
+            print(f"checkpoint error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def start_from_weights(config: RunConfig, rank: int, model: torch.nn.Module, padded_vocab_size: int) -> str | None:
+    """With --finetune, or when --load is a weights-only checkpoint (an import), set this rank's
+    parameters to worker --load-worker's (default 0) weights, resharded to this layout, on every worker
+    alike; everything else starts fresh. Call before the optimizer and the outer loop see the weights.
+    Returns what was loaded, or None when the load is a resume (Checkpointer.resume)."""
+    with stop_on_checkpoint_error(rank):
+        reader = CheckpointReader(config.load, verify_checksums=config.verify_checksums)
+        meta = reader.meta
+        if not (config.finetune or meta.weights_only):
+            return None
+        worker = config.load_worker or 0
+        check_weights_start(meta, worker, config.model, padded_vocab_size)
+        _check_same_tokenizer(reader, config.data.tokenizer_model)
+        stage_of = reader.stage_of(worker, 0)
+        names = set(canonical_names(model).values())
+        if not names <= set(stage_of):
+            raise CheckpointError(f"checkpoint lacks parameters {sorted(names - set(stage_of))[:5]}")
+        assign_full_weights(model, lambda name, _: reader.full_tensor(reader.stage_ranks(worker, 0, stage_of[name]),
+                                                                      name, lambda s: s["model"][name]))
+    kind = "weights-only checkpoint" if meta.weights_only else "--finetune"
+    return f"the weights of worker {worker} of {reader.directory} ({meta.describe_layout()}, {kind}), at step 0"
+
+
+def _check_same_tokenizer(reader: CheckpointReader, tokenizer_model: str | None) -> None:
+    """The tokenizer saved with the weights must be the run's: the same ids must mean the same text."""
+    saved = reader.tokenizer_path
+    if saved is None or tokenizer_model is None:
+        return
+    ours = tokenizer_file(tokenizer_model)
+    if sha256_of(saved) != sha256_of(ours):
+        raise CheckpointError(f"the checkpoint's tokenizer {saved} is not --tokenizer-model's {ours} (their SHA-256 "
+                              "differ): train with the tokenizer the model was made with")
 
 
 class Checkpointer:
@@ -279,13 +345,9 @@ class Checkpointer:
 
     def resume(self, root: str) -> None:
         """Every rank stops together, with one message from rank 0, when the checkpoint does not fit."""
-        try:
+        with stop_on_checkpoint_error(self.topology.rank):
             reader = CheckpointReader(root, verify_checksums=self.config.verify_checksums)
             how = self._load(reader)
-        except CheckpointError as err:
-            if self.topology.rank == 0:
-                print(f"checkpoint error: {err}", file=sys.stderr, flush=True)
-            raise SystemExit(2)
         if self.topology.rank == 0:
             print(f"resumed from {reader.directory} at step {self.trainer.step} ({how})", flush=True)
 
@@ -296,23 +358,31 @@ class Checkpointer:
             assert not self.trainer.extra_state, "--load-worker must load before the outer loop is built"
             check_worker_start(reader.meta, worker, self.config.model, self.padded_vocab_size,
                                self.config.batch.global_batch)
-            engine = self.trainer.engine
-            rank_state.restore(self.trainer, rank_state.with_run_hyperparameters(
-                self._resharded_state(reader, worker), engine.optimizer, engine.lr_scheduler), self.param_of)
+            state = self._resharded_state(reader, worker, self.config.load_optim)
+            if self.config.load_optim:
+                engine = self.trainer.engine
+                state = rank_state.with_run_hyperparameters(state, engine.optimizer, engine.lr_scheduler)
+            rank_state.restore(self.trainer, state, self.param_of)
             return f"worker {worker} of {reader.meta.describe_layout()}"
         if check_fits(reader.meta, self.topology.sizes, self.config.model, self.padded_vocab_size,
                       self.config.batch.global_batch, sorted(self.trainer.extra_state)):
-            saved, how = self._resharded_state(reader), f"resharded from {reader.meta.describe_layout()}"
+            saved = self._resharded_state(reader, with_optimizer=self.config.load_optim)
+            how = f"resharded from {reader.meta.describe_layout()}"
         else:
-            saved, how = to_plain(reader.rank_state(self.topology.rank)), "same layout"
+            skipped = {"optimizer"} if not self.config.load_optim else set()
+            skipped |= {"rng"} if not self.config.load_rng else set()
+            own = reader.rank_state(self.topology.rank)
+            saved, how = {k: to_plain(own[k]) for k in own if k not in skipped}, "same layout"
+        fresh = [what for what, loaded in (("inner optimizer", self.config.load_optim), ("RNG", self.config.load_rng))
+                 if not loaded]
         rank_state.restore(self.trainer, saved, self.param_of)
-        return how
+        return how + (f", fresh {' and '.join(fresh)}" if fresh else "")
 
-    def _resharded_state(self, reader: CheckpointReader, worker: int | None = None) -> dict:
+    def _resharded_state(self, reader: CheckpointReader, worker: int | None = None, with_optimizer: bool = True) -> dict:
         """This rank's state cut from the shards of the checkpoint's worker `worker` (default: this
         rank's own): weights and elementwise optimizer state are merged over the checkpoint's TP ranks
         and re-cut for ours; the rest (hyperparameters, scheduler, counters, step) is the same on every
-        rank. RNG states stay freshly seeded."""
+        rank. RNG states stay freshly seeded; without `with_optimizer`, so does the inner optimizer."""
         coords = self.topology.coords
         worker = coords.worker if worker is None else worker
         tp_size = self.topology.sizes.tensor
@@ -324,6 +394,8 @@ class Checkpointer:
             layout = layout_of(name)
             model[name] = shard(reader.full_tensor(ranks, name, lambda s: s["model"][name]), layout,
                                 coords.tensor, tp_size)
+            if not with_optimizer:
+                continue
             source_shape = reader.rank_state(ranks[0])["model"][name].shape
             entries = {}
             for key, value in reader.rank_state(ranks[0])["optimizer"]["state"].get(name, {}).items():
@@ -333,6 +405,8 @@ class Checkpointer:
                 entries[key] = value
             if entries:
                 optimizer_state[name] = entries
-        return to_plain({"step": first["step"], "model": model, "scheduler": first["scheduler"],
-                         "engine": first["engine"], "extra": {},
-                         "optimizer": {"param_groups": first["optimizer"]["param_groups"], "state": optimizer_state}})
+        state = {"step": first["step"], "model": model, "scheduler": first["scheduler"], "engine": first["engine"],
+                 "extra": {}}
+        if with_optimizer:
+            state["optimizer"] = {"param_groups": first["optimizer"]["param_groups"], "state": optimizer_state}
+        return to_plain(state)
