@@ -126,8 +126,10 @@ def _unsupported(config: PretrainedConfig, arch: str) -> list[str]:
     rope_type = _rope(config).get("rope_type", _rope(config).get("type", "default"))
     if rope_type != "default":
         problems.append(f"rope scaling type {rope_type!r}: the trainer's RoPE has no scaling")
-    sliding = [i for i, kind in enumerate(getattr(config, "layer_types", None) or []) if kind != "full_attention"]
-    if sliding or getattr(config, "use_sliding_window", False):
+    # transformers >= 5 says per layer (from use_sliding_window and max_window_layers where not given).
+    layer_types = getattr(config, "layer_types", None)
+    sliding = [i for i, kind in enumerate(layer_types or []) if kind != "full_attention"]
+    if sliding or (layer_types is None and getattr(config, "use_sliding_window", False)):
         problems.append(f"sliding-window attention (layers {sliding or 'from max_window_layers'}): the trainer's "
                         "attention is global")
     if getattr(config, "attention_bias", False):

@@ -38,6 +38,7 @@ from tools.convert_checkpoint.hf_mapping import megatron_tensor
 from trainer.checkpoint.format import CheckpointMeta, complete_iterations, iteration_dir, publish, rank_file
 from trainer.checkpoint.rank_file import write_rank_file
 from trainer.config import check_model_shape
+from trainer.errors import ConfigError
 from trainer.durable import write_durably, write_text_durably
 from trainer.model.builder import padded_vocab_size
 from trainer.model.presets import ModelShape
@@ -60,7 +61,10 @@ def import_hf(hf_dir: str | Path, save: str | Path, tensor: int, pipeline: int,
               untie_embeddings: bool = False) -> ImportResult:
     model = read_hf_model(hf_dir, untie_embeddings)
     checked_weights(model)
-    check_model_shape(model.shape, tensor, pipeline)
+    try:
+        check_model_shape(model.shape, tensor, pipeline)
+    except ConfigError as err:
+        raise HfFolderError(f"{model.directory}: cannot be cut into T={tensor} P={pipeline} shards: {err}") from None
     try:
         padded = padded_vocab_size(model.vocab_size, tensor)
     except ValueError as err:
