@@ -32,7 +32,8 @@ from tools.convert_checkpoint.hf_mapping import hf_config
 from tools.convert_checkpoint.import_hf import import_hf
 from trainer.checkpoint import CheckpointError, CheckpointReader
 from trainer.checkpoint.checkpointer import check_weights_start
-from trainer.checkpoint.rank_file import read_rank_file, to_plain
+from trainer.checkpoint.format import sha256_of
+from trainer.checkpoint.rank_file import read_rank_file, to_plain, write_rank_file
 from trainer.model.layout import layout_of, shard
 from trainer.model.presets import ModelShape
 
@@ -333,7 +334,7 @@ def test_finetune_then_resume_without_optimizer_and_rng(base, tmp_path):
     an fp32 weight, step 1's weights are the checkpoint's exactly and the optimizer is fresh. Then a
     resume of that run at step 1 with --no-load-optim --no-load-rng: the same loss and lr at step 2 as the
     run itself (weights, data and schedule loaded), but a fresh AdamW (its step count restarts) and this
-    run's seeds."""
+    run's seeds (the saved Python RNG state is replaced by another, which the resume must not take)."""
     ref = reference_checkpoint(base)
     ckpt = tmp_path / "ckpt"
     tiny_step = ("--lr", "1e-30", "--train-iters", "2", "--save", str(ckpt), "--save-interval", "1")
@@ -349,14 +350,29 @@ def test_finetune_then_resume_without_optimizer_and_rng(base, tmp_path):
     resumed = tmp_path / "resumed"
     shutil.copytree(ckpt / "iter_0000001", resumed / "iter_0000001")
     (resumed / "latest").write_text("1\n")
+    _with_saved_python_rng(resumed / "iter_0000001", random.Random(99).getstate())  # not what the seed gives
     result = check(launch(base, 1, tmp_path / "run2", "--load", str(resumed), "--no-load-optim", "--no-load-rng",
-                          "--seed", "7", *tiny_step[:4], "--save", str(resumed)))
+                          *tiny_step[:4], "--save", str(resumed)))
     assert "same layout, fresh inner optimizer and RNG" in result.stdout
     original, again = (_metrics(tmp_path / d) for d in ("finetune", "run2"))
     assert again[2]["loss"] == original[2]["loss"] and again[2]["lr"] == original[2]["lr"]
     step2 = to_plain(read_rank_file(resumed / "iter_0000002" / "rank_00000.safetensors"))
     assert step2["optimizer"]["state"]["output_layer.weight"]["step"] == 1  # fresh: one step taken
-    assert _as_tuples(step2["rng"]["python"]) == random.Random(7).getstate()  # nothing in a step draws from it
+    assert _as_tuples(step2["rng"]["python"]) == random.Random(1234).getstate()  # --seed's; no step draws from it
+
+
+def _with_saved_python_rng(iteration: Path, python_state) -> None:
+    """Rewrite rank 0's saved Python RNG state (and its SHA-256 in meta.json)."""
+    path = iteration / "rank_00000.safetensors"
+    state = to_plain(read_rank_file(path))
+    state["rng"]["python"] = python_state
+    rewritten = path.with_suffix(".new")  # not in place: the state read from `path` is memory-mapped
+    with open(rewritten, "wb") as f:
+        write_rank_file(f, state)
+    rewritten.replace(path)
+    meta = json.loads((iteration / "meta.json").read_text())
+    meta["rank_files"][path.name] = sha256_of(path)
+    (iteration / "meta.json").write_text(json.dumps(meta))
 
 
 def _metrics(run_dir: Path) -> dict[int, dict]:
