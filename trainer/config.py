@@ -262,7 +262,8 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
         ds = load_ds_config(raw, origins)
     run_dir = args.run_dir or str(Path("runs") / Path(args.ds_config).stem)
     return RunConfig(
-        model_preset=args.model if checkpoint is None else f"of {args.load}", model=shape, tensor_parallel=sizes.tensor, pipeline_parallel=sizes.pipeline,
+        model_preset=args.model if checkpoint is None else f"of {args.load}", model=shape,
+        tensor_parallel=sizes.tensor, pipeline_parallel=sizes.pipeline,
         batch=batch, optimizer=ds.optimizer, schedule=ds.scheduler.params, clip_grad=ds.gradient_clipping,
         data=DataConfig(tuple(args.data_path), tuple(args.valid_data_path), args.split, args.tokenizer_model,
                         args.vocab_size, args.data_args_path, args.per_split_data_args_path),
