@@ -353,6 +353,9 @@ class Checkpointer:
 
     def _load(self, reader: CheckpointReader) -> str:
         worker = self.config.load_worker
+        fresh = [what for what, loaded in (("inner optimizer", self.config.load_optim), ("RNG", self.config.load_rng))
+                 if not loaded]
+        fresh_note = f", fresh {' and '.join(fresh)}" if fresh else ""
         if worker is not None:
             # A start loads before the outer loop exists (run.py), which then begins at the loaded weights.
             assert not self.trainer.extra_state, "--load-worker must load before the outer loop is built"
@@ -363,7 +366,7 @@ class Checkpointer:
                 engine = self.trainer.engine
                 state = rank_state.with_run_hyperparameters(state, engine.optimizer, engine.lr_scheduler)
             rank_state.restore(self.trainer, state, self.param_of)
-            return f"worker {worker} of {reader.meta.describe_layout()}"
+            return f"worker {worker} of {reader.meta.describe_layout()}{fresh_note}"
         if check_fits(reader.meta, self.topology.sizes, self.config.model, self.padded_vocab_size,
                       self.config.batch.global_batch, sorted(self.trainer.extra_state)):
             saved = self._resharded_state(reader, with_optimizer=self.config.load_optim)
@@ -373,10 +376,8 @@ class Checkpointer:
             skipped |= {"rng"} if not self.config.load_rng else set()
             own = reader.rank_state(self.topology.rank)
             saved, how = {k: to_plain(own[k]) for k in own if k not in skipped}, "same layout"
-        fresh = [what for what, loaded in (("inner optimizer", self.config.load_optim), ("RNG", self.config.load_rng))
-                 if not loaded]
         rank_state.restore(self.trainer, saved, self.param_of)
-        return how + (f", fresh {' and '.join(fresh)}" if fresh else "")
+        return how + fresh_note
 
     def _resharded_state(self, reader: CheckpointReader, worker: int | None = None, with_optimizer: bool = True) -> dict:
         """This rank's state cut from the shards of the checkpoint's worker `worker` (default: this
