@@ -263,8 +263,9 @@ def _train_flags(ckpt: Path, save: Path) -> tuple[str, ...]:
     return ("--load", str(ckpt), "--use-checkpoint-args", "--seq-length", "64", "--save", str(save))
 
 
-def _data(base: Path, hf_folder: Path) -> tuple[str, ...]:
-    return ("--data-path", dataset(base), "--tokenizer-model", str(hf_folder))  # markov ids < 1000: valid ids
+def _data(base: Path, hf_folder: Path | None) -> tuple[str, ...]:
+    """Markov ids < 1000, valid ids of every model; without a folder the run takes the checkpoint's tokenizer."""
+    return ("--data-path", dataset(base), *(("--tokenizer-model", str(hf_folder)) if hf_folder else ()))
 
 
 def _export_and_load(ckpt: Path, out: Path, hf_folder: Path) -> str:
@@ -293,8 +294,10 @@ def test_muloco_k2_from_imported_qwen3_at_t2p2_starts_every_worker_from_its_weig
     save = tmp_path / "ckpt"
     result = check(launch(base, 8, tmp_path / "run", *_train_flags(ckpt, save), *T2P2,
                           "--train-iters", "10", "--save-interval", "5", ds_config="ds_configs/cpu_tiny_muloco.json",
-                          data_flags=_data(base, hf_models["qwen3"])))
+                          data_flags=_data(base, None)))
     assert "started from the weights of worker 0" in result.stdout and "weights-only checkpoint" in result.stdout
+    run_config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert run_config["data"]["tokenizer_model"] == str(CheckpointReader(ckpt).tokenizer_path)  # no flag: the import's
     trained = losses(tmp_path / "run")
     assert sorted(trained) == list(range(1, 11)) and trained[10] < trained[1]
     # Before the first outer sync (H=10), the outer loop's global copy is the weights every worker started from.
@@ -408,6 +411,10 @@ def test_flags_resolve_through_the_config(t2p2_imports, hf_models, tmp_path):
     assert config.model == replace(CheckpointReader(ckpt).meta.model, seq_length=64)  # a flag given wins
     assert (config.model_vocab_size, config.finetune, config.load_optim, config.load_rng) == (ROWS, True, False, False)
     check_model_vocabulary(config.data, config.model_vocab_size)
+    # Without --tokenizer-model, the tokenizer saved with the weights (Megatron's flag takes the tokenizer too).
+    bare = resolve(build_parser().parse_args([*args[:4], "--load", str(ckpt), "--use-checkpoint-args"]), 1)
+    saved = CheckpointReader(ckpt).tokenizer_path
+    assert bare.data.tokenizer_model == str(saved) and load_tokenizer(saved).vocab_size == 1024
     with pytest.raises(ConfigError, match="has 1024 ids, but the checkpoint's model .* only 1000 embedding rows"):
         check_model_vocabulary(config.data, 1000)
     for flag in ("--finetune", "--no-load-optim", "--no-load-rng", "--use-checkpoint-args"):

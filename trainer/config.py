@@ -195,8 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-rng", dest="load_rng", action="store_false",
                    help="resume without the RNG states (this run's --seed)")
     g.add_argument("--use-checkpoint-args", action="store_true",
-                   help="take the model's architecture, shape and vocabulary from the --load checkpoint (model flags "
-                        "given still win, e.g. --seq-length), so a run from an imported model needs no shape flags")
+                   help="take the model's architecture, shape and vocabulary, and without --tokenizer-model the "
+                        "tokenizer saved with it, from the --load checkpoint (model flags given still win, e.g. "
+                        "--seq-length), so a run from an imported model needs no shape or tokenizer flags")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--keep-last", type=int, default=None, help="keep only the newest N checkpoints (default: all)")
     g.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
@@ -251,8 +252,9 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
     ds = load_ds_config(raw, origins)
     ds.check_model(args.model)
     sizes = _parallel_sizes(ds, args, world_size)
-    checkpoint = checkpoint_model(args.load) if args.use_checkpoint_args else None
+    checkpoint, saved_tokenizer = checkpoint_args(args.load) if args.use_checkpoint_args else (None, None)
     shape = model_shape(args, checkpoint.model if checkpoint else None)
+    tokenizer_model = args.tokenizer_model or (saved_tokenizer if args.vocab_size is None else None)
     check_model_shape(shape, sizes.tensor, sizes.pipeline)
     batch = BatchConfig(ds.train_micro_batch_size_per_gpu,
                         _accumulation(ds, args.global_batch_size, sizes.data, sizes.workers), sizes.data, sizes.workers)
@@ -265,7 +267,7 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
         model_preset=args.model if checkpoint is None else f"of {args.load}", model=shape,
         tensor_parallel=sizes.tensor, pipeline_parallel=sizes.pipeline,
         batch=batch, optimizer=ds.optimizer, schedule=ds.scheduler.params, clip_grad=ds.gradient_clipping,
-        data=DataConfig(tuple(args.data_path), tuple(args.valid_data_path), args.split, args.tokenizer_model,
+        data=DataConfig(tuple(args.data_path), tuple(args.valid_data_path), args.split, tokenizer_model,
                         args.vocab_size, args.data_args_path, args.per_split_data_args_path),
         run_dir=run_dir, tensorboard_dir=args.tensorboard_dir or str(Path(run_dir) / "tensorboard"),
         # Mixed precision is Megatron's autocast over fp32 parameters (the optimizers need whole fp32
@@ -308,15 +310,17 @@ def _job_secret_file(muloco: MuLoCoConfig | None, config_dir: Path) -> str | Non
     return str(path)
 
 
-def checkpoint_model(load: str | None):
-    """The meta.json of the --load checkpoint's latest iteration (--use-checkpoint-args)."""
+def checkpoint_args(load: str | None):
+    """The meta.json of the --load checkpoint's latest iteration and the tokenizer file saved with it
+    (None without one), for --use-checkpoint-args."""
     # Imported here: trainer.checkpoint's package imports the checkpointer, which imports this module.
     from trainer.checkpoint.format import CheckpointError, CheckpointReader
 
     if not load:
         raise ConfigError("--use-checkpoint-args needs --load DIR")
     try:
-        return CheckpointReader(load).meta
+        reader = CheckpointReader(load)
+        return reader.meta, None if reader.tokenizer_path is None else str(reader.tokenizer_path)
     except (CheckpointError, OSError, ValueError) as err:
         raise ConfigError(f"--use-checkpoint-args: {err}") from None
 
