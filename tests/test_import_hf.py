@@ -424,6 +424,33 @@ def test_flags_resolve_through_the_config(t2p2_imports, hf_models, tmp_path):
         resolve(build_parser().parse_args([*args, "--load", str(tmp_path), "--use-checkpoint-args"]), 1)
 
 
+def test_saves_carry_the_saved_tokenizer_after_its_iteration_is_gone(t2p2_imports, tmp_path):
+    """--load DIR --save DIR --keep-last 1 --use-checkpoint-args: the run's tokenizer is a file of the
+    imported iteration, which the first prune removes; every later save still carries it."""
+    from types import SimpleNamespace
+
+    from trainer.checkpoint.checkpointer import Checkpointer
+    from trainer.checkpoint.format import iteration_dir
+    from trainer.config import build_parser, resolve
+    from trainer.topology import ParallelSizes
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(t2p2_imports["llama"][0], ckpt)
+    config = resolve(build_parser().parse_args(["--ds_config", "ds_configs/cpu_tiny_muon.json", "--data-path", "x",
+                                                "--load", str(ckpt), "--use-checkpoint-args", "--save", str(ckpt),
+                                                "--keep-last", "1", *T2P2]), 4)
+    saved_tokenizer = Path(config.data.tokenizer_model)
+    original = saved_tokenizer.read_bytes()
+    trainer = SimpleNamespace(model=torch.nn.Linear(2, 2), extra_state={})
+    checkpointer = Checkpointer(config, SimpleNamespace(rank=0, sizes=ParallelSizes(1, 1, 2, 2)), trainer,
+                                {"weight": "w", "bias": "b"}, ROWS, 1152)
+    shutil.rmtree(saved_tokenizer.parent)  # as --keep-last prunes the imported iteration
+    directory = iteration_dir(ckpt, 5)
+    directory.mkdir()
+    checkpointer._publish(5, directory, ["0" * 64] * 4)
+    assert (directory / CheckpointReader(ckpt).meta.tokenizer_model).read_bytes() == original
+
+
 def test_a_weights_start_refuses_another_tokenizer(t2p2_imports, hf_models, tmp_path):
     from trainer.checkpoint.checkpointer import _check_same_tokenizer
 

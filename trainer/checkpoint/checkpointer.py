@@ -198,6 +198,10 @@ class Checkpointer:
         self.param_of = {canonical[n]: p for n, p in trainer.model.named_parameters()}
         self.name_of = {p: n for n, p in self.param_of.items()}
         self.last_saved: int | None = None
+        # Read once, at start: every save carries the tokenizer the run started with, even when its file
+        # goes (--use-checkpoint-args' is a file of a --load iteration, which --keep-last may remove).
+        tokenizer = config.data.tokenizer_model
+        self.tokenizer_bytes = tokenizer_file(tokenizer).read_bytes() if tokenizer and topology.rank == 0 else None
 
     @contextmanager
     def attached_to(self, trainer):
@@ -306,8 +310,7 @@ class Checkpointer:
         meta = self._meta(step, checksums)
         write_text_durably(directory / "meta.json", meta.to_json())
         if meta.tokenizer_model:
-            source = tokenizer_file(self.config.data.tokenizer_model).read_bytes()  # a folder's tokenizer.json
-            write_durably(directory / meta.tokenizer_model, lambda f: f.write(source))
+            write_durably(directory / meta.tokenizer_model, lambda f: f.write(self.tokenizer_bytes))
         publish(root, step)
         remove_incomplete(root, keep=step)
         if self.config.keep_last:
