@@ -8,7 +8,7 @@ import os
 import shutil
 import sys
 import time
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -23,7 +23,7 @@ from trainer.checkpoint.format import (COMPLETE, CheckpointError, CheckpointMeta
                                        latest_iteration, prune, publish, rank_file, remove_incomplete)
 from trainer.checkpoint.rank_file import to_plain, write_rank_file
 from trainer.config import RunConfig
-from trainer.durable import TMP_SUFFIX, write_durably, write_text_durably
+from trainer.durable import write_durably, write_text_durably
 from trainer.model.layout import layout_of, shard
 from trainer.model.presets import ModelShape
 from trainer.topology import ParallelSizes, Topology, coordinates
@@ -184,9 +184,8 @@ class Checkpointer:
             directory.mkdir(parents=True, exist_ok=True)
             (directory / COMPLETE).unlink(missing_ok=True)  # re-saving a step: unpublished until done
             digest = self._write_rank_file(rank_file(directory, self.topology.rank), saved, step)
-        except OSError as err:
+        except OSError as err:  # its temporary file is already gone (write_durably)
             error = err
-            self._remove_own_temporaries(directory)
         del saved
         outcome = self._agree_on_files(error, digest)  # also: every rank's file is durable
         if isinstance(outcome, str):
@@ -197,7 +196,6 @@ class Checkpointer:
                 self._publish(step, directory, outcome)
             except OSError as err:
                 error = err
-                self._remove_own_temporaries(directory)
         failed = comm.broadcast(torch.tensor([_errno(error) if error else 0]), src=0)
         if failed.item():
             self._fail(step, directory, f"rank 0: {error}" if error else "")
@@ -248,11 +246,6 @@ class Checkpointer:
             removed = prune(root, self.config.keep_last)
             if removed:
                 print(f"removed checkpoints at steps {removed} (--keep-last {self.config.keep_last})", flush=True)
-
-    def _remove_own_temporaries(self, directory: Path) -> None:
-        with suppress(OSError):
-            for tmp in directory.glob(f"*{TMP_SUFFIX}.{os.getpid()}"):
-                tmp.unlink()
 
     def _fail(self, step: int, directory: Path, reason: str) -> None:
         """Every rank calls this together: rank 0 removes the unpublished iteration and says why in one
