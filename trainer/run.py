@@ -147,6 +147,7 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
               f"{config.batch.workers} workers), {config.schedule.train_iters} steps", flush=True)
     if config.load and not starts_from_worker:
         checkpointer.resume(config.load)
+    logger.start(trainer.step)
     c = topology.coords
     watchdog = Watchdog(config.hang_timeout_s, f"rank {topology.rank} (worker {c.worker}, data {c.data}, "
                                                f"pipeline {c.pipeline}, tensor {c.tensor})")
