@@ -284,6 +284,25 @@ def _job_secret_file(muloco: MuLoCoConfig | None, config_dir: Path) -> str | Non
     return str(path)
 
 
+def check_environment(config: RunConfig, device_type: str) -> None:
+    """What the config asks of this machine and environment, checked where the run starts (tools that
+    plan a GPU run on a laptop resolve configs too): bf16 and NCCL need an accelerator, an elastic worker
+    its lighthouse's address."""
+    problems = []
+    if device_type == "cpu":
+        if config.bf16:
+            problems.append("bf16.enabled needs an accelerator: on CPU remove the bf16 block (training runs in fp32)")
+        if config.muloco is not None and config.muloco.outer_backend == "nccl":
+            problems.append("muloco.outer_backend 'nccl' needs an accelerator: use 'gloo' on the host")
+    if config.elastic:
+        try:
+            config.muloco.elastic.lighthouse_address()
+        except ConfigError as err:
+            problems.append(str(err))
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
 def model_shape(args: argparse.Namespace) -> ModelShape:
     """The preset with the model flags given (each checked like the preset's own values)."""
     given = {name: getattr(args, name) for name in MODEL_FLAGS if getattr(args, name) is not None}

@@ -102,8 +102,6 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
 
     tokenizer = tokenizer_info(config.data)
     vocab = padded_vocab_size(tokenizer.vocab_size, sizes.tensor)
-    if config.bf16 and apply_cpu_shims_if_needed():
-        raise ValueError("bf16 needs an accelerator; on CPU remove the ds_config's bf16 block (training runs in fp32)")
     model = build_model(config.model, vocab, bf16_autocast=config.bf16)
     initialize_weights(model, config.model, config.seed)
     model.to(device)  # before the optimizers see the parameters: their state is made beside them
