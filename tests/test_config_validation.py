@@ -21,6 +21,7 @@ from trainer.errors import ConfigError
 from trainer.optim.config import AdamWParams
 from trainer.optim.muon import MuonConfig
 from trainer.pretrain import STARTUP_ERRORS, checked_config
+from trainer_harness import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = json.loads((ROOT / "ds_configs" / "cpu_tiny_muloco.json").read_text())
@@ -234,18 +235,23 @@ def test_explicit_flags_win_over_the_ds_config(tmp_path):
     assert (config.batch.micro_batch_size, config.schedule.train_iters, config.clip_grad) == (2, 7, 0.5)
 
 
-def test_entry_point_prints_one_configuration_error_line(tmp_path):
+@pytest.mark.parametrize("ds, flags, line", [
+    (_with("muloco.workers", "2"), [], "configuration error: muloco.workers must be an integer, got '2'"),
+    (GOOD, ["--distributed-backend", "nccl"],  # refused before the process group is made
+     "configuration error: --distributed-backend nccl needs an accelerator: use gloo on CPU"),
+], ids=["bad value", "nccl on CPU"])
+def test_entry_point_prints_one_configuration_error_line(tmp_path, ds, flags, line):
     """A world of one through the real entry point: exit 2, one line, nothing written."""
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps(_with("muloco.workers", "2")))
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533",
-               PYTHONPATH=str(ROOT))
+    path.write_text(json.dumps(ds))
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), PYTHONPATH=str(ROOT))
     result = subprocess.run([sys.executable, str(ROOT / "trainer" / "pretrain.py"), "--ds_config", str(path),
                              "--vocab-size", "64", "--data-path", str(tmp_path / "none"),
-                             "--run-dir", str(tmp_path / "run")],
+                             "--run-dir", str(tmp_path / "run"), *flags],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     lines = [line for line in result.stderr.splitlines() if "configuration error" in line]
     assert result.returncode == 2, result.stderr[-3000:]
-    assert lines == ["configuration error: muloco.workers must be an integer, got '2'"], result.stderr[-3000:]
+    assert lines == [line], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()
