@@ -36,11 +36,17 @@ def stop_together(error: str | None, what: str, exit_code: int = 2) -> None:
     failed = [r for r in range(world) if everyone[r, 0]]
     if not failed:
         return
-    if error is not None:
-        if not any(torch.equal(everyone[r], everyone[rank]) for r in failed if r < rank):
-            print(error, file=sys.stderr, flush=True)
-    elif rank == min(set(range(world)) - set(failed)):
+    if error is not None and not any(torch.equal(everyone[r], everyone[rank]) for r in failed if r < rank):
+        _print_line(error)
+    comm.barrier()  # the failing ranks' lines first, so "above" is true
+    if error is None and rank == min(set(range(world)) - set(failed)):
         ranks = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {', '.join(map(str, failed))}"
-        print(f"stopping: {ranks} could not {what} (see {'its line' if len(failed) == 1 else 'their lines'} "
-              "above); every rank exits", file=sys.stderr, flush=True)
+        _print_line(f"stopping: {ranks} could not {what} (see {'its line' if len(failed) == 1 else 'their lines'} "
+                    "above); every rank exits")
     raise SystemExit(exit_code)
+
+
+def _print_line(line: str) -> None:
+    """One write, so that lines of ranks sharing an output pipe do not interleave."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

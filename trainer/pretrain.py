@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -19,6 +20,9 @@ from trainer.config import RunConfig, build_parser, check_environment, resolve  
 from trainer.data import check_data  # noqa: E402
 from trainer.durable import check_output_folders  # noqa: E402
 from trainer.errors import ConfigError, TopologyError  # noqa: E402
+from trainer.failures import stop_together  # noqa: E402
+from trainer.folder_lock import JobLocks  # noqa: E402
+from trainer.parent_watch import ParentWatch, launched  # noqa: E402
 
 # What a bad setting, size, file or folder raises while the config is checked.
 STARTUP_ERRORS = (ConfigError, TopologyError, FileNotFoundError, ValueError)
@@ -44,6 +48,11 @@ def _stop(line: str, rank: int) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    with ParentWatch() if launched() else nullcontext():
+        return _main(args)
+
+
+def _main(args) -> dict:
     if args.deterministic_mode:  # cuBLAS reads this when it starts
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # The device first: NCCL binds each process to the accelerator current when it starts.
@@ -55,13 +64,16 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         config = checked_config(args, dist.get_world_size())
     except STARTUP_ERRORS as err:
-        comm.remove_host_allreduce_buffer()
         _stop(f"configuration error: {err}", dist.get_rank())
-    from trainer.run import run  # heavy imports only after the config is known to be good
+    locks = JobLocks([("--run-dir", config.run_dir), ("--save", config.save)])
+    problem = locks.acquire() if dist.get_rank() == 0 else None
+    stop_together(f"configuration error: {problem}" if problem else None, "lock the run's folders")
+    try:
+        from trainer.run import run  # heavy imports only after the config is known to be good
 
-    summary = run(config)
-    comm.remove_host_allreduce_buffer()
-    return summary
+        return run(config)
+    finally:
+        locks.release()
 
 
 if __name__ == "__main__":
