@@ -202,9 +202,14 @@ def test_the_hang_line_names_the_collective_past_logging_wrappers_and_its_caller
 
 
 def _data_with_meta(tmp_path: Path, **meta) -> str:
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
     prefix = tmp_path / "cc_text_document"
-    for suffix in (".bin", ".idx"):
-        prefix.with_name(prefix.name + suffix).write_bytes(b"")
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for _ in range(10):
+        builder.add_document(torch.arange(100), [100])
+    builder.finalize(f"{prefix}.idx")
     prefix.with_name(prefix.name + ".meta.json").write_text(json.dumps(
         {"documents": 10, "tokens": 1000, "vocab_size": 2000, "tokenizer_sha256": "0" * 64, **meta}))
     return str(prefix)

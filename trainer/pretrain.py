@@ -17,7 +17,7 @@ import torch.distributed as dist  # noqa: E402
 
 from trainer import comm  # noqa: E402
 from trainer.config import RunConfig, build_parser, check_environment, resolve  # noqa: E402
-from trainer.data import check_data  # noqa: E402
+from trainer.data import check_data, index_cache_dir, refuse_unsafe_index_cache  # noqa: E402
 from trainer.durable import check_output_folders  # noqa: E402
 from trainer.errors import ConfigError, TopologyError  # noqa: E402
 from trainer.failures import stop_together  # noqa: E402
@@ -36,6 +36,7 @@ def checked_config(args, world_size: int) -> RunConfig:
     check_environment(config, comm.compute_device().type)
     check_data(config.data)
     check_output_folders(config)
+    refuse_unsafe_index_cache(index_cache_dir(config.run_dir))
     return config
 
 

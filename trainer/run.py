@@ -20,7 +20,7 @@ from megatron_patches import apply_cpu_shims_if_needed, initialize_megatron_grou
 from trainer import comm
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.config import RunConfig
-from trainer.data import StreamPosition, build_datasets, tokenizer_info
+from trainer.data import StreamPosition, build_datasets, index_cache_dir, tokenizer_info
 from trainer.diloco.auth import JobKey, key_file_is_private, read_job_key
 from trainer.diloco.membership import StaticMembership
 from trainer.diloco.outer_loop import OuterLoop
@@ -123,7 +123,7 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     datasets = build_datasets(config.data, tokenizer, config.model.seq_length, config.seed,
                               train_samples=config.schedule.train_iters * samples_per_step,
                               valid_samples=max(eval_samples, 1),
-                              cache_dir=str(Path(config.run_dir) / "data_cache"),
+                              cache_dir=str(index_cache_dir(config.run_dir)),
                               document_masking=config.model.document_masking)
     identical = config.muloco is not None and config.muloco.identical_worker_data
     position = StreamPosition(topology.coords.worker, topology.coords.data, config.batch, identical)
