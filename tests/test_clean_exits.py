@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _ckpt_runs import REPO_ROOT, Launch, alive, check, launch
+from _ckpt_runs import REPO_ROOT, Launch, alive, check, dataset, launch
 from trainer_harness import shared_memory_files
 
 from trainer.checkpoint import CheckpointReader, latest_iteration
@@ -170,3 +170,47 @@ def test_a_folder_is_refused_while_its_job_lives_and_taken_over_once_it_is_gone(
     assert f"pid {os.getpid()} " in (tmp_path / LOCK_FILE).read_text()
     lock.release()
     assert not (tmp_path / LOCK_FILE).exists()
+
+
+SHUTDOWN_PROBE = textwrap.dedent("""
+    import json, sys, threading
+    sys.path.insert(0, "tests")
+    from trainer_harness import init_distributed, run_trainer
+    from trainer.comm import close_distributed
+    from trainer.training import Trainer
+
+    class FailingTrainer(Trainer):
+        def train_step(self):
+            if self.step == 7:  # after the outer loop's first background sync (step 5) was launched
+                raise RuntimeError("a failure mid-run")
+            return super().train_step()
+
+    init_distributed()
+    before = {t.ident for t in threading.enumerate()}
+    left = {}
+    for name, trainer_class in (("finished", Trainer), ("failed", FailingTrainer)):
+        try:
+            run_trainer([*sys.argv[2:], "--run-dir", f"{sys.argv[1]}/{name}"], trainer_class)
+        except RuntimeError:
+            pass
+        left[name] = sorted(t.name for t in threading.enumerate() if t.ident not in before)
+    close_distributed()
+    print(json.dumps(left))
+""")
+
+
+def test_every_thread_the_trainer_starts_is_joined_when_it_finishes_or_fails(base, tmp_path):
+    """Outer-loop background syncs, the watchdog, TensorBoard's writer: none may outlive the run
+    (a thread left running at interpreter exit can abort a rank whose work is done)."""
+    ds = json.loads((REPO_ROOT / "ds_configs" / "cpu_tiny_muloco.json").read_text())
+    ds["muloco"].update(workers=1, sync_interval=5, streaming={"overlap_steps": 2})
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    flags = ["--ds_config", str(tmp_path / "ds.json"), "--model", "tiny", "--data-path", dataset(base),
+             "--vocab-size", "1000", "--train-iters", "12", "--log-interval", "1", "--eval-interval", "0",
+             "--hang-timeout-s", "300"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    result = subprocess.run([sys.executable, "-c", SHUTDOWN_PROBE, str(tmp_path), *flags], cwd=REPO_ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert json.loads(result.stdout.splitlines()[-1]) == {"finished": [], "failed": []}
+    assert "terminate called" not in result.stderr

@@ -68,6 +68,15 @@ def init_distributed(backend: str) -> None:
     remove_host_allreduce_buffer()
 
 
+def close_distributed() -> None:
+    """After the run, every rank together: destroy the process groups while the interpreter is whole.
+    Left to the interpreter's exit, their C++ threads (gloo's, the store's) may be destroyed still
+    running, which aborts a rank whose work is done ("terminate called without an active exception")."""
+    if dist.is_initialized():
+        barrier()  # no rank tears down a group a peer still uses
+        dist.destroy_process_group()
+
+
 def default_backend() -> str:
     """The backend of the default group when none is asked for: the accelerator's (NCCL), or gloo."""
     from deepspeed.accelerator import get_accelerator

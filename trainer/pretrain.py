@@ -72,9 +72,11 @@ def _main(args) -> dict:
     try:
         from trainer.run import run  # heavy imports only after the config is known to be good
 
-        return run(config)
+        summary = run(config)
     finally:
         locks.release()
+    comm.close_distributed()
+    return summary
 
 
 if __name__ == "__main__":

@@ -152,6 +152,7 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     # Hooks run in this order after each step: the outer sync, a save, preemption (which may save and
     # stop), and last the watchdog's pet, so a slow sync or save counts as progress only once done.
     with ExitStack() as hooks:
+        hooks.callback(logger.close)  # last out, on every path: TensorBoard's writer thread is joined
         if outer is not None:
             hooks.enter_context(outer.attached_to(trainer))
         if config.save:
@@ -159,7 +160,6 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
         hooks.enter_context(Preemption(config, checkpointer, is_logger).attached_to(trainer))
         hooks.enter_context(watchdog.attached_to(trainer))
         summary = trainer.train()
-    logger.close()
     if device.type != "cpu":
         from deepspeed.accelerator import get_accelerator
 
