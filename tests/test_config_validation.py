@@ -49,6 +49,8 @@ def _with(path: str, value) -> dict:
     (_with("train_micro_batch_size_per_gpu", 0), [], r"train_micro_batch_size_per_gpu must be >= 1, got 0"),
     (GOOD, ["--train-iters", "0"], r"--train-iters must be >= 1, got 0"),
     (GOOD, ["--log-interval", "0"], r"--log-interval must be >= 1, got 0"),
+    (GOOD, ["--startup-timeout-s", "0"], r"--startup-timeout-s must be > 0, got 0\.0"),
+    (GOOD, ["--startup-timeout-s", "nan"], r"--startup-timeout-s must be a finite number, got nan"),
     (_with("muloco.workers", "2"), [], r"muloco\.workers must be an integer, got '2'"),
     (_with("muloco.workers", True), [], r"muloco\.workers must be an integer, got True"),
     (_with("muloco.sync_interval", 2.5), [], r"muloco\.sync_interval must be an integer, got 2\.5"),

@@ -31,6 +31,7 @@ from trainer.model.builder import (build_model, canonical_names, count_parameter
 from trainer.optim.inner import InnerOptimizer
 from trainer.optim.routing import route_parameters
 from trainer.preemption import Preemption
+from trainer.progress_board import ProgressBoard
 from trainer.schedule import lr_multiplier
 from trainer.topology import ParallelSizes, build_topology
 from trainer.training import Trainer
@@ -87,6 +88,16 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     topology = build_topology(sizes, comm.COLLECTIVE_TIMEOUT)
     if config.elastic:
         topology = replace(topology, coords=replace(topology.coords, worker=config.worker_id))
+    c = topology.coords
+    watchdog = Watchdog(config.hang_timeout_s, f"rank {topology.rank} (worker {c.worker}, data {c.data}, "
+                                               f"pipeline {c.pipeline}, tensor {c.tensor})",
+                        board=ProgressBoard.of_launched_job() if config.hang_timeout_s else None)
+    with watchdog.watching("start-up", config.startup_timeout_s):
+        return _assemble_and_train(config, trainer_class, device, sizes, topology, watchdog)
+
+
+def _assemble_and_train(config: RunConfig, trainer_class: type[Trainer], device: torch.device,
+                        sizes: ParallelSizes, topology, watchdog: Watchdog) -> dict:
     initialize_megatron_groups(topology, comm.COLLECTIVE_TIMEOUT)
     _seed_everything(config.seed)
     if config.deterministic:
@@ -132,6 +143,7 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     checkpointer = Checkpointer(config, topology, trainer, canonical, tokenizer.vocab_size, vocab)
     starts_from_worker = bool(config.load) and config.load_worker is not None
     if starts_from_worker:  # before the outer loop exists: a new one starts from the loaded weights
+        watchdog.enter("resume", config.startup_timeout_s)
         checkpointer.resume(config.load)
     outer = None
     if config.muloco is not None:
@@ -144,11 +156,10 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
         print(f"global batch {config.batch.global_batch} sequences ({config.batch.per_worker} per worker x "
               f"{config.batch.workers} workers), {config.schedule.train_iters} steps", flush=True)
     if config.load and not starts_from_worker:
+        watchdog.enter("resume", config.startup_timeout_s)
         checkpointer.resume(config.load)
     logger.start(trainer.step)
-    c = topology.coords
-    watchdog = Watchdog(config.hang_timeout_s, f"rank {topology.rank} (worker {c.worker}, data {c.data}, "
-                                               f"pipeline {c.pipeline}, tensor {c.tensor})")
+    watchdog.enter("training", config.hang_timeout_s)
     # Hooks run in this order after each step: the outer sync, a save, preemption (which may save and
     # stop), and last the watchdog's pet, so a slow sync or save counts as progress only once done.
     with ExitStack() as hooks:
