@@ -8,7 +8,7 @@ import os
 import shutil
 import sys
 import time
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -19,11 +19,14 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 import trainer.checkpoint.state as rank_state
 from tokenizer.interface import tokenizer_file
 from trainer import comm
-from trainer.checkpoint.format import (COMPLETE, CheckpointError, CheckpointMeta, CheckpointReader, iteration_dir,
+from trainer.checkpoint.errors import CheckpointError
+from trainer.checkpoint.format import (COMPLETE, CheckpointMeta, CheckpointReader, iteration_dir,
                                        latest_iteration, prune, publish, rank_file, remove_incomplete)
 from trainer.checkpoint.rank_file import to_plain, write_rank_file
+from trainer.checkpoint.schema import check_rank_state, checked_rank_state, own_form
 from trainer.config import RunConfig
-from trainer.durable import TMP_SUFFIX, write_durably, write_text_durably
+from trainer.durable import write_durably, write_text_durably
+from trainer.failures import stop_together
 from trainer.model.layout import layout_of, shard
 from trainer.model.presets import ModelShape
 from trainer.topology import ParallelSizes, Topology, coordinates
@@ -86,7 +89,7 @@ def check_fits(meta: CheckpointMeta, sizes: ParallelSizes, model: ModelShape, pa
                               "the number of workers cannot change on resume (--load-worker starts a run "
                               "from one worker's state)")
     _check_model_and_stream(meta, model, padded_vocab_size, global_batch)
-    if meta.extra_state != extra_state:
+    if list(meta.extra_state) != extra_state:
         raise CheckpointError(f"checkpoint holds state for {meta.extra_state or 'no extra components'}, "
                               f"this run has {extra_state or 'none'} (MuLoCo on one side only?)")
     dims = [(n, getattr(meta.sizes, a), getattr(sizes, a)) for n, a in (("D", "data"), ("P", "pipeline"), ("T", "tensor"))
@@ -117,10 +120,8 @@ def _check_model_and_stream(meta: CheckpointMeta, model: ModelShape, padded_voca
     if meta.padded_vocab_size != padded_vocab_size:
         raise CheckpointError(f"checkpoint has padded vocabulary {meta.padded_vocab_size}, "
                               f"this run {padded_vocab_size} (a different tokenizer?)")
-    batch = meta.config["batch"]
-    saved_batch = batch["micro_batch_size"] * batch["gradient_accumulation_steps"] * batch["data_parallel"] * batch["workers"]
-    if saved_batch != global_batch:
-        raise CheckpointError(f"checkpoint global batch is {saved_batch} sequences, this run {global_batch}: "
+    if meta.global_batch != global_batch:
+        raise CheckpointError(f"checkpoint global batch is {meta.global_batch} sequences, this run {global_batch}: "
                               "the data stream would not continue")
 
 
@@ -184,9 +185,8 @@ class Checkpointer:
             directory.mkdir(parents=True, exist_ok=True)
             (directory / COMPLETE).unlink(missing_ok=True)  # re-saving a step: unpublished until done
             digest = self._write_rank_file(rank_file(directory, self.topology.rank), saved, step)
-        except OSError as err:
+        except OSError as err:  # its temporary file is already gone (write_durably)
             error = err
-            self._remove_own_temporaries(directory)
         del saved
         outcome = self._agree_on_files(error, digest)  # also: every rank's file is durable
         if isinstance(outcome, str):
@@ -197,7 +197,6 @@ class Checkpointer:
                 self._publish(step, directory, outcome)
             except OSError as err:
                 error = err
-                self._remove_own_temporaries(directory)
         failed = comm.broadcast(torch.tensor([_errno(error) if error else 0]), src=0)
         if failed.item():
             self._fail(step, directory, f"rank 0: {error}" if error else "")
@@ -249,11 +248,6 @@ class Checkpointer:
             if removed:
                 print(f"removed checkpoints at steps {removed} (--keep-last {self.config.keep_last})", flush=True)
 
-    def _remove_own_temporaries(self, directory: Path) -> None:
-        with suppress(OSError):
-            for tmp in directory.glob(f"*{TMP_SUFFIX}.{os.getpid()}"):
-                tmp.unlink()
-
     def _fail(self, step: int, directory: Path, reason: str) -> None:
         """Every rank calls this together: rank 0 removes the unpublished iteration and says why in one
         line; every rank exits non-zero (the scheduler restarts from `latest`)."""
@@ -278,34 +272,42 @@ class Checkpointer:
     # -- resuming -------------------------------------------------------------------------------
 
     def resume(self, root: str) -> None:
-        """Every rank stops together, with one message from rank 0, when the checkpoint does not fit."""
+        """Every rank checks what it loads (trainer/checkpoint/schema.py) before loading it; if any rank
+        cannot, each such rank prints its own `checkpoint error:` line and every rank stops together."""
+        error, how, reader = None, "", None
         try:
             reader = CheckpointReader(root, verify_checksums=self.config.verify_checksums)
             how = self._load(reader)
         except CheckpointError as err:
-            if self.topology.rank == 0:
-                print(f"checkpoint error: {err}", file=sys.stderr, flush=True)
-            raise SystemExit(2)
+            error = f"checkpoint error: {err}"
+        stop_together(error, "load the checkpoint")
         if self.topology.rank == 0:
             print(f"resumed from {reader.directory} at step {self.trainer.step} ({how})", flush=True)
 
     def _load(self, reader: CheckpointReader) -> str:
-        worker = self.config.load_worker
+        worker, own = self.config.load_worker, own_form(self.trainer)
+        source = f"checkpoint {reader.directory}"
         if worker is not None:
             # A start loads before the outer loop exists (run.py), which then begins at the loaded weights.
             assert not self.trainer.extra_state, "--load-worker must load before the outer loop is built"
             check_worker_start(reader.meta, worker, self.config.model, self.padded_vocab_size,
                                self.config.batch.global_batch)
             engine = self.trainer.engine
-            rank_state.restore(self.trainer, rank_state.with_run_hyperparameters(
-                self._resharded_state(reader, worker), engine.optimizer, engine.lr_scheduler), self.param_of)
-            return f"worker {worker} of {reader.meta.describe_layout()}"
-        if check_fits(reader.meta, self.topology.sizes, self.config.model, self.padded_vocab_size,
-                      self.config.batch.global_batch, sorted(self.trainer.extra_state)):
+            saved = rank_state.with_run_hyperparameters(self._resharded_state(reader, worker), engine.optimizer,
+                                                        engine.lr_scheduler)
+            how = f"worker {worker} of {reader.meta.describe_layout()}"
+            check_rank_state(saved, f"{source} (worker {worker})", reader.meta.step, self.param_of, own)
+        elif check_fits(reader.meta, self.topology.sizes, self.config.model, self.padded_vocab_size,
+                        self.config.batch.global_batch, sorted(self.trainer.extra_state)):
             saved, how = self._resharded_state(reader), f"resharded from {reader.meta.describe_layout()}"
+            check_rank_state(saved, f"{source} (resharded)", reader.meta.step, self.param_of, own)
         else:
-            saved, how = to_plain(reader.rank_state(self.topology.rank)), "same layout"
-        rank_state.restore(self.trainer, saved, self.param_of)
+            saved, how = checked_rank_state(reader, self.topology.rank, self.param_of, own), "same layout"
+            source = f"rank file {rank_file(reader.directory, self.topology.rank)}"
+        try:
+            rank_state.restore(self.trainer, saved, self.param_of)
+        except (ValueError, TypeError, KeyError, RuntimeError) as err:  # what a component's own check refuses
+            raise CheckpointError(f"{source}: {type(err).__name__}: {err}") from None
         return how
 
     def _resharded_state(self, reader: CheckpointReader, worker: int | None = None) -> dict:
@@ -313,8 +315,14 @@ class Checkpointer:
         rank's own): weights and elementwise optimizer state are merged over the checkpoint's TP ranks
         and re-cut for ours; the rest (hyperparameters, scheduler, counters, step) is the same on every
         rank. RNG states stay freshly seeded."""
+        try:
+            return self._merged_and_cut(reader, self.topology.coords.worker if worker is None else worker)
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as err:  # shards that do not fit together
+            raise CheckpointError(f"checkpoint {reader.directory} cannot be resharded: {type(err).__name__}: "
+                                  f"{str(err)[:200]}") from None
+
+    def _merged_and_cut(self, reader: CheckpointReader, worker: int) -> dict:
         coords = self.topology.coords
-        worker = coords.worker if worker is None else worker
         tp_size = self.topology.sizes.tensor
         stage_of = reader.stage_of(worker, 0)
         first = reader.rank_state(reader.stage_ranks(worker, 0, 0)[0])
