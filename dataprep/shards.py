@@ -6,6 +6,7 @@ broken line never costs its good neighbours; a shard that cannot be read at all 
 """
 from __future__ import annotations
 
+import codecs
 import glob
 import gzip
 import io
@@ -174,6 +175,8 @@ def _parse_json_line(
     def bad(kind: str, detail: str) -> None:
         on_bad(BadRecord(str(path), line_number, kind, detail))
 
+    # A UTF-8 byte-order mark: Windows tools start files with one (and concatenated files carry it inside).
+    raw = raw.removeprefix(codecs.BOM_UTF8)
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as error:

@@ -20,14 +20,18 @@ export OMP_NUM_THREADS=1
 free_port() { python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 GROUPS_STARTED=()
+MASTER_PORTS=()
 cleanup() {
     for pgid in "${GROUPS_STARTED[@]}"; do kill -KILL -- "-$pgid" 2>/dev/null || true; done
-    # DeepSpeed's CPU comm op never unlinks its per-rank shared-memory buffers (about 70 MB each).
-    find /dev/shm -maxdepth 1 -name 'deepspeed_allreduce_buffer_*' -newer "$WORK/.started" -delete 2>/dev/null || true
+    # DeepSpeed's per-rank shared-memory files (about 70 MB each): the trainer unlinks them at start,
+    # but a rank killed before that leaves its own. Only this demo's launches' (named by their ports).
+    for port in "${MASTER_PORTS[@]}"; do
+        find /dev/shm -maxdepth 1 -name "deepspeed_allreduce_buffer_$(id -u)_*_${port}_*" -delete 2>/dev/null || true
+    done
 }
 trap cleanup EXIT INT TERM
 
-rm -rf "$WORK" && mkdir -p "$WORK" && touch "$WORK/.started"
+rm -rf "$WORK" && mkdir -p "$WORK"
 echo "[elastic 1/4] data: a learnable synthetic token stream -> $WORK/markov"
 python -c "import sys; sys.path.insert(0, 'tests'); from synthetic_data import write_markov_dataset; write_markov_dataset('$WORK/markov')"
 
@@ -42,7 +46,10 @@ setsid python -m trainer.elastic.lighthouse --bind "127.0.0.1:$LIGHTHOUSE_PORT" 
 GROUPS_STARTED+=($!)
 
 start_worker() {  # worker id, run name
-    setsid deepspeed --num_gpus 1 --master_port "$(free_port)" trainer/pretrain.py --ds_config "$DS_CONFIG" \
+    local port
+    port="$(free_port)"
+    MASTER_PORTS+=("$port")
+    setsid deepspeed --num_gpus 1 --master_port "$port" trainer/pretrain.py --ds_config "$DS_CONFIG" \
         --model tiny --data-path "$WORK/markov" --vocab-size 1000 --train-iters "$TRAIN_ITERS" \
         --log-interval 5 --eval-interval 0 --worker-id "$1" --run-dir "$WORK/$2" > "$WORK/$2.log" 2>&1 &
     GROUPS_STARTED+=($!)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import torch
-from trainer_harness import EXTENSIONS_ENV
+from trainer_harness import EXTENSIONS_ENV, launch_port
 
 from trainer.checkpoint.rank_file import read_rank_file, to_plain
 
@@ -34,10 +34,14 @@ def dataset(base: Path) -> str:
 
 
 def _command(base: Path, ranks: int, run_dir: Path, flags: tuple[str, ...], ds_config: str,
-             data_flags: tuple[str, ...] | None, train_iters: int) -> list[str]:
+             data_flags: tuple[str, ...] | None, train_iters: int, port: int, launcher: str = "torchrun") -> list[str]:
     data = data_flags or ("--data-path", dataset(base), "--vocab-size", "1000")
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-            "trainer/pretrain.py", "--ds_config", ds_config, "--model", "tiny", *data,
+    if launcher == "deepspeed":  # DeepSpeed's runner, which starts its launch.py, which starts the ranks
+        start = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(port)]
+    else:
+        start = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--master-addr=127.0.0.1",
+                 f"--master-port={port}", f"--nproc_per_node={ranks}"]
+    return [*start, "trainer/pretrain.py", "--ds_config", ds_config, "--model", "tiny", *data,
             "--train-iters", str(train_iters), "--log-interval", "1", "--eval-interval", "0",
             "--run-dir", str(run_dir), *flags]
 
@@ -48,8 +52,8 @@ def _env(env: dict | None) -> dict:
 
 def launch(base: Path, ranks: int, run_dir: Path, *flags: str, ds_config: str = "ds_configs/cpu_tiny_muon.json",
            env: dict | None = None, data_flags: tuple[str, ...] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(_command(base, ranks, run_dir, flags, ds_config, data_flags, TRAIN_ITERS), cwd=REPO_ROOT,
-                          env=_env(env), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    return subprocess.run(_command(base, ranks, run_dir, flags, ds_config, data_flags, TRAIN_ITERS, launch_port()),
+                          cwd=REPO_ROOT, env=_env(env), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
 
 
 class Launch:
@@ -57,8 +61,10 @@ class Launch:
     so a test can act on the ranks (signal them) when the run reaches a given point."""
 
     def __init__(self, base: Path, ranks: int, run_dir: Path, *flags: str, train_iters: int = TRAIN_ITERS,
-                 ds_config: str = "ds_configs/cpu_tiny_muon.json"):
-        self.proc = subprocess.Popen(_command(base, ranks, run_dir, flags, ds_config, None, train_iters),
+                 ds_config: str = "ds_configs/cpu_tiny_muon.json", launcher: str = "torchrun"):
+        self.port = launch_port()
+        self.proc = subprocess.Popen(_command(base, ranks, run_dir, flags, ds_config, None, train_iters, self.port,
+                                              launcher),
                                      cwd=REPO_ROOT, env=_env(None), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines: list[str] = []
@@ -78,13 +84,20 @@ class Launch:
             time.sleep(0.05)
 
     def rank_pid(self, rank: int) -> int:
-        """The pid of the process of global rank `rank` (a child of the torchrun launcher)."""
-        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-        for pid in children:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            if f"RANK={rank}".encode() in environ:
-                return int(pid)
-        raise AssertionError(f"no process of rank {rank} among {children}")
+        """The pid of the process of global rank `rank` (a child of the launcher)."""
+        for pid in self.launcher_pid(), *descendants(self.launcher_pid()):
+            if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return pid
+        raise AssertionError(f"no process of rank {rank} under launcher {self.launcher_pid()}")
+
+    def launcher_pid(self) -> int:
+        """The process that starts the ranks: torchrun itself, or the launch.py DeepSpeed's runner starts."""
+        if b"torch.distributed.run" in _cmdline(self.proc.pid):
+            return self.proc.pid
+        for pid in descendants(self.proc.pid):
+            if b"deepspeed.launcher.launch" in _cmdline(pid):
+                return pid
+        raise AssertionError("DeepSpeed's launch.py has not started yet")
 
     def finish(self, timeout_s: float = LAUNCH_TIMEOUT_S) -> int:
         """Wait for the launcher to exit (killing the whole session after `timeout_s`); its exit code."""
@@ -103,6 +116,27 @@ class Launch:
     @property
     def output(self) -> str:
         return "".join(self.lines)
+
+
+def _cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid`, children first."""
+    try:
+        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+    return [grand for child in children for grand in (child, *descendants(child))]
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is a process that has not ended (a zombie waiting for its reaper has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -28,6 +28,7 @@ import torch  # noqa: E402
 
 import trainer.run  # noqa: E402
 from tests.trainer_harness import init_distributed, run_trainer  # noqa: E402
+from trainer.comm import close_distributed  # noqa: E402
 from trainer.diloco.outer_loop import OuterLoop  # noqa: E402
 
 ARGS = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher's comes first
@@ -78,3 +79,4 @@ if __name__ == "__main__":
     trainer.run.OuterLoop = ProbeLoop  # trainer.run looks the class up when it builds the loop
     init_distributed()
     run_trainer(ARGS[1:])
+    close_distributed()

@@ -29,6 +29,7 @@ import torch.distributed as dist  # noqa: E402
 
 from tests._probe_common import rank_identity, shard_state  # noqa: E402
 from tests.trainer_harness import init_distributed, run_trainer  # noqa: E402
+from trainer.comm import close_distributed  # noqa: E402
 from trainer.data import StreamPosition  # noqa: E402
 from trainer.model.builder import canonical_names  # noqa: E402
 from trainer.training import Trainer  # noqa: E402
@@ -117,6 +118,7 @@ def main() -> None:
     init_distributed()
     for case in json.loads(args.cases.read_text()):
         run_case(case, args.out_dir)
+    close_distributed()
 
 
 if __name__ == "__main__":

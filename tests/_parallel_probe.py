@@ -20,6 +20,7 @@ import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state as mps  # noqa: E402
 
 from tests.trainer_harness import DS_CONFIGS, init_distributed, run_trainer  # noqa: E402
+from trainer.comm import close_distributed  # noqa: E402
 from trainer.model.builder import canonical_names  # noqa: E402
 from trainer.model.layout import Split, layout_of, unshard  # noqa: E402
 from trainer.training import Trainer  # noqa: E402
@@ -77,6 +78,7 @@ def main() -> None:
         run_dir = Path(args.run_root) / optimizer
         run_trainer(["--ds_config", str(DS_CONFIGS[optimizer]), "--run-dir", str(run_dir), *pretrain_flags],
                     RecordingTrainer)
+    close_distributed()
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@
 `shakespeare` fixture, directly or through another fixture): test_fresh_clone runs them in a clone
 with nothing beside it, proving the repository carries everything they need."""
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -15,22 +14,18 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_CORPUS = REPO_ROOT / "corpus" / "shakespeare"
 
 
-# DeepSpeed's CPU communication op keeps one shared-memory buffer per rank and launch in /dev/shm and
-# never unlinks it (about 70 MB each); the suite's launches, killed ones included, would leave gigabytes.
-SHARED_MEMORY = Path("/dev/shm")
-
-
 @pytest.fixture(scope="session", autouse=True)
-def remove_deepspeed_shm_buffers():
-    """At the end of the session, unlink the buffers this session's launches created."""
-    started = time.time()
+def remove_own_shared_memory_files():
+    """DeepSpeed's CPU communication op keeps a ~70 MB /dev/shm file per rank; the trainer unlinks
+    each as soon as every rank has mapped it, but a rank killed before that leaves its file. At the
+    end of the session, remove those of this session's launches (named by their master ports), and
+    nobody else's: other jobs may share this machine."""
     yield
-    for path in SHARED_MEMORY.glob("deepspeed_allreduce_buffer_*"):  # nothing where there is no /dev/shm
-        try:
-            if path.stat().st_mtime >= started:
-                path.unlink()
-        except FileNotFoundError:  # another process removed it first
-            pass
+    from trainer_harness import LAUNCH_PORTS, shared_memory_files
+
+    for port in LAUNCH_PORTS:
+        for path in shared_memory_files(port):
+            path.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

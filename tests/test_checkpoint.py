@@ -15,7 +15,7 @@ from _ckpt_runs import (REPO_ROOT, TRAIN_ITERS, Launch, assert_same_state, check
                         reference_checkpoint)
 from trainer.checkpoint import CheckpointError, CheckpointMeta, CheckpointReader, latest_iteration
 from trainer.checkpoint.checkpointer import CRASH_ENV, check_fits
-from trainer.topology import ParallelSizes
+from trainer.topology import ParallelSizes, coordinates
 
 # Several launches per test, each bounded by its own timeout; on a shared 2-core machine the
 # default 600 s per test is too tight for three 4-rank launches.
@@ -109,11 +109,13 @@ def test_muloco_k2_streaming_2bit_error_feedback_preempted_by_sigterm_resumes_ex
 def _meta(**changes) -> CheckpointMeta:
     from trainer.model.presets import PRESETS
 
-    meta = CheckpointMeta(step=3, sizes=ParallelSizes(1, 1, 2, 2), model=PRESETS["tiny"], vocab_size=1000,
-                          padded_vocab_size=1024, ranks=[], tokenizer_model=None, extra_state=[], rank_files={},
-                          config={"batch": {"micro_batch_size": 4, "gradient_accumulation_steps": 1,
-                                            "data_parallel": 1, "workers": 1}})
-    return replace(meta, **changes)
+    sizes = changes.pop("sizes", ParallelSizes(1, 1, 2, 2))
+    fields = dict(step=3, sizes=sizes, model=PRESETS["tiny"], vocab_size=1000, padded_vocab_size=1024,
+                  ranks=[coordinates(r, sizes) for r in range(sizes.world)], tokenizer_model=None, extra_state=[],
+                  rank_files={f"rank_{r:05d}.safetensors": "0" * 64 for r in range(sizes.world)},
+                  config={"batch": {"micro_batch_size": 4, "gradient_accumulation_steps": 1, "data_parallel": 1,
+                                    "workers": 1}})
+    return CheckpointMeta(**{**fields, **changes})
 
 
 def _fits(meta: CheckpointMeta, sizes=ParallelSizes(1, 1, 2, 2), extra=()) -> bool:

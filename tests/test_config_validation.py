@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +16,12 @@ import pytest
 
 from trainer.config import build_parser, resolve
 from trainer.ds_config import DsConfig
+from trainer.elastic.config import LIGHTHOUSE_ENV
 from trainer.errors import ConfigError
 from trainer.optim.config import AdamWParams
 from trainer.optim.muon import MuonConfig
+from trainer.pretrain import STARTUP_ERRORS, checked_config
+from trainer_harness import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = json.loads((ROOT / "ds_configs" / "cpu_tiny_muloco.json").read_text())
@@ -44,6 +49,8 @@ def _with(path: str, value) -> dict:
     (_with("train_micro_batch_size_per_gpu", 0), [], r"train_micro_batch_size_per_gpu must be >= 1, got 0"),
     (GOOD, ["--train-iters", "0"], r"--train-iters must be >= 1, got 0"),
     (GOOD, ["--log-interval", "0"], r"--log-interval must be >= 1, got 0"),
+    (GOOD, ["--startup-timeout-s", "0"], r"--startup-timeout-s must be > 0, got 0\.0"),
+    (GOOD, ["--startup-timeout-s", "nan"], r"--startup-timeout-s must be a finite number, got nan"),
     (_with("muloco.workers", "2"), [], r"muloco\.workers must be an integer, got '2'"),
     (_with("muloco.workers", True), [], r"muloco\.workers must be an integer, got True"),
     (_with("muloco.sync_interval", 2.5), [], r"muloco\.sync_interval must be an integer, got 2\.5"),
@@ -70,7 +77,9 @@ def _with(path: str, value) -> dict:
     (_with("optimizer.params.ns_schedule", []), [], r"optimizer\.params\.ns_schedule must hold at least one"),
     (_with("bf16.enabled", "true"), [], r"bf16\.enabled must be a boolean, got 'true'"),
     (_with("gradient_clipping", -1.0), [], r"gradient_clipping must be >= 0, got -1\.0"),
-    (_with("fp16", {"enabled": True}), [], r"fp16 is not supported: the trainer keeps fp32 master weights"),
+    (_with("fp16", {"enabled": True}), [],
+     r'fp16 is not supported: the trainer keeps fp32 master weights.* use \{"bf16": \{"enabled": true\}\} on a GPU, '
+     r"or neither \(fp32\)"),
     (_with("muloco.streaming.fragments", 11), [],
      r"muloco\.streaming\.fragments \(11\) cannot exceed sync_interval \(10\)"),
     (GOOD, ["--eval-iters", "0"], r"--eval-iters must be >= 1, got 0"),
@@ -79,10 +88,76 @@ def _with(path: str, value) -> dict:
     (GOOD, ["--seq-length", "0"], r"--seq-length must be >= 1, got 0"),
     (GOOD, ["--global-batch-size", "12"], r"--global-batch-size 12 is not a positive multiple of micro-batch-size x D x K "
                                           r"= 4 x 1 x 2"),
+    # Non-finite numbers (JSON's NaN and Infinity, which Python's json reads).
+    (_with("optimizer.params.eps", math.inf), [], r"optimizer\.params\.eps must be a finite number, got inf"),
+    (_with("optimizer.params.lr", math.inf), [], r"optimizer\.params\.lr must be a finite number, got inf"),
+    (_with("muloco.sync_timeout_s", math.nan), [], r"muloco\.sync_timeout_s must be a finite number, got nan"),
+    (_with("gradient_clipping", math.nan), [], r"gradient_clipping must be a finite number, got nan"),
+    (_with("optimizer.params.ns_schedule", [[3.4, -4.7, math.inf]]), [],
+     r"optimizer\.params\.ns_schedule\[0\]\[2\] must be a finite number, got inf"),
+    # Ranges.
+    (_with("muloco.max_norm_ratio", -1), [], r"muloco\.max_norm_ratio must be > 1, got -1"),
+    (_with("muloco.max_norm_ratio", 1.0), [], r"muloco\.max_norm_ratio must be > 1, got 1\.0"),
+    (_with("muloco.outer_momentum", 1.0), [], r"muloco\.outer_momentum must be in \[0, 1\), got 1\.0"),
+    (_with("muloco.streaming.mix_alpha", 1.0), [], r"muloco\.streaming\.mix_alpha must be in \[0, 1\), got 1\.0"),
+    (_with("muloco.streaming.overlap_steps", -1), [], r"muloco\.streaming\.overlap_steps must be >= 0, got -1"),
+    (_with("muloco.compression.topk_fraction", 0), [], r"muloco\.compression\.topk_fraction must be in \(0, 1\], got 0"),
+    (_with("muloco.compression.ef_beta", 2), [], r"muloco\.compression\.ef_beta must be in \[0, 1\], got 2"),
+    (_with("muloco.compression.zstd_level", 23), [], r"muloco\.compression\.zstd_level must be in \[1, 22\], got 23"),
+    (_with("muloco.link", {"bandwidth_gbit_s": 0}), [], r"muloco\.link\.bandwidth_gbit_s must be > 0, got 0"),
+    (_with("muloco.link", {"latency_ms": 5}), [], r"muloco\.link\.bandwidth_gbit_s is required"),
+    (_with("muloco.elastic", {"lighthouse": "http://h:1", "quorum_timeout_s": 0}), ["--worker-id", "0"],
+     r"muloco\.elastic\.quorum_timeout_s must be > 0, got 0"),
+    (_with("muloco.elastic", {"lighthouse": "http://h:1", "max_attempts": 0}), ["--worker-id", "0"],
+     r"muloco\.elastic\.max_attempts must be >= 1, got 0"),
+    (_with("optimizer.params.weight_decay", -0.1), [], r"optimizer\.params\.weight_decay must be >= 0, got -0\.1"),
+    (_with("optimizer.params.adamw_lr_factor", 0), [], r"optimizer\.params\.adamw_lr_factor must be > 0, got 0"),
+    (_with("scheduler.params.warmup_iters", -1), [], r"scheduler\.params\.warmup_iters must be >= 0, got -1"),
+    (_with("train_batch_size", 0), [], r"train_batch_size must be >= 1, got 0"),
+    # Types and choices.
+    ({**GOOD, "recipe": "x"}, [], r"recipe must be an object or null, got 'x'"),
+    ({**GOOD, "layout": 5}, [], r"layout must be an object or null, got 5"),
+    ({**GOOD, "optimizer": []}, [], r"optimizer must be an object, got \[\]"),
+    ({**GOOD, "muloco": True}, [], r"muloco must be an object or null, got True"),
+    ({**GOOD, "steps_per_print": "x"}, [], r"steps_per_print must be an integer, got 'x'"),
+    ({**GOOD, "flops_profiler": "on"}, [], r"flops_profiler must be an object or null, got 'on'"),
+    (_with("muloco.auth", "off"), [], r"muloco\.auth must be an object or one of 'none', got 'off'"),
+    (_with("muloco.auth", {"key_file": 5}), [], r"muloco\.auth\.key_file must be a string, got 5"),
+    (_with("muloco.compression.method", "zip"), [],
+     r"muloco\.compression\.method must be one of 'none', 'statistical', 'linear', 'topk', got 'zip'"),
+    (_with("optimizer.params.ns_schedule", "fast"), [],
+     r"optimizer\.params\.ns_schedule must be one of 'paper', 'keller' or a list, got 'fast'"),
+    (_with("optimizer.params.ns_schedule", [[1, 2]]), [], r"optimizer\.params\.ns_schedule\[0\] must be a list of 3, got \[1, 2\]"),
+    ({**GOOD, "foo": 1}, [], r"foo is not a known key \(known: train_micro_batch_size_per_gpu, "),
+    ("[]", [], r"ds_config .*ds\.json must hold a JSON object$"),
+    ('{"optimizer": ', [], r"ds_config .*ds\.json is not valid JSON: Expecting value: line 1 column 15"),
+    ('{"train_micro_batch_size_per_gpu": 2, "train_micro_batch_size_per_gpu": 4}', [],
+     r"ds_config .*ds\.json: key 'train_micro_batch_size_per_gpu' is given twice in one object"),
+    # Unsupported combinations, refused by name with what to use instead.
+    (_with("bf16.enabled", True), [], r"bf16\.enabled needs an accelerator: on CPU remove the bf16 block"),
+    (_with("muloco.outer_backend", "nccl"), [], r"muloco\.outer_backend 'nccl' needs an accelerator: use 'gloo'"),
+    ({**GOOD, "zero_optimization": {"stage": 3}}, [],
+     r"zero_optimization is not supported: .*which ZeRO \(any stage\) would partition: remove the block \(to fit "
+     r"a larger model use tensor or pipeline parallelism"),
+    ({**GOOD, "amp": {"enabled": True}}, [], r"amp is not supported: use the bf16 block"),
+    (_with("muloco.elastic", {}), ["--worker-id", "0"],
+     r"elastic workers need the lighthouse's address: muloco\.elastic\.lighthouse or \$TORCHFT_LIGHTHOUSE$"),
+    (_with("muloco.workers", 3), [], r"world size 2 is not divisible by workers x pipeline x tensor = 3 x 1 x 1 = 3"),
+    ({**GOOD, "layout": {"tensor": 2}}, [], r"the ds_config was planned for another layout: tensor 2 planned, 1 in "
+                                            r"this run"),
+    ({**GOOD, "recipe": {"model": "15b"}}, [], r"the ds_config's batch, weight decay and steps were made for --model "
+                                               r"15b \(its recipe block\), not tiny"),
 ], ids=lambda v: None)
-def test_bad_value_is_named(tmp_path, ds, flags, message):
-    with pytest.raises(ConfigError, match=f"^{message}"):
-        _resolve(tmp_path, ds, *flags)
+def test_bad_value_is_named(tmp_path, monkeypatch, ds, flags, message):
+    """Through the entry point's start-up checks: one `configuration error:` line naming the problem."""
+    monkeypatch.delenv(LIGHTHOUSE_ENV, raising=False)
+    path = tmp_path / "ds.json"
+    path.write_text(ds if isinstance(ds, str) else json.dumps(ds))
+    args = build_parser().parse_args(["--ds_config", str(path), "--vocab-size", "64", *flags])
+    with pytest.raises(STARTUP_ERRORS) as raised:
+        checked_config(args, world_size=2)
+    line = f"configuration error: {raised.value}"
+    assert "\n" not in line and re.match(f"configuration error: {message}", line), line
 
 
 @pytest.mark.parametrize("ds, message", [
@@ -111,7 +186,8 @@ def test_every_problem_is_named_in_one_message_in_file_order(tmp_path):
         "optimizer.params.lr must be > 0, got -1",
         "optimizer.params.ns_dtype must be one of 'float32', 'bfloat16', got 'fp8'",
         "zero_optimization is not supported: the inner optimizer needs each parameter's whole fp32 tensor (Muon "
-        "orthogonalizes whole matrices), which ZeRO would partition"]
+        "orthogonalizes whole matrices), which ZeRO (any stage) would partition: remove the block (to fit a larger "
+        "model use tensor or pipeline parallelism: tools/plan.py --list-layouts)"]
 
 
 def test_flag_problems_are_named_by_the_flag_all_at_once(tmp_path):
@@ -161,18 +237,23 @@ def test_explicit_flags_win_over_the_ds_config(tmp_path):
     assert (config.batch.micro_batch_size, config.schedule.train_iters, config.clip_grad) == (2, 7, 0.5)
 
 
-def test_entry_point_prints_one_configuration_error_line(tmp_path):
+@pytest.mark.parametrize("ds, flags, line", [
+    (_with("muloco.workers", "2"), [], "configuration error: muloco.workers must be an integer, got '2'"),
+    (GOOD, ["--distributed-backend", "nccl"],  # refused before the process group is made
+     "configuration error: --distributed-backend nccl needs an accelerator: use gloo on CPU"),
+], ids=["bad value", "nccl on CPU"])
+def test_entry_point_prints_one_configuration_error_line(tmp_path, ds, flags, line):
     """A world of one through the real entry point: exit 2, one line, nothing written."""
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps(_with("muloco.workers", "2")))
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533",
-               PYTHONPATH=str(ROOT))
+    path.write_text(json.dumps(ds))
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), PYTHONPATH=str(ROOT))
     result = subprocess.run([sys.executable, str(ROOT / "trainer" / "pretrain.py"), "--ds_config", str(path),
                              "--vocab-size", "64", "--data-path", str(tmp_path / "none"),
-                             "--run-dir", str(tmp_path / "run")],
+                             "--run-dir", str(tmp_path / "run"), *flags],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     lines = [line for line in result.stderr.splitlines() if "configuration error" in line]
     assert result.returncode == 2, result.stderr[-3000:]
-    assert lines == ["configuration error: muloco.workers must be an integer, got '2'"], result.stderr[-3000:]
+    assert lines == [line], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()

@@ -141,9 +141,10 @@ def test_a_start_takes_this_runs_hyperparameters_at_the_loaded_position():
 
 
 def _meta(**changes) -> CheckpointMeta:
-    meta = CheckpointMeta(step=3, sizes=ParallelSizes(2, 1, 1, 1), model=PRESETS["tiny"], vocab_size=1000,
-                          padded_vocab_size=1024, ranks=[], tokenizer_model=None, extra_state=["muloco"],
-                          rank_files={}, config={"batch": {"micro_batch_size": 2, "gradient_accumulation_steps": 1,
+    sizes = ParallelSizes(2, 1, 1, 1)
+    meta = CheckpointMeta(step=3, sizes=sizes, model=PRESETS["tiny"], vocab_size=1000, padded_vocab_size=1024,
+                          ranks=[coordinates(r, sizes) for r in range(2)], tokenizer_model=None, extra_state=["muloco"],
+                          rank_files={f"rank_{r:05d}.safetensors": "0" * 64 for r in range(2)}, config={"batch": {"micro_batch_size": 2, "gradient_accumulation_steps": 1,
                                                            "data_parallel": 1, "workers": 2}})
     return replace(meta, **changes)
 

@@ -16,7 +16,7 @@ import torch
 
 from _probe_common import load_rank_dumps, worker_weights
 from synthetic_data import write_markov_dataset
-from trainer_harness import PRETRAIN, REPO_ROOT, LaunchResult, deepspeed_launch, read_metrics
+from trainer_harness import PRETRAIN, REPO_ROOT, LaunchResult, deepspeed_launch, read_metrics, shared_memory_files
 
 PROBE = REPO_ROOT / "tests" / "_outer_probe.py"
 MULOCO_CONFIG = REPO_ROOT / "ds_configs" / "cpu_tiny_muloco.json"
@@ -314,7 +314,7 @@ def test_cli_k2_t2_four_bit_error_feedback_run_learns_and_logs_outer_syncs(workd
         "--vocab-size", str(VOCAB), "--train-iters", "40", "--tensor-model-parallel-size", "2",
         "--eval-interval", "10", "--eval-iters", "2", "--run-dir", str(run_dir)]).check("the CLI run")
     # DeepSpeed's CPU all-reduce buffers (one /dev/shm file per rank) are gone with the run.
-    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{launch.master_port}_*"))
+    assert not shared_memory_files(launch.master_port)
     config = json.loads((run_dir / "config.json").read_text())
     assert config["muloco"]["workers"] == 2 and config["tensor_parallel"] == 2
     records = read_metrics(run_dir)

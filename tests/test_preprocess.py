@@ -268,6 +268,15 @@ def test_zero_documents_is_an_error(sentencepiece_model: Path, tmp_path: Path, c
     assert f"{tmp_path / 'no_text.parquet'}:0: missing_column: no 'text' column (columns: body)" in err
     assert "error: no document written" in err
     assert not Path(f"{tmp_path / 'out'}_text_document.bin").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["no_text.parquet"], "the run left its temporaries"
+
+
+def test_a_utf8_byte_order_mark_is_not_a_malformed_record(tmp_path: Path):
+    shard = tmp_path / "windows.jsonl"
+    shard.write_bytes(b"\xef\xbb\xbf" + jsonl("first", "second"))
+    bad = []
+    assert [doc.text for doc in read_documents(shard, "text", bad.append)] == ["first", "second"]
+    assert bad == []
 
 
 def test_meta_json_records_the_largest_token_id(shakespeare_dataset: str, sentencepiece_model: Path):  # noqa: F811

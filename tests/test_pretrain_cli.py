@@ -44,6 +44,9 @@ def test_short_tensor_parallel_run_writes_its_run_dir_and_learns(data, tmp_path)
         assert {"step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(r)
         assert r["tokens"] == r["step"] * 4 * 128  # 4 sequences of 128 tokens per step
     assert [r["step"] for r in records if "val_loss" in r] == [10, 20]
+    # The logged lr (after each step's schedule update): linear warm-up over 10 steps, cosine to 10% of the peak.
+    peak = train[1]["lr"]
+    assert [round(r["lr"] / peak, 9) for r in train] == [0.6, 1.0, 0.55, 0.1]
     assert train[-1]["loss"] < train[0]["loss"] - 0.5, [r["loss"] for r in train]
 
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))

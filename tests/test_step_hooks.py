@@ -2,6 +2,7 @@
 see the step already counted, return values to log, and detach through their handle or the
 components' context managers (also when training raises)."""
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -33,6 +34,8 @@ def test_outer_loop_and_checkpointer_detach_when_the_block_ends_or_raises():
     outer.after_inner_step = synced.append
     left = []
     outer.membership = SimpleNamespace(join=lambda loop, trainer: None, leave=lambda: left.append(True))
+    outer._background = ThreadPoolExecutor(max_workers=1)
+    outer._background.submit(lambda: None).result()  # its thread is running
     saver = Checkpointer.__new__(Checkpointer)
     saver._after_step = lambda step: {"checkpoint_seconds": 0.5}
     with pytest.raises(RuntimeError):
@@ -40,3 +43,5 @@ def test_outer_loop_and_checkpointer_detach_when_the_block_ends_or_raises():
             assert trainer._run_step_hooks() == {"checkpoint_seconds": 0.5}
             raise RuntimeError("training failed")
     assert synced == [3] and not trainer._step_hooks and left == [True]  # it left its membership too
+    with pytest.raises(RuntimeError, match="after shutdown"):  # and stopped its background thread
+        outer._background.submit(lambda: None)

@@ -32,6 +32,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The master ports of this session's launches: DeepSpeed names its shared-memory files by them, so
+# the suite can remove what its own launches left (a rank killed before it unlinked its file).
+LAUNCH_PORTS: set[int] = set()
+
+
+def launch_port() -> int:
+    port = free_port()
+    LAUNCH_PORTS.add(port)
+    return port
+
+
+def shared_memory_files(port: int) -> list[Path]:
+    """DeepSpeed's CPU all-reduce files of the launch on `port` (deepspeed_allreduce_buffer_UID_ADDR_PORT_RANK)."""
+    return sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+
+
 def tiny_flags(data_prefix: str | Path, run_dir: str | Path, optimizer: str, *extra: str) -> list[str]:
     """pretrain.py flags for the tiny preset on a synthetic dataset of vocabulary TINY_VOCAB."""
     return ["--ds_config", str(DS_CONFIGS[optimizer]), "--model", "tiny", "--data-path", str(data_prefix),
@@ -53,7 +69,7 @@ def deepspeed_launch(script: str | Path, num_ranks: int, args: list[str],
                      timeout_s: float = LAUNCH_TIMEOUT_S) -> LaunchResult:
     """`deepspeed --num_gpus N script args` (N gloo processes on CPU). A hang fails within the
     timeout: the launcher and its ranks share a new session, which is killed as a whole."""
-    port = free_port()
+    port = launch_port()
     command = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(num_ranks),
                "--master_port", str(port), str(script), *args]
     env = {**os.environ, **EXTENSIONS_ENV, "OMP_NUM_THREADS": "1",
@@ -71,14 +87,13 @@ def deepspeed_launch(script: str | Path, num_ranks: int, args: list[str],
 
 def init_distributed() -> None:
     """As pretrain.py does; outside a launcher this process becomes a world of one."""
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
+    from trainer import comm
 
     os.environ.update(EXTENSIONS_ENV)
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    comm.init_distributed(comm.default_backend())
 
 
 def run_trainer(flags: list[str], trainer_class=None) -> dict:

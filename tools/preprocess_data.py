@@ -554,11 +554,12 @@ class _Preprocess:
             shard_stats = _account_shard(plan, [work.stats[(plan.shard, chunk.index)] for chunk in plan.chunks])
             self.buckets.setdefault(self.listing.shards[plan.shard].bucket, BucketStats()).add(shard_stats)
             group_stats.add(shard_stats)
-        if not self.config.sharded and group_stats.documents == 0:
-            return  # run() reports it; nothing is written
-        files = self._write_files(work) if group_stats.documents else []
+        written = group_stats.documents > 0
+        files = self._write_files(work) if written else []
         if not self.config.keep_parts:
             shutil.rmtree(work.output.parts_dir, ignore_errors=True)
+        if not self.config.sharded and not written:
+            return  # run() reports it; nothing is written
         if self.manifest is not None:
             self.records[group.index] = GroupRecord(
                 group.index, group.bucket, [self.listing.shards[p].name for p in group.shards],

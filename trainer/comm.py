@@ -55,7 +55,8 @@ def default_group_options(backend: str, world_size: int) -> dict:
 
 def init_distributed(backend: str) -> None:
     """The default process group (env:// rendezvous, as the deepspeed and torchrun launchers set it up)
-    on this process's device, then DeepSpeed's communication layer over it. Without a launcher's
+    on this process's device, then DeepSpeed's communication layer over it (its shared-memory file
+    already unlinked: `remove_host_allreduce_buffer`). Without a launcher's
     variables (mpirun, AzureML) DeepSpeed's own discovery makes the group."""
     import deepspeed
 
@@ -64,6 +65,16 @@ def init_distributed(backend: str) -> None:
         dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT,
                                 **default_group_options(backend, int(os.environ.get("WORLD_SIZE", "1"))))
     deepspeed.init_distributed(dist_backend=backend, timeout=COLLECTIVE_TIMEOUT)
+    remove_host_allreduce_buffer()
+
+
+def close_distributed() -> None:
+    """After the run, every rank together: destroy the process groups while the interpreter is whole.
+    Left to the interpreter's exit, their C++ threads (gloo's, the store's) may be destroyed still
+    running, which aborts a rank whose work is done ("terminate called without an active exception")."""
+    if dist.is_initialized():
+        barrier()  # no rank tears down a group a peer still uses
+        dist.destroy_process_group()
 
 
 def default_backend() -> str:
@@ -177,8 +188,9 @@ def barrier(group=None) -> None:
 
 def remove_host_allreduce_buffer() -> None:
     """DeepSpeed's CPU all-reduce backs each rank's workspace with a /dev/shm file (~70 MB) that it
-    never unlinks, so every CPU run would leave its ranks' files behind. Once every rank is past its
-    last collective (the barrier), each removes its own: the others' mappings stay valid."""
+    never unlinks, so every CPU run would leave its ranks' files behind, killed runs included. Every
+    rank maps every peer's file while DeepSpeed initializes, so once all ranks are past that (the
+    barrier) each removes its own name: the mappings stay valid, and no exit path leaves a file."""
     if compute_device().type != "cpu" or not dist.is_initialized():
         return
     barrier()

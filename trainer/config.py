@@ -91,6 +91,8 @@ class RunConfig(ConfigBlock):
     keep_last: int | None = setting(None, ge=1, flag="--keep-last", doc="None: keep every checkpoint")
     verify_checksums: bool = True
     hang_timeout_s: float = setting(1800.0, ge=0, flag="--hang-timeout-s", doc="0: no hang watchdog")
+    startup_timeout_s: float = setting(3600.0, gt=0, flag="--startup-timeout-s",
+                                       doc="the watchdog's limit for start-up and resume (with the hang watchdog on)")
     exit_signal_handler: bool = False  # SIGTERM: finish the step, save, exit 0
     exit_interval: int | None = setting(None, ge=1, flag="--exit-interval")
     exit_duration_in_mins: float | None = setting(None, gt=0, flag="--exit-duration-in-mins")
@@ -206,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hang-timeout-s", type=float, default=field_default(RunConfig, "hang_timeout_s"),
                    help="exit non-zero with a 'hang detected:' line when a step makes no progress for this long "
                         "(0: off); must exceed the longest step, evaluation or checkpoint save")
+    g.add_argument("--startup-timeout-s", type=float, default=field_default(RunConfig, "startup_timeout_s"),
+                   help="with the hang watchdog on, the same for start-up and resume (building the model, the "
+                        "data index, reading the checkpoint)")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM finish the current step, save a checkpoint and exit 0 (needs --save)")
     g.add_argument("--exit-interval", type=int, default=None, help="save and exit 0 after a step divisible by N")
@@ -280,8 +285,8 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
 
 # RunConfig fields set by the flag of the same name.
 RUN_FLAGS = ("seed", "log_interval", "eval_interval", "eval_iters", "save", "load", "load_worker", "finetune",
-             "load_optim", "load_rng", "save_interval",
-             "keep_last", "verify_checksums", "hang_timeout_s", "exit_signal_handler", "exit_interval",
+             "load_optim", "load_rng", "save_interval", "keep_last", "verify_checksums", "hang_timeout_s",
+             "startup_timeout_s", "exit_signal_handler", "exit_interval",
              "exit_duration_in_mins", "distributed_backend", "worker_id")
 
 
@@ -310,11 +315,31 @@ def _job_secret_file(muloco: MuLoCoConfig | None, config_dir: Path) -> str | Non
     return str(path)
 
 
+def check_environment(config: RunConfig, device_type: str) -> None:
+    """What the config asks of this machine and environment, checked where the run starts (tools that
+    plan a GPU run on a laptop resolve configs too): bf16 and NCCL need an accelerator, an elastic worker
+    its lighthouse's address."""
+    problems = []
+    if device_type == "cpu":
+        if config.bf16:
+            problems.append("bf16.enabled needs an accelerator: on CPU remove the bf16 block (training runs in fp32)")
+        if config.muloco is not None and config.muloco.outer_backend == "nccl":
+            problems.append("muloco.outer_backend 'nccl' needs an accelerator: use 'gloo' on the host")
+    if config.elastic:
+        try:
+            config.muloco.elastic.lighthouse_address()
+        except ConfigError as err:
+            problems.append(str(err))
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
 def checkpoint_args(load: str | None):
     """The meta.json of the --load checkpoint's latest iteration and the tokenizer file saved with it
     (None without one), for --use-checkpoint-args."""
     # Imported here: trainer.checkpoint's package imports the checkpointer, which imports this module.
-    from trainer.checkpoint.format import CheckpointError, CheckpointReader
+    from trainer.checkpoint.errors import CheckpointError
+    from trainer.checkpoint.format import CheckpointReader
 
     if not load:
         raise ConfigError("--use-checkpoint-args needs --load DIR")

@@ -26,6 +26,7 @@ from tokenizer.interface import load_tokenizer, tokenizer_sha256
 from trainer.comm import barrier
 from trainer.config import BatchConfig, DataConfig
 from trainer.errors import ConfigError
+from trainer.indexed_files import read_indexed_files
 
 
 @dataclass(frozen=True)
@@ -122,8 +123,13 @@ class Datasets:
     valid: GPTDataset | None
 
 
+def index_cache_dir(run_dir: str | Path) -> Path:
+    """Where Megatron caches the datasets' sample indices (built once, read by every rank)."""
+    return Path(run_dir) / "data_cache"
+
+
 def check_data(data: DataConfig) -> None:
-    """Fail on missing data or tokenizer before any process group or collective exists."""
+    """Fail on missing, damaged or unfitting data or tokenizer before any process group or collective exists."""
     train, valid = data_blends(data)
     prefixes = [*train[0], *(valid[0] if valid else ())]
     if data.tokenizer_model and not Path(data.tokenizer_model).exists():  # a file, or a tokenizer.json folder
@@ -146,32 +152,36 @@ def check_model_vocabulary(data: DataConfig, model_vocab_size: int | None) -> No
 
 
 def _check_token_ids_fit(data: DataConfig, prefixes: list[str]) -> None:
-    """The data's token ids must exist in this run's vocabulary and come from the same tokenizer, or
-    the embedding lookup fails (or, worse, silently reads the wrong rows) long after start-up. Checked
-    against PREFIX.meta.json where preprocessing wrote one; Megatron-made data without it is trusted."""
-    metas = {}
+    """Each dataset's .bin and .idx must agree (and with PREFIX.meta.json, where preprocessing wrote
+    one); its token ids must exist in this run's vocabulary and come from the same tokenizer, or the
+    embedding lookup fails (or, worse, silently reads the wrong rows) long after start-up. The largest
+    id is PREFIX.meta.json's, or, for data made without it, found by one scan of the .bin."""
+    tokenizer = load_tokenizer(data.tokenizer_model) if data.tokenizer_model else None
+    vocab_size = tokenizer.vocab_size if tokenizer else data.vocab_size
+    tokenizer_hash = None  # computed once, when a meta.json needs it: a blend may have thousands of files
+    flag = f"--tokenizer-model {data.tokenizer_model}" if tokenizer else "--vocab-size"
     for prefix in prefixes:
+        files = read_indexed_files(prefix)
+        path = meta_path(prefix)
         try:
             meta = read_dataset_meta(prefix)
         except (ValueError, TypeError) as err:  # not JSON, or not the keys preprocessing writes
-            raise ConfigError(f"{meta_path(prefix)} is not a valid data description: {err}") from None
-        if meta is not None:
-            metas[meta_path(prefix)] = meta
-    if not metas:
-        return
-    tokenizer = load_tokenizer(data.tokenizer_model) if data.tokenizer_model else None
-    vocab_size = tokenizer.vocab_size if tokenizer else data.vocab_size
-    tokenizer_hash = tokenizer_sha256(tokenizer) if tokenizer else None  # once: a blend may have thousands of files
-    flag = f"--tokenizer-model {data.tokenizer_model}" if tokenizer else "--vocab-size"
-    for path, meta in metas.items():
-        if meta.max_token_id >= vocab_size:
-            raise ConfigError(f"{path}: the data holds token id {meta.max_token_id}, but the vocabulary of {flag} has "
+            raise ConfigError(f"{path} is not a valid data description: {err}") from None
+        if meta is not None and meta.tokens != files.tokens:
+            raise ConfigError(f"{path} counts {meta.tokens} tokens, but {prefix}.idx describes {files.tokens}: the "
+                              "files are not from one preprocessing run")
+        max_token_id = meta.max_token_id if meta is not None else files.max_token_id()
+        if max_token_id >= vocab_size:
+            source = path if meta is not None else f"{prefix}.bin"
+            raise ConfigError(f"{source}: the data holds token id {max_token_id}, but the vocabulary of {flag} has "
                               f"only {vocab_size} ids (0..{vocab_size - 1}): tokenize with this tokenizer, or use the "
                               "one the data was made with")
-        if tokenizer_hash is not None and meta.tokenizer_sha256 != tokenizer_hash:
-            raise ConfigError(f"{path}: the data was tokenized with a tokenizer whose SHA-256 is "
-                              f"{meta.tokenizer_sha256}, but {flag} has {tokenizer_hash}: use the "
-                              "tokenizer the data was made with")
+        if tokenizer is not None and meta is not None:
+            tokenizer_hash = tokenizer_hash or tokenizer_sha256(tokenizer)
+            if meta.tokenizer_sha256 != tokenizer_hash:
+                raise ConfigError(f"{path}: the data was tokenized with a tokenizer whose SHA-256 is "
+                                  f"{meta.tokenizer_sha256}, but {flag} has {tokenizer_hash}: use the "
+                                  "tokenizer the data was made with")
 
 
 def refuse_unsafe_index_cache(cache_dir: Path) -> None:

@@ -83,11 +83,12 @@ class DsConfig(ConfigBlock):
     # DeepSpeed keys that would change what the trainer owns, refused with the reason.
     REFUSED: ClassVar[dict[str, str]] = {
         "fp16": "the trainer keeps fp32 master weights with optional bf16 autocast (the bf16 block); fp16 loss "
-                "scaling would skip steps",
+                "scaling would skip steps: use {\"bf16\": {\"enabled\": true}} on a GPU, or neither (fp32)",
         "amp": "use the bf16 block (Megatron's bf16 autocast over fp32 weights)",
         "torch_autocast": "use the bf16 block (Megatron's bf16 autocast over fp32 weights)",
         "zero_optimization": "the inner optimizer needs each parameter's whole fp32 tensor (Muon orthogonalizes "
-                             "whole matrices), which ZeRO would partition",
+                             "whole matrices), which ZeRO (any stage) would partition: remove the block (to fit a "
+                             "larger model use tensor or pipeline parallelism: tools/plan.py --list-layouts)",
     }
     DEEPSPEED_KEYS: ClassVar[tuple[str, ...]] = ("steps_per_print", "wall_clock_breakdown", "memory_breakdown",
                                                  "dump_state", "flops_profiler", "comms_logger", "tensorboard",
@@ -104,14 +105,29 @@ class DsConfig(ConfigBlock):
         return {k: getattr(self, k) for k in self.DEEPSPEED_KEYS if getattr(self, k) is not None}
 
 
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _refuse_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    repeated = next((key for i, key in enumerate(keys) if key in keys[:i]), None)
+    if repeated is not None:
+        raise _RepeatedKey(repr(repeated))
+    return dict(pairs)
+
+
 def read_json_object(path: str | Path) -> dict[str, Any]:
     """The JSON object in `path`, or one ConfigError saying why it is not one."""
     try:
-        value = json.loads(Path(path).read_text())
+        value = json.loads(Path(path).read_text(), object_pairs_hook=_refuse_repeated_keys)
     except FileNotFoundError as err:
         raise ConfigError(f"ds_config {path} not found") from err
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"ds_config {path} is not valid JSON: {err}") from err
+    except _RepeatedKey as err:
+        raise ConfigError(f"ds_config {path}: key {err} is given twice in one object (JSON keeps only the last; "
+                          "remove one)") from None
     if not isinstance(value, dict):
         raise ConfigError(f"ds_config {path} must hold a JSON object")
     return value

@@ -21,14 +21,19 @@ def fsync_dir(directory: Path) -> None:
 
 def write_durably(path: Path, write: Callable[[Any], None], before_publish: Callable[[], None] = lambda: None) -> None:
     """Write through `write(file)` to a temporary name, fsync, then rename over `path`: readers see
-    the old file or the whole new one, never a part."""
+    the old file or the whole new one, never a part. A write that fails (a full disk) removes its
+    temporary file."""
     tmp = path.with_name(f"{path.name}{TMP_SUFFIX}.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    before_publish()
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        before_publish()
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 

@@ -1,5 +1,9 @@
 """Run logging on the logging rank: metrics.jsonl (one JSON object per record), TensorBoard scalars
-and a progress line."""
+and a progress line.
+
+A run that goes on from a checkpoint redoes the steps its predecessor logged after that checkpoint,
+so `start(step)` first drops the records (and TensorBoard events) of later steps: metrics.jsonl then
+holds each step once. It is rewritten atomically, so a crash during the rewrite keeps the old file."""
 from __future__ import annotations
 
 import json
@@ -7,22 +11,54 @@ import sys
 import time
 from pathlib import Path
 
+from trainer.durable import write_text_durably
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def records_up_to(text: str, step: int) -> tuple[list[str], int]:
+    """The lines of a metrics.jsonl whose record is of `step` or before, and how many were dropped
+    (later steps, and lines that are not a record: the torn last line of a killed run)."""
+    kept, dropped = [], 0
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line)
+        elif line.strip():
+            dropped += 1
+    return kept, dropped
+
 
 class MetricsLogger:
     def __init__(self, run_dir: str, tensorboard_dir: str | None, total_steps: int, enabled: bool):
         self.enabled = enabled
         self.total_steps = total_steps
+        self.path = Path(run_dir) / METRICS_FILE
+        self.tensorboard_dir = tensorboard_dir
         self._start = time.time()
         self._file = None
         self._tb = None
-        if not enabled:
+
+    def start(self, step: int) -> None:
+        """Open the logs of a run that goes on from `step` (0: from the start), dropping what an
+        earlier run in the same folder logged for later steps."""
+        if not self.enabled:
             return
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        self._file = open(Path(run_dir) / "metrics.jsonl", "a", buffering=1)
-        if tensorboard_dir:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.is_file():
+            kept, dropped = records_up_to(self.path.read_text(errors="replace"), step)
+            if dropped:
+                write_text_durably(self.path, "".join(line + "\n" for line in kept))
+                print(f"{self.path}: dropped {dropped} records past step {step} (an earlier run's, redone from "
+                      "here)", flush=True)
+        self._file = open(self.path, "a", buffering=1)
+        if self.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(tensorboard_dir)
+            self._tb = SummaryWriter(self.tensorboard_dir, purge_step=step + 1)
 
     def log(self, record: dict, step: int, prefix: str = "train") -> None:
         """Write one record; every numeric field also goes to TensorBoard as prefix/field."""
@@ -43,7 +79,10 @@ class MetricsLogger:
               f"elapsed {elapsed:6.0f}s eta {eta:6.0f}s] {text}", file=sys.stdout, flush=True)
 
     def close(self) -> None:
+        """Flush and close the files and TensorBoard's writer thread (safe to call twice)."""
         if self._file is not None:
             self._file.close()
+            self._file = None
         if self._tb is not None:
             self._tb.close()
+            self._tb = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -15,33 +16,67 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch.distributed as dist  # noqa: E402
 
 from trainer import comm  # noqa: E402
-from trainer.config import build_parser, resolve  # noqa: E402
-from trainer.data import check_data, check_model_vocabulary  # noqa: E402
+from trainer.config import RunConfig, build_parser, check_environment, resolve  # noqa: E402
+from trainer.data import check_data, check_model_vocabulary, index_cache_dir, refuse_unsafe_index_cache  # noqa: E402
 from trainer.durable import check_output_folders  # noqa: E402
 from trainer.errors import ConfigError, TopologyError  # noqa: E402
+from trainer.failures import stop_together  # noqa: E402
+from trainer.folder_lock import JobLocks  # noqa: E402
+from trainer.parent_watch import ParentWatch, launched  # noqa: E402
+
+# What a bad setting, size, file or folder raises while the config is checked.
+STARTUP_ERRORS = (ConfigError, TopologyError, FileNotFoundError, ValueError)
+
+
+def checked_config(args, world_size: int) -> RunConfig:
+    """The run's config with everything checked that can be before any collective: values and sizes,
+    what they ask of this machine, the data and tokenizer, the output folders. Every rank checks the
+    same things, so every rank stops here together."""
+    config = resolve(args, world_size)
+    check_environment(config, comm.compute_device().type)
+    check_data(config.data)
+    check_model_vocabulary(config.data, config.model_vocab_size)
+    check_output_folders(config)
+    refuse_unsafe_index_cache(index_cache_dir(config.run_dir))
+    return config
+
+
+def _stop(line: str, rank: int) -> None:
+    """End this rank with exit status 2; rank 0 prints the one line (every rank stops the same way)."""
+    if rank == 0:
+        print(line, file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    with ParentWatch() if launched() else nullcontext():
+        return _main(args)
+
+
+def _main(args) -> dict:
     if args.deterministic_mode:  # cuBLAS reads this when it starts
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # The device first: NCCL binds each process to the accelerator current when it starts.
     comm.init_compute_device(int(os.environ.get("LOCAL_RANK", args.local_rank or 0)))
+    if args.distributed_backend == "nccl" and comm.compute_device().type == "cpu":
+        _stop("configuration error: --distributed-backend nccl needs an accelerator: use gloo on CPU",
+              int(os.environ.get("RANK", "0")))
     comm.init_distributed(args.distributed_backend or comm.default_backend())
-    try:  # every rank resolves the same config, so every rank stops here together, before any collective
-        config = resolve(args, dist.get_world_size())
-        check_data(config.data)
-        check_model_vocabulary(config.data, config.model_vocab_size)
-        check_output_folders(config)
-    except (ConfigError, TopologyError, FileNotFoundError, ValueError) as err:
-        if dist.get_rank() == 0:
-            print(f"configuration error: {err}", file=sys.stderr, flush=True)
-        comm.remove_host_allreduce_buffer()
-        raise SystemExit(2)
-    from trainer.run import run  # heavy imports only after the config is known to be good
+    try:
+        config = checked_config(args, dist.get_world_size())
+    except STARTUP_ERRORS as err:
+        _stop(f"configuration error: {err}", dist.get_rank())
+    locks = JobLocks([("--run-dir", config.run_dir), ("--save", config.save)])
+    problem = locks.acquire() if dist.get_rank() == 0 else None
+    stop_together(f"configuration error: {problem}" if problem else None, "lock the run's folders")
+    try:
+        from trainer.run import run  # heavy imports only after the config is known to be good
 
-    summary = run(config)
-    comm.remove_host_allreduce_buffer()
+        summary = run(config)
+    finally:
+        locks.release()
+    comm.close_distributed()
     return summary
 
 

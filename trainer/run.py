@@ -20,7 +20,7 @@ from megatron_patches import apply_cpu_shims_if_needed, initialize_megatron_grou
 from trainer import comm
 from trainer.checkpoint.checkpointer import Checkpointer, start_from_weights
 from trainer.config import RunConfig
-from trainer.data import StreamPosition, build_datasets, tokenizer_info
+from trainer.data import StreamPosition, build_datasets, index_cache_dir, tokenizer_info
 from trainer.diloco.auth import JobKey, key_file_is_private, read_job_key
 from trainer.diloco.membership import StaticMembership
 from trainer.diloco.outer_loop import OuterLoop
@@ -31,6 +31,7 @@ from trainer.model.builder import (build_model, canonical_names, count_parameter
 from trainer.optim.inner import InnerOptimizer
 from trainer.optim.routing import route_parameters
 from trainer.preemption import Preemption
+from trainer.progress_board import ProgressBoard
 from trainer.schedule import lr_multiplier
 from trainer.topology import ParallelSizes, build_topology
 from trainer.training import Trainer
@@ -87,6 +88,16 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     topology = build_topology(sizes, comm.COLLECTIVE_TIMEOUT)
     if config.elastic:
         topology = replace(topology, coords=replace(topology.coords, worker=config.worker_id))
+    c = topology.coords
+    watchdog = Watchdog(config.hang_timeout_s, f"rank {topology.rank} (worker {c.worker}, data {c.data}, "
+                                               f"pipeline {c.pipeline}, tensor {c.tensor})",
+                        board=ProgressBoard.of_launched_job() if config.hang_timeout_s else None)
+    with watchdog.watching("start-up", config.startup_timeout_s):
+        return _assemble_and_train(config, trainer_class, device, sizes, topology, watchdog)
+
+
+def _assemble_and_train(config: RunConfig, trainer_class: type[Trainer], device: torch.device,
+                        sizes: ParallelSizes, topology, watchdog: Watchdog) -> dict:
     initialize_megatron_groups(topology, comm.COLLECTIVE_TIMEOUT)
     _seed_everything(config.seed)
     if config.deterministic:
@@ -103,13 +114,11 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     tokenizer = tokenizer_info(config.data)
     vocab_size = config.model_vocab_size or tokenizer.vocab_size  # the model's rows, before padding
     vocab = padded_vocab_size(vocab_size, sizes.tensor)
-    if config.bf16 and apply_cpu_shims_if_needed():
-        raise ValueError("bf16 needs an accelerator; on CPU remove the ds_config's bf16 block (training runs in fp32)")
     model = build_model(config.model, vocab, bf16_autocast=config.bf16)
     initialize_weights(model, config.model, config.seed)
     # --finetune or a weights-only checkpoint: the loaded weights replace the initial ones before the
     # optimizer and the outer loop (whose global copy starts from them) exist.
-    started_from = start_from_weights(config, topology.rank, model, vocab) if config.load else None
+    started_from = start_from_weights(config, model, vocab) if config.load else None
     model.to(device)  # before the optimizers see the parameters: their state is made beside them
     n_params = _global_parameter_count(model)
     canonical = canonical_names(model)
@@ -129,7 +138,7 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     datasets = build_datasets(config.data, tokenizer, config.model.seq_length, config.seed,
                               train_samples=config.schedule.train_iters * samples_per_step,
                               valid_samples=max(eval_samples, 1),
-                              cache_dir=str(Path(config.run_dir) / "data_cache"),
+                              cache_dir=str(index_cache_dir(config.run_dir)),
                               document_masking=config.model.document_masking)
     identical = config.muloco is not None and config.muloco.identical_worker_data
     position = StreamPosition(topology.coords.worker, topology.coords.data, config.batch, identical)
@@ -139,6 +148,7 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     loads_state = bool(config.load) and started_from is None  # a resume or a --load-worker start
     starts_from_worker = loads_state and config.load_worker is not None
     if starts_from_worker:  # before the outer loop exists: a new one starts from the loaded weights
+        watchdog.enter("resume", config.startup_timeout_s)
         checkpointer.resume(config.load)
     outer = None
     if config.muloco is not None:
@@ -151,15 +161,16 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
         print(f"global batch {config.batch.global_batch} sequences ({config.batch.per_worker} per worker x "
               f"{config.batch.workers} workers), {config.schedule.train_iters} steps", flush=True)
     if loads_state and not starts_from_worker:
+        watchdog.enter("resume", config.startup_timeout_s)
         checkpointer.resume(config.load)
     elif started_from is not None and is_logger:
         print(f"started from {started_from}", flush=True)
-    c = topology.coords
-    watchdog = Watchdog(config.hang_timeout_s, f"rank {topology.rank} (worker {c.worker}, data {c.data}, "
-                                               f"pipeline {c.pipeline}, tensor {c.tensor})")
+    logger.start(trainer.step)
+    watchdog.enter("training", config.hang_timeout_s)
     # Hooks run in this order after each step: the outer sync, a save, preemption (which may save and
     # stop), and last the watchdog's pet, so a slow sync or save counts as progress only once done.
     with ExitStack() as hooks:
+        hooks.callback(logger.close)  # last out, on every path: TensorBoard's writer thread is joined
         if outer is not None:
             hooks.enter_context(outer.attached_to(trainer))
         if config.save:
@@ -167,7 +178,6 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
         hooks.enter_context(Preemption(config, checkpointer, is_logger).attached_to(trainer))
         hooks.enter_context(watchdog.attached_to(trainer))
         summary = trainer.train()
-    logger.close()
     if device.type != "cpu":
         from deepspeed.accelerator import get_accelerator
 

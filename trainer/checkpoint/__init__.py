@@ -18,6 +18,7 @@ run with an outer loop builds it after the load, so it starts at the loaded weig
 momentum (K workers branching from a data-parallel state, as tools/compare/alignment.py needs).
 """
 from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.checkpoint.format import CheckpointError, CheckpointMeta, CheckpointReader, latest_iteration
+from trainer.checkpoint.errors import CheckpointError
+from trainer.checkpoint.format import CheckpointMeta, CheckpointReader, latest_iteration
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointMeta", "CheckpointReader", "latest_iteration"]

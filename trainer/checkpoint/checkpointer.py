@@ -8,7 +8,7 @@ import os
 import shutil
 import sys
 import time
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -19,11 +19,14 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 import trainer.checkpoint.state as rank_state
 from tokenizer.interface import tokenizer_file
 from trainer import comm
-from trainer.checkpoint.format import (COMPLETE, CheckpointError, CheckpointMeta, CheckpointReader, iteration_dir,
+from trainer.checkpoint.errors import CheckpointError
+from trainer.checkpoint.format import (COMPLETE, CheckpointMeta, CheckpointReader, iteration_dir,
                                        latest_iteration, prune, publish, rank_file, remove_incomplete, sha256_of)
 from trainer.checkpoint.rank_file import to_plain, write_rank_file
+from trainer.checkpoint.schema import check_rank_state, checked_rank_state, own_form
 from trainer.config import RunConfig
-from trainer.durable import TMP_SUFFIX, write_durably, write_text_durably
+from trainer.durable import write_durably, write_text_durably
+from trainer.failures import stop_together
 from trainer.model.builder import assign_full_weights, canonical_names
 from trainer.model.layout import layout_of, shard
 from trainer.model.presets import ModelShape
@@ -87,7 +90,7 @@ def check_fits(meta: CheckpointMeta, sizes: ParallelSizes, model: ModelShape, pa
                               "the number of workers cannot change on resume (--load-worker starts a run "
                               "from one worker's state)")
     _check_model_and_stream(meta, model, padded_vocab_size, global_batch)
-    if meta.extra_state != extra_state:
+    if list(meta.extra_state) != extra_state:
         raise CheckpointError(f"checkpoint holds state for {meta.extra_state or 'no extra components'}, "
                               f"this run has {extra_state or 'none'} (MuLoCo on one side only?)")
     dims = [(n, getattr(meta.sizes, a), getattr(sizes, a)) for n, a in (("D", "data"), ("P", "pipeline"), ("T", "tensor"))
@@ -137,44 +140,40 @@ def _check_model(meta: CheckpointMeta, model: ModelShape, padded_vocab_size: int
 
 def _check_model_and_stream(meta: CheckpointMeta, model: ModelShape, padded_vocab_size: int, global_batch: int) -> None:
     _check_model(meta, model, padded_vocab_size)
-    batch = meta.config["batch"]
-    saved_batch = batch["micro_batch_size"] * batch["gradient_accumulation_steps"] * batch["data_parallel"] * batch["workers"]
-    if saved_batch != global_batch:
-        raise CheckpointError(f"checkpoint global batch is {saved_batch} sequences, this run {global_batch}: "
+    if meta.global_batch != global_batch:
+        raise CheckpointError(f"checkpoint global batch is {meta.global_batch} sequences, this run {global_batch}: "
                               "the data stream would not continue")
 
 
-@contextmanager
-def stop_on_checkpoint_error(rank: int):
-    """Every rank stops together, with one `checkpoint error:` line from rank 0 (each rank reads the
-    same checkpoint, so each finds the same problem)."""
-    try:
-        yield
-    except CheckpointError as err:
-        if rank == 0:
-            print(f"checkpoint error: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
-
-
-def start_from_weights(config: RunConfig, rank: int, model: torch.nn.Module, padded_vocab_size: int) -> str | None:
+def start_from_weights(config: RunConfig, model: torch.nn.Module, padded_vocab_size: int) -> str | None:
     """With --finetune, or when --load is a weights-only checkpoint (an import), set this rank's
     parameters to worker --load-worker's (default 0) weights, resharded to this layout, on every worker
     alike; everything else starts fresh. Call before the optimizer and the outer loop see the weights.
-    Returns what was loaded, or None when the load is a resume (Checkpointer.resume)."""
-    with stop_on_checkpoint_error(rank):
-        reader = CheckpointReader(config.load, verify_checksums=config.verify_checksums)
-        meta = reader.meta
-        if not (config.finetune or meta.weights_only):
-            return None
-        worker = config.load_worker or 0
-        check_weights_start(meta, worker, config.model, padded_vocab_size)
-        _check_same_tokenizer(reader, config.data.tokenizer_model)
-        stage_of = reader.stage_of(worker, 0)
-        names = set(canonical_names(model).values())
-        if not names <= set(stage_of):
-            raise CheckpointError(f"checkpoint lacks parameters {sorted(names - set(stage_of))[:5]}")
-        assign_full_weights(model, lambda name, _: reader.full_tensor(reader.stage_ranks(worker, 0, stage_of[name]),
-                                                                      name, lambda s: s["model"][name]))
+    Returns what was loaded, or None when the load is a resume (Checkpointer.resume). If any rank
+    cannot load, every rank stops together."""
+    error, started = None, None
+    try:
+        started = _assign_weights(config, model, padded_vocab_size)
+    except CheckpointError as err:
+        error = f"checkpoint error: {err}"
+    stop_together(error, "load the checkpoint's weights")
+    return started
+
+
+def _assign_weights(config: RunConfig, model: torch.nn.Module, padded_vocab_size: int) -> str | None:
+    reader = CheckpointReader(config.load, verify_checksums=config.verify_checksums)
+    meta = reader.meta
+    if not (config.finetune or meta.weights_only):
+        return None
+    worker = config.load_worker or 0
+    check_weights_start(meta, worker, config.model, padded_vocab_size)
+    _check_same_tokenizer(reader, config.data.tokenizer_model)
+    stage_of = reader.stage_of(worker, 0)
+    names = set(canonical_names(model).values())
+    if not names <= set(stage_of):
+        raise CheckpointError(f"checkpoint lacks parameters {sorted(names - set(stage_of))[:5]}")
+    assign_full_weights(model, lambda name, _: reader.full_tensor(reader.stage_ranks(worker, 0, stage_of[name]),
+                                                                  name, lambda s: s["model"][name]))
     kind = "weights-only checkpoint" if meta.weights_only else "--finetune"
     return f"the weights of worker {worker} of {reader.directory} ({meta.describe_layout()}, {kind}), at step 0"
 
@@ -254,9 +253,8 @@ class Checkpointer:
             directory.mkdir(parents=True, exist_ok=True)
             (directory / COMPLETE).unlink(missing_ok=True)  # re-saving a step: unpublished until done
             digest = self._write_rank_file(rank_file(directory, self.topology.rank), saved, step)
-        except OSError as err:
+        except OSError as err:  # its temporary file is already gone (write_durably)
             error = err
-            self._remove_own_temporaries(directory)
         del saved
         outcome = self._agree_on_files(error, digest)  # also: every rank's file is durable
         if isinstance(outcome, str):
@@ -267,7 +265,6 @@ class Checkpointer:
                 self._publish(step, directory, outcome)
             except OSError as err:
                 error = err
-                self._remove_own_temporaries(directory)
         failed = comm.broadcast(torch.tensor([_errno(error) if error else 0]), src=0)
         if failed.item():
             self._fail(step, directory, f"rank 0: {error}" if error else "")
@@ -318,11 +315,6 @@ class Checkpointer:
             if removed:
                 print(f"removed checkpoints at steps {removed} (--keep-last {self.config.keep_last})", flush=True)
 
-    def _remove_own_temporaries(self, directory: Path) -> None:
-        with suppress(OSError):
-            for tmp in directory.glob(f"*{TMP_SUFFIX}.{os.getpid()}"):
-                tmp.unlink()
-
     def _fail(self, step: int, directory: Path, reason: str) -> None:
         """Every rank calls this together: rank 0 removes the unpublished iteration and says why in one
         line; every rank exits non-zero (the scheduler restarts from `latest`)."""
@@ -347,48 +339,64 @@ class Checkpointer:
     # -- resuming -------------------------------------------------------------------------------
 
     def resume(self, root: str) -> None:
-        """Every rank stops together, with one message from rank 0, when the checkpoint does not fit."""
-        with stop_on_checkpoint_error(self.topology.rank):
+        """Every rank checks what it loads (trainer/checkpoint/schema.py) before loading it; if any rank
+        cannot, each such rank prints its own `checkpoint error:` line and every rank stops together."""
+        error, how, reader = None, "", None
+        try:
             reader = CheckpointReader(root, verify_checksums=self.config.verify_checksums)
             how = self._load(reader)
+        except CheckpointError as err:
+            error = f"checkpoint error: {err}"
+        stop_together(error, "load the checkpoint")
         if self.topology.rank == 0:
             print(f"resumed from {reader.directory} at step {self.trainer.step} ({how})", flush=True)
 
     def _load(self, reader: CheckpointReader) -> str:
-        worker = self.config.load_worker
-        fresh = [what for what, loaded in (("inner optimizer", self.config.load_optim), ("RNG", self.config.load_rng))
-                 if not loaded]
-        fresh_note = f", fresh {' and '.join(fresh)}" if fresh else ""
+        worker, own = self.config.load_worker, own_form(self.trainer)
+        source = f"checkpoint {reader.directory}"
+        # --no-load-optim / --no-load-rng: those parts are neither loaded nor checked; they stay fresh.
+        skipped = tuple(key for key, loaded in (("optimizer", self.config.load_optim), ("rng", self.config.load_rng))
+                        if not loaded)
         if worker is not None:
             # A start loads before the outer loop exists (run.py), which then begins at the loaded weights.
             assert not self.trainer.extra_state, "--load-worker must load before the outer loop is built"
             check_worker_start(reader.meta, worker, self.config.model, self.padded_vocab_size,
                                self.config.batch.global_batch)
-            state = self._resharded_state(reader, worker, self.config.load_optim)
+            saved = self._resharded_state(reader, worker, self.config.load_optim)
             if self.config.load_optim:
                 engine = self.trainer.engine
-                state = rank_state.with_run_hyperparameters(state, engine.optimizer, engine.lr_scheduler)
-            rank_state.restore(self.trainer, state, self.param_of)
-            return f"worker {worker} of {reader.meta.describe_layout()}{fresh_note}"
-        if check_fits(reader.meta, self.topology.sizes, self.config.model, self.padded_vocab_size,
-                      self.config.batch.global_batch, sorted(self.trainer.extra_state)):
+                saved = rank_state.with_run_hyperparameters(saved, engine.optimizer, engine.lr_scheduler)
+            how = f"worker {worker} of {reader.meta.describe_layout()}"
+            check_rank_state(saved, f"{source} (worker {worker})", reader.meta.step, self.param_of, own, skipped)
+        elif check_fits(reader.meta, self.topology.sizes, self.config.model, self.padded_vocab_size,
+                        self.config.batch.global_batch, sorted(self.trainer.extra_state)):
             saved = self._resharded_state(reader, with_optimizer=self.config.load_optim)
             how = f"resharded from {reader.meta.describe_layout()}"
+            check_rank_state(saved, f"{source} (resharded)", reader.meta.step, self.param_of, own, skipped)
         else:
-            skipped = {"optimizer"} if not self.config.load_optim else set()
-            skipped |= {"rng"} if not self.config.load_rng else set()
-            own = reader.rank_state(self.topology.rank)
-            saved, how = {k: to_plain(own[k]) for k in own if k not in skipped}, "same layout"
-        rank_state.restore(self.trainer, saved, self.param_of)
-        return how + fresh_note
+            saved, how = checked_rank_state(reader, self.topology.rank, self.param_of, own, skipped), "same layout"
+            source = f"rank file {rank_file(reader.directory, self.topology.rank)}"
+        try:
+            rank_state.restore(self.trainer, saved, self.param_of)
+        except (ValueError, TypeError, KeyError, RuntimeError) as err:  # what a component's own check refuses
+            raise CheckpointError(f"{source}: {type(err).__name__}: {err}") from None
+        fresh = {"optimizer": "inner optimizer", "rng": "RNG"}
+        return how + (f", fresh {' and '.join(fresh[k] for k in skipped)}" if skipped else "")
 
     def _resharded_state(self, reader: CheckpointReader, worker: int | None = None, with_optimizer: bool = True) -> dict:
         """This rank's state cut from the shards of the checkpoint's worker `worker` (default: this
         rank's own): weights and elementwise optimizer state are merged over the checkpoint's TP ranks
         and re-cut for ours; the rest (hyperparameters, scheduler, counters, step) is the same on every
         rank. RNG states stay freshly seeded; without `with_optimizer`, so does the inner optimizer."""
+        try:
+            return self._merged_and_cut(reader, self.topology.coords.worker if worker is None else worker,
+                                        with_optimizer)
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as err:  # shards that do not fit together
+            raise CheckpointError(f"checkpoint {reader.directory} cannot be resharded: {type(err).__name__}: "
+                                  f"{str(err)[:200]}") from None
+
+    def _merged_and_cut(self, reader: CheckpointReader, worker: int, with_optimizer: bool) -> dict:
         coords = self.topology.coords
-        worker = coords.worker if worker is None else worker
         tp_size = self.topology.sizes.tensor
         stage_of = reader.stage_of(worker, 0)
         first = reader.rank_state(reader.stage_ranks(worker, 0, 0)[0])

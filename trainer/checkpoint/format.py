@@ -35,26 +35,27 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from trainer.checkpoint.rank_file import RankFileError, read_rank_file
+from trainer.checkpoint.errors import CheckpointError
+from trainer.checkpoint.rank_file import read_rank_file
+from trainer.config import BatchConfig
 from trainer.durable import TMP_SUFFIX, write_text_durably
 from trainer.model.layout import layout_of, unshard
 from trainer.model.presets import ModelShape
-from trainer.topology import ParallelSizes, RankCoordinates
+from trainer.topology import ParallelSizes, RankCoordinates, coordinates
+from trainer.typed_json import ConfigBlock, ConfigProblems, Problem, load, setting
 
 FORMAT_VERSION = 2  # 1: pickled rank files (no longer read: unpickling can run code)
 COMPLETE = "complete"
 LATEST = "latest"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete or does not fit this run; the message says which."""
 
 
 def iteration_dir(root: str | Path, step: int) -> Path:
@@ -74,8 +75,14 @@ def sha256_of(path: Path, chunk_bytes: int = 1 << 24) -> str:
 
 
 def latest_iteration(root: str | Path) -> int | None:
+    """The step `latest` names (None: no checkpoint yet)."""
     pointer = Path(root) / LATEST
-    return int(pointer.read_text().strip()) if pointer.is_file() else None
+    if not pointer.is_file():
+        return None
+    text = pointer.read_text(errors="replace").strip()
+    if not re.fullmatch(r"[0-9]{1,12}", text):
+        raise CheckpointError(f"{pointer} must hold a step number, got {text[:40]!r}")
+    return int(text)
 
 
 def publish(root: Path, step: int) -> None:
@@ -110,35 +117,78 @@ def prune(root: Path, keep_last: int) -> list[int]:
     return doomed
 
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
 @dataclass(frozen=True)
-class CheckpointMeta:
-    step: int
-    sizes: ParallelSizes
-    model: ModelShape
-    vocab_size: int  # the model's vocabulary before padding: the tokenizer's, or an imported model's embedding rows
-    padded_vocab_size: int
-    ranks: list[RankCoordinates]  # index = global rank
-    tokenizer_model: str | None  # file name inside the iteration directory
-    extra_state: list[str]  # names of trainer.extra_state components saved
-    config: dict
-    rank_files: dict[str, str]  # file name -> SHA-256 of its bytes, index = global rank
+class CheckpointMeta(ConfigBlock):
+    """meta.json. Read through the configuration loader, so a crafted file is refused field by field
+    (types, ranges, the rank map and the rank files' names) before anything else is read."""
+    step: int = setting(ge=0)
+    sizes: ParallelSizes = setting()
+    model: ModelShape = setting()
+    vocab_size: int = setting(ge=1)  # the model's rows before padding: the tokenizer's, or an import's
+    padded_vocab_size: int = setting(ge=1)
+    ranks: tuple[RankCoordinates, ...] = setting()  # index = global rank
+    tokenizer_model: str | None = setting()  # file name inside the iteration directory
+    extra_state: tuple[str, ...] = setting()  # names of trainer.extra_state components saved
+    config: dict[str, Any] = setting()  # the resolved RunConfig
+    rank_files: dict[str, str] = setting()  # file name -> SHA-256 of its bytes, index = global rank
     format_version: int = FORMAT_VERSION
     # Only `model` (and `probe`) in the rank files, as Megatron's "release" checkpoints (an import from
     # Hugging Face): a run loads it as --finetune does, at step 0 with fresh optimizer, schedule and RNG.
     weights_only: bool = False
 
+    def problems(self) -> list[Problem]:
+        problems = [(f"sizes.{k}", f"must be >= 1, got {v!r}") for k, v in asdict(self.sizes).items() if v < 1]
+        if problems:
+            return problems
+        world = self.sizes.world
+        if self.ranks != tuple(coordinates(r, self.sizes) for r in range(world)):
+            problems.append(("ranks", f"must map each of the {world} ranks of {self.describe_layout()} to its "
+                                      "coordinates in order"))
+        names = {rank_file(Path(), r).name for r in range(world)}
+        if set(self.rank_files) != names:
+            problems.append(("rank_files", f"must name rank_00000..rank_{world - 1:05d}.safetensors, got "
+                                           f"{sorted(self.rank_files)[:4]}"))
+        bad = [name for name, digest in self.rank_files.items() if not _SHA256.fullmatch(digest)]
+        if bad:
+            problems.append((f"rank_files.{bad[0]}", f"must be a SHA-256 in hex, got {self.rank_files[bad[0]]!r}"))
+        if self.padded_vocab_size < self.vocab_size:
+            problems.append(("padded_vocab_size", f"({self.padded_vocab_size}) is below vocab_size ({self.vocab_size})"))
+        if self.weights_only:  # no run wrote it: nothing of a batch to continue
+            return problems
+        try:
+            load(BatchConfig, self.config.get("batch"), "config.batch")
+        except ConfigProblems as err:
+            problems.extend(err.problems)
+        return problems
+
+    @property
+    def global_batch(self) -> int:
+        return load(BatchConfig, self.config["batch"]).global_batch
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, default=str)
 
     @classmethod
-    def from_json(cls, text: str) -> CheckpointMeta:
-        d = json.loads(text)
+    def from_json(cls, text: str, path: Path | str = "meta.json") -> CheckpointMeta:
+        """meta.json's contents; CheckpointError naming `path` and every bad field."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise CheckpointError(f"{path} is not valid JSON: {err}") from None
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{path} must hold a JSON object")
         if d.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(f"checkpoint format version {d.get('format_version')} is not {FORMAT_VERSION}"
-                                  + (" (version 1 rank files are pickles, which this trainer never loads: unpickling "
-                                     "can run code)" if d.get("format_version") == 1 else ""))
-        return cls(**{**d, "sizes": ParallelSizes(**d["sizes"]), "model": ModelShape(**d["model"]),
-                      "ranks": [RankCoordinates(**r) for r in d["ranks"]]})
+            raise CheckpointError(f"{path}: checkpoint format version {d.get('format_version')!r} is not "
+                                  f"{FORMAT_VERSION}" + (" (version 1 rank files are pickles, which this trainer never "
+                                                         "loads: unpickling can run code)"
+                                                         if d.get("format_version") == 1 else ""))
+        try:
+            return load(cls, d)
+        except ConfigProblems as err:
+            raise CheckpointError(f"{path}: {err}") from None
 
     def rank_of(self, coords: RankCoordinates) -> int:
         return self.ranks.index(coords)
@@ -155,14 +205,22 @@ class CheckpointReader:
 
     def __init__(self, root: str | Path, iteration: int | None = None, verify_checksums: bool = True):
         self.root = Path(root)
+        named_by_latest = iteration is None
         if iteration is None:
             iteration = latest_iteration(self.root)
             if iteration is None:
                 raise CheckpointError(f"no checkpoint in {self.root}: {self.root / LATEST} does not exist")
         self.directory = iteration_dir(self.root, iteration)
+        if named_by_latest and not self.directory.is_dir():
+            raise CheckpointError(f"{self.root / LATEST} names step {iteration}, but {self.directory} does not exist")
         if not (self.directory / COMPLETE).is_file():
             raise CheckpointError(f"checkpoint {self.directory} is incomplete or missing (no {COMPLETE!r} marker)")
-        self.meta = CheckpointMeta.from_json((self.directory / "meta.json").read_text())
+        meta_file = self.directory / "meta.json"
+        if not meta_file.is_file():
+            raise CheckpointError(f"{meta_file} is missing")
+        self.meta = CheckpointMeta.from_json(meta_file.read_text(errors="replace"), meta_file)
+        if self.meta.step != iteration:
+            raise CheckpointError(f"{meta_file}: step {self.meta.step} is not its folder's ({iteration})")
         self.verify_checksums = verify_checksums
         self._open: dict[int, dict] = {}
 
@@ -191,10 +249,7 @@ class CheckpointReader:
                 if actual != expected:
                     raise CheckpointError(f"rank file {path} is damaged: its SHA-256 is {actual}, meta.json records "
                                           f"{expected} (--no-verify-checksums skips this check)")
-            try:
-                self._open[rank] = read_rank_file(path)
-            except RankFileError as err:
-                raise CheckpointError(str(err)) from None
+            self._open[rank] = read_rank_file(path)
         return self._open[rank]
 
     def close(self, rank: int) -> None:

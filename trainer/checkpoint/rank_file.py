@@ -28,6 +28,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 
+from trainer.checkpoint.errors import CheckpointError
+
 STATE_KEY = "muloco_state"
 TENSOR, TUPLE, NDARRAY, ITEMS = "__tensor__", "__tuple__", "__ndarray__", "__items__"
 TAGS = {TENSOR, TUPLE, NDARRAY, ITEMS}
@@ -36,8 +38,9 @@ DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torc
           torch.bool: "BOOL"}
 
 
-class RankFileError(ValueError):
-    """A rank file that is not a valid safetensors file of this format; the message names it."""
+class RankFileError(CheckpointError):
+    """A rank file (or a state received from a peer) that is not a valid safetensors file of this
+    format; the message names it and, inside its tree, the field."""
 
 
 def _encode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
@@ -95,13 +98,14 @@ def write_rank_file(f: BinaryIO, state: dict) -> str:
 
 
 class StateView(Mapping):
-    """A dict of a rank file's tree: values are decoded, and tensors read, on lookup."""
+    """A dict of a rank file's tree: values are decoded, and tensors read, on lookup. `source` names
+    the file and `where` this dict's place in the tree, for the errors of what is malformed."""
 
-    def __init__(self, encoded: dict, handle):
-        self._encoded, self._handle = encoded, handle
+    def __init__(self, encoded: dict, handle, source: str, where: str = ""):
+        self._encoded, self._handle, self._source, self._where = encoded, handle, source, where
 
     def __getitem__(self, key: str) -> Any:
-        return _decode(self._encoded[key], self._handle)
+        return _decode(self._encoded[key], self._handle, self._source, _join(self._where, key))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._encoded)
@@ -110,20 +114,62 @@ class StateView(Mapping):
         return len(self._encoded)
 
 
-def _decode(obj: Any, handle) -> Any:
+def _join(where: str, key: Any) -> str:
+    return f"{where}.{key}" if where else str(key)
+
+
+# numpy arrays hold the generators' states: integers and floats only (an object array could hold anything).
+_NDARRAY_KINDS = "iubf"
+_JSON_LEAVES = (type(None), bool, int, float, str)
+
+
+def _decode(obj: Any, handle, source: str, where: str) -> Any:
+    """The value `obj` of the tree's JSON at `where`, decoded; RankFileError naming `source` and
+    `where` for a tag that does not decode (a tensor the file lacks, a bad dtype, a key that cannot
+    be one)."""
+    def bad(problem: str) -> RankFileError:
+        return RankFileError(f"{source}: {where or 'the state tree'} {problem}")
+
     if isinstance(obj, list):
-        return [_decode(v, handle) for v in obj]
+        return [_decode(v, handle, source, f"{where}[{i}]") for i, v in enumerate(obj)]
     if not isinstance(obj, dict):
         return obj
-    if TENSOR in obj:
-        return handle.get_tensor(obj[TENSOR])
-    if NDARRAY in obj:
-        return handle.get_tensor(obj[NDARRAY]).numpy().astype(np.dtype(obj["dtype"]))
-    if TUPLE in obj:
-        return tuple(_decode(v, handle) for v in obj[TUPLE])
-    if ITEMS in obj:
-        return {_decode(k, handle): _decode(v, handle) for k, v in obj[ITEMS]}
-    return StateView(obj, handle)
+    tags = TAGS & set(obj)
+    if not tags:
+        return StateView(obj, handle, source, where)
+    tag = tags.pop()
+    if tag in (TENSOR, NDARRAY):
+        name = obj[tag]
+        if not isinstance(name, str) or name not in handle.keys():
+            raise bad(f"names tensor {name!r}, which the file does not hold")
+        if tag == TENSOR:
+            if set(obj) != {TENSOR}:
+                raise bad(f"is a tensor reference with other keys: {sorted(obj)}")
+            return handle.get_tensor(name)
+        try:
+            dtype = np.dtype(obj.get("dtype"))
+        except TypeError:
+            dtype = None
+        if dtype is None or dtype.kind not in _NDARRAY_KINDS or set(obj) != {NDARRAY, "dtype"}:
+            raise bad(f"is not a numeric numpy array (dtype {obj.get('dtype')!r})")
+        return handle.get_tensor(name).numpy().astype(dtype)
+    if set(obj) != {tag} or not isinstance(obj[tag], list):
+        raise bad(f"is a malformed {tag} entry")
+    if tag == TUPLE:
+        return tuple(_decode(v, handle, source, f"{where}[{i}]") for i, v in enumerate(obj[TUPLE]))
+    items = {}
+    for i, pair in enumerate(obj[ITEMS]):
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise bad(f"item {i} is not a [key, value] pair")
+        key = _decode(pair[0], handle, source, f"{where}[{i}]")
+        if not _hashable(key):
+            raise bad(f"item {i} has a key that cannot be a dict key: {key!r}")
+        items[key] = _decode(pair[1], handle, source, _join(where, key))
+    return items
+
+
+def _hashable(key: Any) -> bool:
+    return isinstance(key, _JSON_LEAVES) or isinstance(key, tuple) and all(_hashable(k) for k in key)
 
 
 def read_rank_file(path: Path) -> StateView:
@@ -134,7 +180,7 @@ def read_rank_file(path: Path) -> StateView:
         raise RankFileError(f"rank file {path} is not a checkpoint rank file in safetensors format ({err})") from None
     if not isinstance(structure, dict):
         raise RankFileError(f"rank file {path} holds no state tree")
-    return StateView(structure, handle)
+    return StateView(structure, handle, f"rank file {path}")
 
 
 def to_plain(obj: Any) -> Any:
@@ -156,8 +202,13 @@ def state_to_bytes(state: dict) -> bytes:
 
 
 class _Tensors:
+    """What `_decode` needs of a safetensors handle, over tensors already read."""
+
     def __init__(self, tensors: dict[str, torch.Tensor]):
         self.tensors = tensors
+
+    def keys(self):
+        return self.tensors.keys()
 
     def get_tensor(self, name: str) -> torch.Tensor:
         return self.tensors[name]
@@ -170,9 +221,10 @@ def state_from_bytes(data: bytes, what: str) -> dict:
         (header_size,) = struct.unpack("<Q", data[:8])
         header = json.loads(data[8:8 + header_size])
         structure = json.loads(header["__metadata__"][STATE_KEY])
-        state = to_plain(_decode(structure, _Tensors(load_safetensors(data))))
+        tensors = _Tensors(load_safetensors(data))
     except Exception as err:  # noqa: BLE001 - malformed input surfaces as many exception types
         raise RankFileError(f"{what} is not a state in safetensors format ({type(err).__name__}: {err})") from None
+    state = to_plain(_decode(structure, tensors, what, ""))
     if not isinstance(state, dict):
         raise RankFileError(f"{what} holds no state tree")
     return state

@@ -11,7 +11,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-from trainer.checkpoint.format import CheckpointError
+from trainer.checkpoint.errors import CheckpointError
 from trainer.schedule import ScheduleConfig, lr_multiplier
 
 def to_cpu(obj: Any) -> Any:
@@ -103,13 +103,9 @@ def schedule_at_step(engine, step: int, schedule: ScheduleConfig) -> None:
 
 @torch.no_grad()
 def restore(trainer, state: dict, param_of: dict[str, torch.Tensor]) -> None:
-    """Inverse of `capture`; a state without "rng" (a resharded one, or --no-load-rng) leaves the fresh
-    seeds, one without "optimizer" (--no-load-optim) the fresh inner optimizer, at this run's lr schedule."""
-    missing = sorted(set(param_of) - set(state["model"]))
-    unexpected = sorted(set(state["model"]) - set(param_of))
-    if missing or unexpected:
-        raise CheckpointError(f"checkpoint shard does not match this rank's parameters: missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]}")
+    """Inverse of `capture`, for a state checked by trainer/checkpoint/schema.py; a state without
+    "rng" (a resharded one, or --no-load-rng) leaves the fresh seeds, one without "optimizer"
+    (--no-load-optim) the fresh inner optimizer, at this run's lr schedule."""
     for name, p in param_of.items():
         p.copy_(state["model"][name])
     engine = trainer.engine

@@ -92,7 +92,7 @@ class MuLoCoConfig(ConfigBlock):
                                                      "accelerator instead of pinned host memory: faster syncs for 8 "
                                                      "bytes per parameter of device memory")
     streaming: StreamingConfig = setting(factory=StreamingConfig, doc="streaming syncs (below)")
-    max_norm_ratio: float = setting(10.0, gt=0, doc="a worker whose pseudogradient norm is this many times its "
+    max_norm_ratio: float = setting(10.0, gt=1, doc="a worker whose pseudogradient norm is this many times its "
                                                     "peers' median, or any NaN/Inf, skips the sync for everyone")
     link: SlowLink | None = setting(None, doc="emulate a slow link on one machine (benchmarks): "
                                               "`{\"bandwidth_gbit_s\": 10, \"latency_ms\": 50}`")

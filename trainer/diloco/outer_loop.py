@@ -234,6 +234,12 @@ class OuterLoop:
             self.finish()  # a failed run skips this: its peers may never finish these syncs
         finally:
             self.membership.leave()
+            self.close()
+
+    def close(self) -> None:
+        """Stop the background thread: queued tasks are dropped, a running one ends (a failed run's
+        peers are gone, so its collective fails) and the thread is joined, so none outlives the run."""
+        self._background.shutdown(wait=True, cancel_futures=True)
 
     def finish(self) -> None:
         """At the end of the run: every sync still in flight finishes its collectives (every worker

@@ -1,0 +1,105 @@
+"""The hang line names the rank that stopped: each rank's watchdog publishes its progress on the job's
+store; the one that fires names the rank whose heartbeat went silent first (or, every rank alive, the
+one furthest behind), raises the alarm so every other rank exits within a poll, and kills a stopped
+sibling of its own launcher. Start-up and resume are watched with their own timeout. Three processes
+on one FileStore stand for the ranks of a job (the launched case is test_faults' frozen rank)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import torch.distributed as dist
+
+from trainer.progress_board import Progress, ProgressBoard, stopped_first
+from trainer.watchdog import HANG_EXIT_CODE
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _record(rank: int, step: int | None, advanced_at: float, beat_at: float) -> Progress:
+    return Progress(rank, f"rank {rank}", step, "training", advanced_at, beat_at, "h", 1, 1)
+
+
+def test_the_rank_silent_longest_is_named_else_the_one_furthest_behind():
+    now = 1000.0
+    alive = [_record(0, 12, 900, 999), _record(1, 11, 950, 999), _record(2, 12, 800, 999)]
+    assert stopped_first(alive, now, silent_after_s=5).rank == 1  # behind by a step
+    assert stopped_first([*alive, _record(3, 12, 990, 980), _record(4, 12, 990, 960)], now, 5).rank == 4
+    assert stopped_first([_record(0, None, 5, 999), _record(1, 3, 1, 999)], now, 5).rank == 0  # still starting
+    assert stopped_first([], now, 5) is None
+
+
+def test_a_board_round_trips_records_and_the_alarm(tmp_path):
+    store = dist.FileStore(str(tmp_path / "store"), 2)
+    boards = [ProgressBoard(store, r, 2) for r in range(2)]
+    assert boards[0].read() == [] and boards[0].alarm() is None
+    boards[1].publish("rank 1 (worker 0)", 7, "resume", 123.0)
+    (record,) = boards[0].read()
+    assert (record.rank, record.description, record.step, record.phase, record.advanced_at) == \
+        (1, "rank 1 (worker 0)", 7, "resume", 123.0)
+    assert (record.pid, record.parent_pid) == (os.getpid(), os.getppid())
+    store.set("rank/0", "{not json")  # a half-written or foreign record is skipped, not fatal
+    assert [r.rank for r in boards[1].read()] == [1]
+    boards[1].raise_alarm("rank 1 (worker 0)")
+    assert boards[0].alarm() == "rank 1 (worker 0)"
+
+
+RANK = textwrap.dedent("""
+    import sys, time
+    import torch.distributed as dist
+    from trainer.progress_board import ProgressBoard
+    from trainer.watchdog import Watchdog
+    path, rank, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    board = ProgressBoard(dist.FileStore(path, 3), rank, 3)
+    w = Watchdog(timeout, f"rank {rank}", poll_s=0.2, board=board)
+    with w.watching("start-up", timeout):
+        w.enter("training", timeout)
+        w.pet(5)
+        print("stepping", flush=True)
+        time.sleep(120)
+""")
+
+
+def _rank(tmp_path, rank: int, timeout_s: float) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path / "store"), str(rank), str(timeout_s)],
+                               cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    assert process.stdout.readline() == "stepping\n"
+    return process
+
+
+def test_the_firing_rank_names_the_stopped_one_and_the_whole_job_ends(tmp_path):
+    stopped, waiting = _rank(tmp_path, 1, 60), _rank(tmp_path, 2, 60)  # would wait a minute on their own
+    try:
+        time.sleep(0.5)  # both have published
+        os.kill(stopped.pid, signal.SIGSTOP)
+        firing = _rank(tmp_path, 0, 2.5)
+        started = time.monotonic()
+        assert firing.wait(timeout=30) == HANG_EXIT_CODE
+        line = firing.stderr.read().strip()
+        assert re.fullmatch(r"hang detected: rank 1 stopped first \(training after step 5, silent for \d+ s\); "
+                            r"rank 0 made no progress for 3 s after step 5: in <string>:\d+ \(<module>\)", line), line
+        assert stopped.wait(timeout=10) == -signal.SIGKILL  # a sibling of the same parent, stopped: killed
+        assert waiting.wait(timeout=10) == HANG_EXIT_CODE
+        assert time.monotonic() - started < 10
+        assert waiting.stderr.read().strip() == "stopping: rank 0 detected a hang (see its line); every rank exits"
+    finally:
+        for process in (stopped, waiting):
+            process.kill()
+            process.wait()
+
+
+def test_start_up_is_watched_with_its_own_timeout(tmp_path):
+    script = ("import time\nfrom trainer.watchdog import Watchdog\n"
+              "w = Watchdog(100, 'rank 3', poll_s=0.05)\n"
+              "with w.watching('start-up', 0.5):\n    time.sleep(30)\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    assert result.returncode == HANG_EXIT_CODE
+    assert re.fullmatch(r"hang detected: rank 3 made no progress for 1 s during start-up before the first step: "
+                        r"in <string>:5 \(<module>\)", result.stderr.strip()), result.stderr
