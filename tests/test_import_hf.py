@@ -398,30 +398,38 @@ def test_weights_start_refusals_name_what_differs(t2p2_imports):
         check_weights_start(meta, 1, meta.model, 1152)
 
 
-def test_flags_resolve_through_the_config(t2p2_imports, hf_models, tmp_path):
+def _resolved(argv, world_size: int):
+    """The run's config as the entry point resolves it (which reads the checkpoint for --use-checkpoint-args)."""
+    from trainer.checkpoint.format import checkpoint_args
     from trainer.config import build_parser, resolve
+
+    args = build_parser().parse_args(argv)
+    return resolve(args, world_size, checkpoint_args(args.load) if args.use_checkpoint_args else None)
+
+
+def test_flags_resolve_through_the_config(t2p2_imports, hf_models, tmp_path):
     from trainer.data import check_model_vocabulary
     from trainer.errors import ConfigError
 
     ckpt = t2p2_imports["paper"][0]
     args = ["--ds_config", "ds_configs/cpu_tiny_muon.json", "--data-path", "x", "--tokenizer-model",
             str(hf_models["paper"])]
-    config = resolve(build_parser().parse_args([*args, "--load", str(ckpt), "--use-checkpoint-args", "--seq-length",
-                                                "64", "--finetune", "--no-load-optim", "--no-load-rng"]), 1)
+    config = _resolved([*args, "--load", str(ckpt), "--use-checkpoint-args", "--seq-length",
+                                                "64", "--finetune", "--no-load-optim", "--no-load-rng"], 1)
     assert config.model == replace(CheckpointReader(ckpt).meta.model, seq_length=64)  # a flag given wins
     assert (config.model_vocab_size, config.finetune, config.load_optim, config.load_rng) == (ROWS, True, False, False)
     check_model_vocabulary(config.data, config.model_vocab_size)
     # Without --tokenizer-model, the tokenizer saved with the weights (Megatron's flag takes the tokenizer too).
-    bare = resolve(build_parser().parse_args([*args[:4], "--load", str(ckpt), "--use-checkpoint-args"]), 1)
+    bare = _resolved([*args[:4], "--load", str(ckpt), "--use-checkpoint-args"], 1)
     saved = CheckpointReader(ckpt).tokenizer_path
     assert bare.data.tokenizer_model == str(saved) and load_tokenizer(saved).vocab_size == 1024
     with pytest.raises(ConfigError, match="has 1024 ids, but the checkpoint's model .* only 1000 embedding rows"):
         check_model_vocabulary(config.data, 1000)
     for flag in ("--finetune", "--no-load-optim", "--no-load-rng", "--use-checkpoint-args"):
         with pytest.raises(ConfigError, match=f"{flag} needs --load DIR"):
-            resolve(build_parser().parse_args([*args, flag]), 1)
+            _resolved([*args, flag], 1)
     with pytest.raises(ConfigError, match="--use-checkpoint-args: no checkpoint in"):
-        resolve(build_parser().parse_args([*args, "--load", str(tmp_path), "--use-checkpoint-args"]), 1)
+        _resolved([*args, "--load", str(tmp_path), "--use-checkpoint-args"], 1)
 
 
 def test_saves_carry_the_saved_tokenizer_after_its_iteration_is_gone(t2p2_imports, tmp_path):
@@ -431,14 +439,13 @@ def test_saves_carry_the_saved_tokenizer_after_its_iteration_is_gone(t2p2_import
 
     from trainer.checkpoint.checkpointer import Checkpointer
     from trainer.checkpoint.format import iteration_dir
-    from trainer.config import build_parser, resolve
     from trainer.topology import ParallelSizes
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(t2p2_imports["llama"][0], ckpt)
-    config = resolve(build_parser().parse_args(["--ds_config", "ds_configs/cpu_tiny_muon.json", "--data-path", "x",
+    config = _resolved(["--ds_config", "ds_configs/cpu_tiny_muon.json", "--data-path", "x",
                                                 "--load", str(ckpt), "--use-checkpoint-args", "--save", str(ckpt),
-                                                "--keep-last", "1", *T2P2]), 4)
+                                                "--keep-last", "1", *T2P2], 4)
     saved_tokenizer = Path(config.data.tokenizer_model)
     original = saved_tokenizer.read_bytes()
     trainer = SimpleNamespace(model=torch.nn.Linear(2, 2), extra_state={})

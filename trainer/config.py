@@ -250,15 +250,25 @@ def with_flags(raw: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str,
     return raw, origins
 
 
-def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
+@dataclass(frozen=True)
+class CheckpointArgs:
+    """What --use-checkpoint-args takes from the --load checkpoint (trainer.checkpoint.format reads it)."""
+    model: ModelShape
+    vocab_size: int  # the model's rows before padding
+    tokenizer_model: str | None  # the tokenizer file saved with it
+
+
+def resolve(args: argparse.Namespace, world_size: int, checkpoint: CheckpointArgs | None = None) -> RunConfig:
     """Read the ds_config, write the flags into it, load it (again once --recipe has filled it), and
     check it against the world and the model."""
     raw, origins = with_flags(read_json_object(args.ds_config), args)
     ds = load_ds_config(raw, origins)
     ds.check_model(args.model)
     sizes = _parallel_sizes(ds, args, world_size)
-    checkpoint, saved_tokenizer = checkpoint_args(args.load) if args.use_checkpoint_args else (None, None)
+    if args.use_checkpoint_args and checkpoint is None:  # trainer.checkpoint.format.checkpoint_args reads it
+        raise ConfigError("--use-checkpoint-args: the --load checkpoint was not read")
     shape = model_shape(args, checkpoint.model if checkpoint else None)
+    saved_tokenizer = checkpoint.tokenizer_model if checkpoint else None
     tokenizer_model = args.tokenizer_model or (saved_tokenizer if args.vocab_size is None else None)
     check_model_shape(shape, sizes.tensor, sizes.pipeline)
     batch = BatchConfig(ds.train_micro_batch_size_per_gpu,
@@ -332,22 +342,6 @@ def check_environment(config: RunConfig, device_type: str) -> None:
             problems.append(str(err))
     if problems:
         raise ConfigError("; ".join(problems))
-
-
-def checkpoint_args(load: str | None):
-    """The meta.json of the --load checkpoint's latest iteration and the tokenizer file saved with it
-    (None without one), for --use-checkpoint-args."""
-    # Imported here: trainer.checkpoint's package imports the checkpointer, which imports this module.
-    from trainer.checkpoint.errors import CheckpointError
-    from trainer.checkpoint.format import CheckpointReader
-
-    if not load:
-        raise ConfigError("--use-checkpoint-args needs --load DIR")
-    try:
-        reader = CheckpointReader(load)
-        return reader.meta, None if reader.tokenizer_path is None else str(reader.tokenizer_path)
-    except (CheckpointError, OSError, ValueError) as err:
-        raise ConfigError(f"--use-checkpoint-args: {err}") from None
 
 
 def model_shape(args: argparse.Namespace, base: ModelShape | None = None) -> ModelShape:

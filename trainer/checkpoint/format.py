@@ -46,7 +46,8 @@ import torch
 
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.rank_file import read_rank_file
-from trainer.config import BatchConfig
+from trainer.config import BatchConfig, CheckpointArgs
+from trainer.errors import ConfigError
 from trainer.durable import TMP_SUFFIX, write_text_durably
 from trainer.model.layout import layout_of, unshard
 from trainer.model.presets import ModelShape
@@ -268,3 +269,16 @@ class CheckpointReader:
         """The full (T=1) layout of a tensor that is sharded like parameter `name` over `ranks`;
         `get` picks it out of a rank file (the weight itself, or optimizer state)."""
         return unshard([get(self.rank_state(r)) for r in ranks], layout_of(name))
+
+
+def checkpoint_args(load: str | None) -> CheckpointArgs:
+    """The --load checkpoint's model, vocabulary and saved tokenizer (its latest iteration), for
+    --use-checkpoint-args; a problem is a ConfigError, as a bad flag's."""
+    if not load:
+        raise ConfigError("--use-checkpoint-args needs --load DIR")
+    try:
+        reader = CheckpointReader(load)
+        tokenizer = reader.tokenizer_path
+    except (CheckpointError, OSError, ValueError) as err:
+        raise ConfigError(f"--use-checkpoint-args: {err}") from None
+    return CheckpointArgs(reader.meta.model, reader.meta.vocab_size, None if tokenizer is None else str(tokenizer))
