@@ -75,7 +75,7 @@ class MeasuredTrainer(Trainer):
 
 
 def bench_preset(preset: str, work: Path, data_prefix: str) -> dict:
-    from tools.convert_checkpoint import export
+    from tools.convert_checkpoint.export import export
     from trainer.checkpoint import CheckpointReader
 
     ckpt = work / f"ckpt_{preset}"

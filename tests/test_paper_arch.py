@@ -2,7 +2,6 @@
 (Megatron's GPTDataset masks, the trainer's collate and forward step), the pre+post-norm block
 against a plain computation, its initialisation, its routing, and its Hugging Face export
 (Gemma3 with Gemma's extras neutralised) reproducing the trainer's logits."""
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -127,7 +126,6 @@ def test_hf_export_of_the_paper_model_matches_in_process():
     from tools.convert_checkpoint.hf_mapping import hf_config, hf_tensors
     from trainer.model.builder import canonical_names
 
-    meta = SimpleNamespace(model=PAPER, vocab_size=TINY_VOCAB)
     with megatron_world_of_one():
         model = _paper_model()
         with torch.no_grad():
@@ -138,8 +136,8 @@ def test_hf_export_of_the_paper_model_matches_in_process():
         tokens = torch.randint(1, TINY_VOCAB, (1, 48))
         with torch.no_grad():
             ours = model(tokens, torch.arange(48).unsqueeze(0), None)[..., :TINY_VOCAB]
-        state = {k: v for n, p in model.named_parameters() for k, v in hf_tensors(names[n], p.detach(), meta).items()}
-    config = hf_config(meta, {})
+        state = {k: v for n, p in model.named_parameters() for k, v in hf_tensors(names[n], p.detach(), PAPER, TINY_VOCAB).items()}
+    config = hf_config(PAPER, TINY_VOCAB, {})
     assert config.architectures == ["Gemma3ForCausalLM"]
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     missing, unexpected = hf.load_state_dict(state, strict=False)

@@ -82,6 +82,11 @@ class RunConfig(ConfigBlock):
     load: str | None = None
     load_worker: int | None = setting(None, ge=0, flag="--load-worker",
                                       doc="start from this worker's state in --load (any K; no outer state)")
+    finetune: bool = False  # --load takes the weights only: step 0, fresh optimizer, schedule, outer state, RNG
+    load_optim: bool = True  # False (--no-load-optim): a resume keeps this run's fresh inner optimizer state
+    load_rng: bool = True  # False (--no-load-rng): a resume keeps this run's fresh seeds
+    model_vocab_size: int | None = setting(None, ge=1, doc="the model's vocabulary before padding, from the checkpoint "
+                                                           "(--use-checkpoint-args); None: the tokenizer's")
     save_interval: int | None = setting(None, ge=1, flag="--save-interval")
     keep_last: int | None = setting(None, ge=1, flag="--keep-last", doc="None: keep every checkpoint")
     verify_checksums: bool = True
@@ -107,8 +112,10 @@ class RunConfig(ConfigBlock):
                                  ("--exit-duration-in-mins", self.exit_duration_in_mins is not None)) if on]
         if stops and not self.save:
             problems.append(("", f"{' and '.join(stops)} save a checkpoint before exiting: give --save DIR"))
-        if self.load_worker is not None and not self.load:
-            problems.append(("--load-worker", "needs --load DIR"))
+        for flag, given in (("--load-worker", self.load_worker is not None), ("--finetune", self.finetune),
+                            ("--no-load-optim", not self.load_optim), ("--no-load-rng", not self.load_rng)):
+            if given and not self.load:
+                problems.append((flag, "needs --load DIR"))
         return problems
 
     @property
@@ -179,6 +186,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "schedule; its outer-loop state and RNG are not carried: with a muloco block a new outer "
                         "loop starts at the loaded weights (e.g. one worker's H steps with the full global batch, "
                         "K workers branching from a data-parallel checkpoint, or one datacenter carrying on alone)")
+    g.add_argument("--finetune", action="store_true",
+                   help="load only the model's weights from --load (worker --load-worker, default 0, resharded to this "
+                        "layout, the same on every worker) and start at step 0 with a fresh optimizer, lr schedule, "
+                        "outer-loop state and RNG (Megatron's flag); a weights-only checkpoint (an import from Hugging "
+                        "Face) always loads this way")
+    g.add_argument("--no-load-optim", dest="load_optim", action="store_false",
+                   help="resume without the inner optimizer's state (fresh moments and momentum; the lr follows this "
+                        "run's schedule at the loaded step)")
+    g.add_argument("--no-load-rng", dest="load_rng", action="store_false",
+                   help="resume without the RNG states (this run's --seed)")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model's architecture, shape and vocabulary, and without --tokenizer-model the "
+                        "tokenizer saved with it, from the --load checkpoint (model flags given still win, e.g. "
+                        "--seq-length), so a run from an imported model needs no shape or tokenizer flags")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--keep-last", type=int, default=None, help="keep only the newest N checkpoints (default: all)")
     g.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
@@ -229,14 +250,26 @@ def with_flags(raw: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str,
     return raw, origins
 
 
-def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
+@dataclass(frozen=True)
+class CheckpointArgs:
+    """What --use-checkpoint-args takes from the --load checkpoint (trainer.checkpoint.format reads it)."""
+    model: ModelShape
+    vocab_size: int  # the model's rows before padding
+    tokenizer_model: str | None  # the tokenizer file saved with it
+
+
+def resolve(args: argparse.Namespace, world_size: int, checkpoint: CheckpointArgs | None = None) -> RunConfig:
     """Read the ds_config, write the flags into it, load it (again once --recipe has filled it), and
     check it against the world and the model."""
     raw, origins = with_flags(read_json_object(args.ds_config), args)
     ds = load_ds_config(raw, origins)
     ds.check_model(args.model)
     sizes = _parallel_sizes(ds, args, world_size)
-    shape = model_shape(args)
+    if args.use_checkpoint_args and checkpoint is None:  # trainer.checkpoint.format.checkpoint_args reads it
+        raise ConfigError("--use-checkpoint-args: the --load checkpoint was not read")
+    shape = model_shape(args, checkpoint.model if checkpoint else None)
+    saved_tokenizer = checkpoint.tokenizer_model if checkpoint else None
+    tokenizer_model = args.tokenizer_model or (saved_tokenizer if args.vocab_size is None else None)
     check_model_shape(shape, sizes.tensor, sizes.pipeline)
     batch = BatchConfig(ds.train_micro_batch_size_per_gpu,
                         _accumulation(ds, args.global_batch_size, sizes.data, sizes.workers), sizes.data, sizes.workers)
@@ -246,21 +279,24 @@ def resolve(args: argparse.Namespace, world_size: int) -> RunConfig:
         ds = load_ds_config(raw, origins)
     run_dir = args.run_dir or str(Path("runs") / Path(args.ds_config).stem)
     return RunConfig(
-        model_preset=args.model, model=shape, tensor_parallel=sizes.tensor, pipeline_parallel=sizes.pipeline,
+        model_preset=args.model if checkpoint is None else f"of {args.load}", model=shape,
+        tensor_parallel=sizes.tensor, pipeline_parallel=sizes.pipeline,
         batch=batch, optimizer=ds.optimizer, schedule=ds.scheduler.params, clip_grad=ds.gradient_clipping,
-        data=DataConfig(tuple(args.data_path), tuple(args.valid_data_path), args.split, args.tokenizer_model,
+        data=DataConfig(tuple(args.data_path), tuple(args.valid_data_path), args.split, tokenizer_model,
                         args.vocab_size, args.data_args_path, args.per_split_data_args_path),
         run_dir=run_dir, tensorboard_dir=args.tensorboard_dir or str(Path(run_dir) / "tensorboard"),
         # Mixed precision is Megatron's autocast over fp32 parameters (the optimizers need whole fp32
         # tensors, not DeepSpeed's flattened bf16 partitions), so DeepSpeed never sees the bf16 block.
         bf16=ds.bf16.enabled, ds_config=ds.deepspeed_keys(), muloco=ds.muloco,
         auth_key_file=_job_secret_file(ds.muloco, Path(args.ds_config).parent), recipe_table=recipe_table,
+        model_vocab_size=checkpoint.vocab_size if checkpoint else None,
         **{name: getattr(args, name) for name in RUN_FLAGS}, deterministic=args.deterministic_mode)
 
 
 # RunConfig fields set by the flag of the same name.
-RUN_FLAGS = ("seed", "log_interval", "eval_interval", "eval_iters", "save", "load", "load_worker", "save_interval",
-             "keep_last", "verify_checksums", "hang_timeout_s", "startup_timeout_s", "exit_signal_handler", "exit_interval",
+RUN_FLAGS = ("seed", "log_interval", "eval_interval", "eval_iters", "save", "load", "load_worker", "finetune",
+             "load_optim", "load_rng", "save_interval", "keep_last", "verify_checksums", "hang_timeout_s",
+             "startup_timeout_s", "exit_signal_handler", "exit_interval",
              "exit_duration_in_mins", "distributed_backend", "worker_id")
 
 
@@ -308,12 +344,13 @@ def check_environment(config: RunConfig, device_type: str) -> None:
         raise ConfigError("; ".join(problems))
 
 
-def model_shape(args: argparse.Namespace) -> ModelShape:
-    """The preset with the model flags given (each checked like the preset's own values)."""
+def model_shape(args: argparse.Namespace, base: ModelShape | None = None) -> ModelShape:
+    """The preset (or `base`, the checkpoint's shape) with the model flags given (each checked like the
+    preset's own values): a flag given wins over the checkpoint, as in Megatron's --use-checkpoint-args."""
     given = {name: getattr(args, name) for name in MODEL_FLAGS if getattr(args, name) is not None}
     arch = "llama" if args.no_qk_layernorm else args.arch
     try:
-        return PRESETS[args.model].with_overrides(**given, arch=arch)
+        return (base or PRESETS[args.model]).with_overrides(**given, arch=arch)
     except ConfigProblems as err:
         raise ConfigProblems(err.problems, {name: _flag(name) for name in [*given, "arch"]}) from err
 

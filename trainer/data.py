@@ -139,6 +139,18 @@ def check_data(data: DataConfig) -> None:
     _check_token_ids_fit(data, prefixes)
 
 
+def check_model_vocabulary(data: DataConfig, model_vocab_size: int | None) -> None:
+    """A model vocabulary taken from a checkpoint (--use-checkpoint-args) must hold every id of the
+    tokenizer; its rows beyond the tokenizer's ids (Qwen's padding, say) are simply never fed."""
+    if model_vocab_size is None:
+        return
+    vocab_size = tokenizer_info(data).vocab_size
+    if vocab_size > model_vocab_size:
+        source = f"--tokenizer-model {data.tokenizer_model}" if data.tokenizer_model else "--vocab-size"
+        raise ConfigError(f"{source} has {vocab_size} ids, but the checkpoint's model (--use-checkpoint-args) has "
+                          f"only {model_vocab_size} embedding rows: use the tokenizer the model was made with")
+
+
 def _check_token_ids_fit(data: DataConfig, prefixes: list[str]) -> None:
     """Each dataset's .bin and .idx must agree (and with PREFIX.meta.json, where preprocessing wrote
     one); its token ids must exist in this run's vocabulary and come from the same tokenizer, or the

@@ -17,7 +17,8 @@ import torch.distributed as dist  # noqa: E402
 
 from trainer import comm  # noqa: E402
 from trainer.config import RunConfig, build_parser, check_environment, resolve  # noqa: E402
-from trainer.data import check_data, index_cache_dir, refuse_unsafe_index_cache  # noqa: E402
+from trainer.data import check_data, check_model_vocabulary, index_cache_dir, refuse_unsafe_index_cache  # noqa: E402
+from trainer.checkpoint.format import checkpoint_args  # noqa: E402
 from trainer.durable import check_output_folders  # noqa: E402
 from trainer.errors import ConfigError, TopologyError  # noqa: E402
 from trainer.failures import stop_together  # noqa: E402
@@ -32,9 +33,10 @@ def checked_config(args, world_size: int) -> RunConfig:
     """The run's config with everything checked that can be before any collective: values and sizes,
     what they ask of this machine, the data and tokenizer, the output folders. Every rank checks the
     same things, so every rank stops here together."""
-    config = resolve(args, world_size)
+    config = resolve(args, world_size, checkpoint_args(args.load) if args.use_checkpoint_args else None)
     check_environment(config, comm.compute_device().type)
     check_data(config.data)
+    check_model_vocabulary(config.data, config.model_vocab_size)
     check_output_folders(config)
     refuse_unsafe_index_cache(index_cache_dir(config.run_dir))
     return config

@@ -18,7 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from megatron_patches import apply_cpu_shims_if_needed, initialize_megatron_groups
 from trainer import comm
-from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.checkpointer import Checkpointer, start_from_weights
 from trainer.config import RunConfig
 from trainer.data import StreamPosition, build_datasets, index_cache_dir, tokenizer_info
 from trainer.diloco.auth import JobKey, key_file_is_private, read_job_key
@@ -112,9 +112,13 @@ def _assemble_and_train(config: RunConfig, trainer_class: type[Trainer], device:
             print(config.recipe_table, flush=True)
 
     tokenizer = tokenizer_info(config.data)
-    vocab = padded_vocab_size(tokenizer.vocab_size, sizes.tensor)
+    vocab_size = config.model_vocab_size or tokenizer.vocab_size  # the model's rows, before padding
+    vocab = padded_vocab_size(vocab_size, sizes.tensor)
     model = build_model(config.model, vocab, bf16_autocast=config.bf16)
     initialize_weights(model, config.model, config.seed)
+    # --finetune or a weights-only checkpoint: the loaded weights replace the initial ones before the
+    # optimizer and the outer loop (whose global copy starts from them) exist.
+    started_from = start_from_weights(config, model, vocab) if config.load else None
     model.to(device)  # before the optimizers see the parameters: their state is made beside them
     n_params = _global_parameter_count(model)
     canonical = canonical_names(model)
@@ -140,8 +144,9 @@ def _assemble_and_train(config: RunConfig, trainer_class: type[Trainer], device:
     position = StreamPosition(topology.coords.worker, topology.coords.data, config.batch, identical)
     logger = MetricsLogger(config.run_dir, config.tensorboard_dir, config.schedule.train_iters, is_logger)
     trainer = trainer_class(config, topology, engine, datasets.train, datasets.valid, position, logger)
-    checkpointer = Checkpointer(config, topology, trainer, canonical, tokenizer.vocab_size, vocab)
-    starts_from_worker = bool(config.load) and config.load_worker is not None
+    checkpointer = Checkpointer(config, topology, trainer, canonical, vocab_size, vocab)
+    loads_state = bool(config.load) and started_from is None  # a resume or a --load-worker start
+    starts_from_worker = loads_state and config.load_worker is not None
     if starts_from_worker:  # before the outer loop exists: a new one starts from the loaded weights
         watchdog.enter("resume", config.startup_timeout_s)
         checkpointer.resume(config.load)
@@ -155,9 +160,11 @@ def _assemble_and_train(config: RunConfig, trainer_class: type[Trainer], device:
     if is_logger:
         print(f"global batch {config.batch.global_batch} sequences ({config.batch.per_worker} per worker x "
               f"{config.batch.workers} workers), {config.schedule.train_iters} steps", flush=True)
-    if config.load and not starts_from_worker:
+    if loads_state and not starts_from_worker:
         watchdog.enter("resume", config.startup_timeout_s)
         checkpointer.resume(config.load)
+    elif started_from is not None and is_logger:
+        print(f"started from {started_from}", flush=True)
     logger.start(trainer.step)
     watchdog.enter("training", config.hang_timeout_s)
     # Hooks run in this order after each step: the outer sync, a save, preemption (which may save and

@@ -38,12 +38,12 @@ def export(reader: CheckpointReader, out_dir: str | Path, max_shard_bytes: int =
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     special = _special_ids(reader)
-    config = hf_config(reader.meta, special)
+    config = hf_config(reader.meta.model, reader.meta.vocab_size, special)
     config.save_pretrained(out)
     GenerationConfig(**special).save_pretrained(out)
     writer = ShardedSafetensorsWriter(out, max_shard_bytes)
     for name, full in full_weights(reader):
-        for hf_name, tensor in hf_tensors(name, full, reader.meta).items():
+        for hf_name, tensor in hf_tensors(name, full, reader.meta.model, reader.meta.vocab_size).items():
             writer.add(hf_name, tensor)
     files = writer.close()
     if reader.tokenizer_path is not None:

@@ -4,9 +4,18 @@
    un-fusing, RoPE/norm convention mismatches and bad writes;
 2. that rebuilt model against the logits the tensor- and pipeline-parallel training model recorded
    when it saved the checkpoint: catches a wrong merge of the shards, or a damaged checkpoint.
-Also, when the export has a tokenizer, AutoTokenizer must give the training tokenizer's ids."""
+Also, when the export has a tokenizer, AutoTokenizer must give the training tokenizer's ids.
+
+And an import (`verify_import`) against its Hugging Face source:
+1. the logits the imported checkpoint's T x P model recorded (its probe) against transformers' on
+   the same tokens: catches a wrong mapping, fusing, sharding or convention;
+2. the round trip Hugging Face -> trainer -> Hugging Face (the exporter, into a temporary folder):
+   every tensor the mapping moves comes back bit-identical (a bf16 or fp16 source as the same
+   values in fp32); the two Gemma computes in its own convention (the (1 + w) norms and the
+   sqrt(hidden)-scaled embedding, see hf_mapping) within the two fp32 roundings of the conversion."""
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -15,6 +24,9 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from tools.convert_checkpoint.export import export
+from tools.convert_checkpoint.hf_folder import HfWeights
+from tools.convert_checkpoint.hf_mapping import EMBEDDING
 from tools.convert_checkpoint.merge import full_weights, recorded_probe
 from trainer.checkpoint import CheckpointReader
 from trainer.model.presets import ModelShape
@@ -23,6 +35,9 @@ from trainer.model.presets import ModelShape
 # model, and the probe the checkpointer records without autocast (fp32 differences are ~1e-6; a bf16
 # forward of the 150m model is ~0.06 away, which no fp32 tolerance would pass).
 RELATIVE_TOLERANCE = {torch.float32: 1e-4}
+# A Gemma-convention tensor after the round trip (hf_mapping): two fp32 roundings of 1 + w (norms) or
+# of x * sqrt(hidden) (the embedding), relative to 1 + |w| and to |x|.
+GEMMA_ROUNDING = 2.0 ** -22
 SAMPLE_TEXT = "To be, or not to be, that is the question."
 
 
@@ -47,8 +62,28 @@ class Comparison:
 
 
 @dataclass
+class RoundTrip:
+    """Hugging Face tensors after Hugging Face -> trainer -> Hugging Face, against the source."""
+    exact: int = 0  # bit-identical tensors
+    rounded: int = 0  # Gemma-convention tensors within GEMMA_ROUNDING
+    max_rounding: float = 0.0  # their largest |diff|
+    wrong: list[str] = field(default_factory=list)  # tensors that differ beyond that, or are missing
+
+    @property
+    def ok(self) -> bool:
+        return not self.wrong
+
+    def __str__(self) -> str:
+        rounded = (f", {self.rounded} in Gemma's (1 + w) / sqrt(hidden) convention within two fp32 roundings "
+                   f"(max |diff| {self.max_rounding:.3g})" if self.rounded else "")
+        wrong = f"; differ: {', '.join(self.wrong[:6])}{' ...' if len(self.wrong) > 6 else ''}" if self.wrong else ""
+        return f"{'ok  ' if self.ok else 'FAIL'} round trip Hugging Face -> trainer -> Hugging Face: " \
+               f"{self.exact} tensors bit-identical{rounded}{wrong}"
+
+
+@dataclass
 class VerifyReport:
-    comparisons: list[Comparison] = field(default_factory=list)
+    comparisons: list[Comparison | RoundTrip] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -145,3 +180,40 @@ def _check_tokenizer(reader: CheckpointReader, hf_dir, report: VerifyReport, fal
         report.problems.append(f"AutoTokenizer ids {got[:12]}... differ from the training tokenizer's {expected[:12]}...")
         return fallback
     return torch.tensor([expected])
+
+
+@torch.no_grad()
+def verify_import(reader: CheckpointReader, hf_dir: str | Path, untied: bool) -> VerifyReport:
+    """An imported checkpoint against its Hugging Face source (see the module docstring)."""
+    from transformers import AutoModelForCausalLM
+
+    report = VerifyReport()
+    tokens, recorded = recorded_probe(reader)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    report.comparisons.append(_compare(f"imported model ({reader.meta.describe_layout()}) vs transformers",
+                                       recorded, hf(input_ids=tokens).logits))
+    with tempfile.TemporaryDirectory() as exported:
+        export(reader, exported)
+        report.comparisons.append(_round_trip(HfWeights(Path(hf_dir), untied), HfWeights(Path(exported), False),
+                                              gemma=reader.meta.model.arch == "paper"))
+    return report
+
+
+def _round_trip(source: HfWeights, exported: HfWeights, gemma: bool) -> RoundTrip:
+    result = RoundTrip()
+    for name in exported.names():
+        original, back = source.get(name).float(), exported.get(name)
+        if back.shape == original.shape and torch.equal(back, original):
+            result.exact += 1
+            continue
+        computed = gemma and (name.endswith("norm.weight") or name == EMBEDDING)
+        if computed and back.shape == original.shape:
+            diff = (back - original).abs()
+            scale = 1.0 + original.abs() if name.endswith("norm.weight") else original.abs()
+            if bool((diff <= GEMMA_ROUNDING * scale).all()):
+                result.rounded += 1
+                result.max_rounding = max(result.max_rounding, float(diff.max()))
+                continue
+        result.wrong.append(name)
+    result.wrong += sorted(set(source.names()) - set(exported.names()))
+    return result

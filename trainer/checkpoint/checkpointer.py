@@ -21,12 +21,13 @@ from tokenizer.interface import tokenizer_file
 from trainer import comm
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.format import (COMPLETE, CheckpointMeta, CheckpointReader, iteration_dir,
-                                       latest_iteration, prune, publish, rank_file, remove_incomplete)
+                                       latest_iteration, prune, publish, rank_file, remove_incomplete, sha256_of)
 from trainer.checkpoint.rank_file import to_plain, write_rank_file
 from trainer.checkpoint.schema import check_rank_state, checked_rank_state, own_form
 from trainer.config import RunConfig
 from trainer.durable import write_durably, write_text_durably
 from trainer.failures import stop_together
+from trainer.model.builder import assign_full_weights, canonical_names
 from trainer.model.layout import layout_of, shard
 from trainer.model.presets import ModelShape
 from trainer.topology import ParallelSizes, Topology, coordinates
@@ -112,17 +113,80 @@ def check_worker_start(meta: CheckpointMeta, worker: int, model: ModelShape, pad
     _check_model_and_stream(meta, model, padded_vocab_size, global_batch)
 
 
-def _check_model_and_stream(meta: CheckpointMeta, model: ModelShape, padded_vocab_size: int, global_batch: int) -> None:
-    if meta.model != model:
-        diffs = [f"{k}: checkpoint {v}, this run {getattr(model, k)}"
-                 for k, v in asdict(meta.model).items() if getattr(model, k) != v]
-        raise CheckpointError("model shape differs: " + "; ".join(diffs))
+# What loading weights alone may change: the training length (RoPE has no learned positions) and the
+# initializer's std (unused when the weights come from the checkpoint).
+NOT_IN_WEIGHTS = ("seq_length", "init_std")
+
+
+def check_weights_start(meta: CheckpointMeta, worker: int, model: ModelShape, padded_vocab_size: int) -> None:
+    """Raise unless this run can take worker `worker`'s weights (--finetune, or a weights-only
+    checkpoint): any K, layout, batch and outer loop; the same model up to NOT_IN_WEIGHTS and vocabulary."""
+    if not 0 <= worker < meta.sizes.workers:
+        raise CheckpointError(f"--load-worker {worker}: the checkpoint has workers 0..{meta.sizes.workers - 1}")
+    _check_model(meta, model, padded_vocab_size, ignore=NOT_IN_WEIGHTS)
+
+
+def _check_model(meta: CheckpointMeta, model: ModelShape, padded_vocab_size: int, ignore: tuple[str, ...] = ()) -> None:
+    diffs = [f"{k}: checkpoint {v}, this run {getattr(model, k)}"
+             for k, v in asdict(meta.model).items() if getattr(model, k) != v and k not in ignore]
+    if diffs:
+        raise CheckpointError("model shape differs: " + "; ".join(diffs)
+                              + " (--use-checkpoint-args takes the checkpoint's)")
     if meta.padded_vocab_size != padded_vocab_size:
-        raise CheckpointError(f"checkpoint has padded vocabulary {meta.padded_vocab_size}, "
-                              f"this run {padded_vocab_size} (a different tokenizer?)")
+        raise CheckpointError(f"checkpoint has padded vocabulary {meta.padded_vocab_size}, this run "
+                              f"{padded_vocab_size} (a different tokenizer? --use-checkpoint-args takes the checkpoint's "
+                              "vocabulary)")
+
+
+def _check_model_and_stream(meta: CheckpointMeta, model: ModelShape, padded_vocab_size: int, global_batch: int) -> None:
+    _check_model(meta, model, padded_vocab_size)
     if meta.global_batch != global_batch:
         raise CheckpointError(f"checkpoint global batch is {meta.global_batch} sequences, this run {global_batch}: "
                               "the data stream would not continue")
+
+
+def start_from_weights(config: RunConfig, model: torch.nn.Module, padded_vocab_size: int) -> str | None:
+    """With --finetune, or when --load is a weights-only checkpoint (an import), set this rank's
+    parameters to worker --load-worker's (default 0) weights, resharded to this layout, on every worker
+    alike; everything else starts fresh. Call before the optimizer and the outer loop see the weights.
+    Returns what was loaded, or None when the load is a resume (Checkpointer.resume). If any rank
+    cannot load, every rank stops together."""
+    error, started = None, None
+    try:
+        started = _assign_weights(config, model, padded_vocab_size)
+    except CheckpointError as err:
+        error = f"checkpoint error: {err}"
+    stop_together(error, "load the checkpoint's weights")
+    return started
+
+
+def _assign_weights(config: RunConfig, model: torch.nn.Module, padded_vocab_size: int) -> str | None:
+    reader = CheckpointReader(config.load, verify_checksums=config.verify_checksums)
+    meta = reader.meta
+    if not (config.finetune or meta.weights_only):
+        return None
+    worker = config.load_worker or 0
+    check_weights_start(meta, worker, config.model, padded_vocab_size)
+    _check_same_tokenizer(reader, config.data.tokenizer_model)
+    stage_of = reader.stage_of(worker, 0)
+    names = set(canonical_names(model).values())
+    if not names <= set(stage_of):
+        raise CheckpointError(f"checkpoint lacks parameters {sorted(names - set(stage_of))[:5]}")
+    assign_full_weights(model, lambda name, _: reader.full_tensor(reader.stage_ranks(worker, 0, stage_of[name]),
+                                                                  name, lambda s: s["model"][name]))
+    kind = "weights-only checkpoint" if meta.weights_only else "--finetune"
+    return f"the weights of worker {worker} of {reader.directory} ({meta.describe_layout()}, {kind}), at step 0"
+
+
+def _check_same_tokenizer(reader: CheckpointReader, tokenizer_model: str | None) -> None:
+    """The tokenizer saved with the weights must be the run's: the same ids must mean the same text."""
+    saved = reader.tokenizer_path
+    if saved is None or tokenizer_model is None:
+        return
+    ours = tokenizer_file(tokenizer_model)
+    if sha256_of(saved) != sha256_of(ours):
+        raise CheckpointError(f"the checkpoint's tokenizer {saved} is not --tokenizer-model's {ours} (their SHA-256 "
+                              "differ): train with the tokenizer the model was made with")
 
 
 class Checkpointer:
@@ -133,6 +197,10 @@ class Checkpointer:
         self.param_of = {canonical[n]: p for n, p in trainer.model.named_parameters()}
         self.name_of = {p: n for n, p in self.param_of.items()}
         self.last_saved: int | None = None
+        # Read once, at start: every save carries the tokenizer the run started with, even when its file
+        # goes (--use-checkpoint-args' is a file of a --load iteration, which --keep-last may remove).
+        tokenizer = config.data.tokenizer_model
+        self.tokenizer_bytes = tokenizer_file(tokenizer).read_bytes() if tokenizer and topology.rank == 0 else None
 
     @contextmanager
     def attached_to(self, trainer):
@@ -239,8 +307,7 @@ class Checkpointer:
         meta = self._meta(step, checksums)
         write_text_durably(directory / "meta.json", meta.to_json())
         if meta.tokenizer_model:
-            source = tokenizer_file(self.config.data.tokenizer_model).read_bytes()  # a folder's tokenizer.json
-            write_durably(directory / meta.tokenizer_model, lambda f: f.write(source))
+            write_durably(directory / meta.tokenizer_model, lambda f: f.write(self.tokenizer_bytes))
         publish(root, step)
         remove_incomplete(root, keep=step)
         if self.config.keep_last:
@@ -287,41 +354,48 @@ class Checkpointer:
     def _load(self, reader: CheckpointReader) -> str:
         worker, own = self.config.load_worker, own_form(self.trainer)
         source = f"checkpoint {reader.directory}"
+        # --no-load-optim / --no-load-rng: those parts are neither loaded nor checked; they stay fresh.
+        skipped = tuple(key for key, loaded in (("optimizer", self.config.load_optim), ("rng", self.config.load_rng))
+                        if not loaded)
         if worker is not None:
             # A start loads before the outer loop exists (run.py), which then begins at the loaded weights.
             assert not self.trainer.extra_state, "--load-worker must load before the outer loop is built"
             check_worker_start(reader.meta, worker, self.config.model, self.padded_vocab_size,
                                self.config.batch.global_batch)
-            engine = self.trainer.engine
-            saved = rank_state.with_run_hyperparameters(self._resharded_state(reader, worker), engine.optimizer,
-                                                        engine.lr_scheduler)
+            saved = self._resharded_state(reader, worker, self.config.load_optim)
+            if self.config.load_optim:
+                engine = self.trainer.engine
+                saved = rank_state.with_run_hyperparameters(saved, engine.optimizer, engine.lr_scheduler)
             how = f"worker {worker} of {reader.meta.describe_layout()}"
-            check_rank_state(saved, f"{source} (worker {worker})", reader.meta.step, self.param_of, own)
+            check_rank_state(saved, f"{source} (worker {worker})", reader.meta.step, self.param_of, own, skipped)
         elif check_fits(reader.meta, self.topology.sizes, self.config.model, self.padded_vocab_size,
                         self.config.batch.global_batch, sorted(self.trainer.extra_state)):
-            saved, how = self._resharded_state(reader), f"resharded from {reader.meta.describe_layout()}"
-            check_rank_state(saved, f"{source} (resharded)", reader.meta.step, self.param_of, own)
+            saved = self._resharded_state(reader, with_optimizer=self.config.load_optim)
+            how = f"resharded from {reader.meta.describe_layout()}"
+            check_rank_state(saved, f"{source} (resharded)", reader.meta.step, self.param_of, own, skipped)
         else:
-            saved, how = checked_rank_state(reader, self.topology.rank, self.param_of, own), "same layout"
+            saved, how = checked_rank_state(reader, self.topology.rank, self.param_of, own, skipped), "same layout"
             source = f"rank file {rank_file(reader.directory, self.topology.rank)}"
         try:
             rank_state.restore(self.trainer, saved, self.param_of)
         except (ValueError, TypeError, KeyError, RuntimeError) as err:  # what a component's own check refuses
             raise CheckpointError(f"{source}: {type(err).__name__}: {err}") from None
-        return how
+        fresh = {"optimizer": "inner optimizer", "rng": "RNG"}
+        return how + (f", fresh {' and '.join(fresh[k] for k in skipped)}" if skipped else "")
 
-    def _resharded_state(self, reader: CheckpointReader, worker: int | None = None) -> dict:
+    def _resharded_state(self, reader: CheckpointReader, worker: int | None = None, with_optimizer: bool = True) -> dict:
         """This rank's state cut from the shards of the checkpoint's worker `worker` (default: this
         rank's own): weights and elementwise optimizer state are merged over the checkpoint's TP ranks
         and re-cut for ours; the rest (hyperparameters, scheduler, counters, step) is the same on every
-        rank. RNG states stay freshly seeded."""
+        rank. RNG states stay freshly seeded; without `with_optimizer`, so does the inner optimizer."""
         try:
-            return self._merged_and_cut(reader, self.topology.coords.worker if worker is None else worker)
+            return self._merged_and_cut(reader, self.topology.coords.worker if worker is None else worker,
+                                        with_optimizer)
         except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as err:  # shards that do not fit together
             raise CheckpointError(f"checkpoint {reader.directory} cannot be resharded: {type(err).__name__}: "
                                   f"{str(err)[:200]}") from None
 
-    def _merged_and_cut(self, reader: CheckpointReader, worker: int) -> dict:
+    def _merged_and_cut(self, reader: CheckpointReader, worker: int, with_optimizer: bool) -> dict:
         coords = self.topology.coords
         tp_size = self.topology.sizes.tensor
         stage_of = reader.stage_of(worker, 0)
@@ -332,6 +406,8 @@ class Checkpointer:
             layout = layout_of(name)
             model[name] = shard(reader.full_tensor(ranks, name, lambda s: s["model"][name]), layout,
                                 coords.tensor, tp_size)
+            if not with_optimizer:
+                continue
             source_shape = reader.rank_state(ranks[0])["model"][name].shape
             entries = {}
             for key, value in reader.rank_state(ranks[0])["optimizer"]["state"].get(name, {}).items():
@@ -341,6 +417,8 @@ class Checkpointer:
                 entries[key] = value
             if entries:
                 optimizer_state[name] = entries
-        return to_plain({"step": first["step"], "model": model, "scheduler": first["scheduler"],
-                         "engine": first["engine"], "extra": {},
-                         "optimizer": {"param_groups": first["optimizer"]["param_groups"], "state": optimizer_state}})
+        state = {"step": first["step"], "model": model, "scheduler": first["scheduler"], "engine": first["engine"],
+                 "extra": {}}
+        if with_optimizer:
+            state["optimizer"] = {"param_groups": first["optimizer"]["param_groups"], "state": optimizer_state}
+        return to_plain(state)

@@ -46,7 +46,8 @@ import torch
 
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.rank_file import read_rank_file
-from trainer.config import BatchConfig
+from trainer.config import BatchConfig, CheckpointArgs
+from trainer.errors import ConfigError
 from trainer.durable import TMP_SUFFIX, write_text_durably
 from trainer.model.layout import layout_of, unshard
 from trainer.model.presets import ModelShape
@@ -127,7 +128,7 @@ class CheckpointMeta(ConfigBlock):
     step: int = setting(ge=0)
     sizes: ParallelSizes = setting()
     model: ModelShape = setting()
-    vocab_size: int = setting(ge=1)  # the tokenizer's
+    vocab_size: int = setting(ge=1)  # the model's rows before padding: the tokenizer's, or an import's
     padded_vocab_size: int = setting(ge=1)
     ranks: tuple[RankCoordinates, ...] = setting()  # index = global rank
     tokenizer_model: str | None = setting()  # file name inside the iteration directory
@@ -135,6 +136,9 @@ class CheckpointMeta(ConfigBlock):
     config: dict[str, Any] = setting()  # the resolved RunConfig
     rank_files: dict[str, str] = setting()  # file name -> SHA-256 of its bytes, index = global rank
     format_version: int = FORMAT_VERSION
+    # Only `model` (and `probe`) in the rank files, as Megatron's "release" checkpoints (an import from
+    # Hugging Face): a run loads it as --finetune does, at step 0 with fresh optimizer, schedule and RNG.
+    weights_only: bool = False
 
     def problems(self) -> list[Problem]:
         problems = [(f"sizes.{k}", f"must be >= 1, got {v!r}") for k, v in asdict(self.sizes).items() if v < 1]
@@ -153,6 +157,8 @@ class CheckpointMeta(ConfigBlock):
             problems.append((f"rank_files.{bad[0]}", f"must be a SHA-256 in hex, got {self.rank_files[bad[0]]!r}"))
         if self.padded_vocab_size < self.vocab_size:
             problems.append(("padded_vocab_size", f"({self.padded_vocab_size}) is below vocab_size ({self.vocab_size})"))
+        if self.weights_only:  # no run wrote it: nothing of a batch to continue
+            return problems
         try:
             load(BatchConfig, self.config.get("batch"), "config.batch")
         except ConfigProblems as err:
@@ -263,3 +269,16 @@ class CheckpointReader:
         """The full (T=1) layout of a tensor that is sharded like parameter `name` over `ranks`;
         `get` picks it out of a rank file (the weight itself, or optimizer state)."""
         return unshard([get(self.rank_state(r)) for r in ranks], layout_of(name))
+
+
+def checkpoint_args(load: str | None) -> CheckpointArgs:
+    """The --load checkpoint's model, vocabulary and saved tokenizer (its latest iteration), for
+    --use-checkpoint-args; a problem is a ConfigError, as a bad flag's."""
+    if not load:
+        raise ConfigError("--use-checkpoint-args needs --load DIR")
+    try:
+        reader = CheckpointReader(load)
+        tokenizer = reader.tokenizer_path
+    except (CheckpointError, OSError, ValueError) as err:
+        raise ConfigError(f"--use-checkpoint-args: {err}") from None
+    return CheckpointArgs(reader.meta.model, reader.meta.vocab_size, None if tokenizer is None else str(tokenizer))

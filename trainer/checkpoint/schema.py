@@ -35,17 +35,21 @@ OPTIONAL = ("rng", "probe")  # a resharded state has no RNG; only last-stage ran
 _SHOWN = 4  # violations named in the message
 
 
-def checked_rank_state(reader: CheckpointReader, rank: int, params: Mapping[str, torch.Tensor], own: dict) -> dict:
-    """Rank `rank`'s state in `reader`, fully read and checked."""
-    state = to_plain(reader.rank_state(rank))
-    check_rank_state(state, f"rank file {rank_file(reader.directory, rank)}", reader.meta.step, params, own)
+def checked_rank_state(reader: CheckpointReader, rank: int, params: Mapping[str, torch.Tensor], own: dict,
+                       skipped: tuple[str, ...] = ()) -> dict:
+    """Rank `rank`'s state in `reader`, fully read and checked, but for the parts `skipped` (not loaded)."""
+    saved = reader.rank_state(rank)
+    state = to_plain({key: saved[key] for key in saved if key not in skipped})
+    check_rank_state(state, f"rank file {rank_file(reader.directory, rank)}", reader.meta.step, params, own, skipped)
     return state
 
 
-def check_rank_state(state: Mapping, source: str, step: int, params: Mapping[str, torch.Tensor], own: dict) -> None:
+def check_rank_state(state: Mapping, source: str, step: int, params: Mapping[str, torch.Tensor], own: dict,
+                     skipped: tuple[str, ...] = ()) -> None:
     """Raise CheckpointError naming `source` unless `state` has this run's form (`own`: this run's
-    `optimizer_groups`, `scheduler`, `engine`, `rng` and `extra` states, as `own_form` gives them)."""
-    problems = state_problems(state, step, params, own)
+    `optimizer_groups`, `scheduler`, `engine`, `rng` and `extra` states, as `own_form` gives them);
+    `skipped` parts (--no-load-optim, --no-load-rng) are not loaded, so need not be there."""
+    problems = state_problems(state, step, params, own, skipped)
     if problems:
         more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
         raise CheckpointError(f"{source}: " + "; ".join(problems[:_SHOWN]) + more)
@@ -59,17 +63,19 @@ def own_form(trainer) -> dict:
             "extra": {name: component.state_dict() for name, component in trainer.extra_state.items()}}
 
 
-def state_problems(state: Any, step: int, params: Mapping[str, torch.Tensor], own: dict) -> list[str]:
+def state_problems(state: Any, step: int, params: Mapping[str, torch.Tensor], own: dict,
+                   skipped: tuple[str, ...] = ()) -> list[str]:
     if not isinstance(state, Mapping):
         return [f"the state must be a dict, got {_kind(state)}"]
-    problems = [f"{key} is missing" for key in REQUIRED if key not in state]
+    problems = [f"{key} is missing" for key in REQUIRED if key not in state and key not in skipped]
     problems += [f"{key} is not a known part of a rank's state" for key in state if key not in (*REQUIRED, *OPTIONAL)]
     if problems:
         return problems
     if not _is_int(state["step"]) or state["step"] != step:
         problems.append(f"step must be the iteration's, {step}, got {_show(state['step'])}")
     problems += _model_problems(state["model"], params)
-    problems += _optimizer_problems(state["optimizer"], params, own["optimizer_groups"])
+    if "optimizer" not in skipped:
+        problems += _optimizer_problems(state["optimizer"], params, own["optimizer_groups"])
     for key in ("scheduler", "engine", "extra"):
         _conform(state[key], own[key], key, problems)
     if "rng" in state:

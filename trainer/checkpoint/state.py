@@ -12,7 +12,7 @@ from deepspeed.accelerator import get_accelerator
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from trainer.checkpoint.errors import CheckpointError
-
+from trainer.schedule import ScheduleConfig, lr_multiplier
 
 def to_cpu(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
@@ -92,15 +92,28 @@ def capture(trainer, name_of: dict[torch.Tensor, str], probe: dict | None) -> di
     })
 
 
+def schedule_at_step(engine, step: int, schedule: ScheduleConfig) -> None:
+    """A fresh inner optimizer's lr at `step` of this run's schedule (the scheduler resumes from there)."""
+    scheduler = engine.lr_scheduler
+    lrs = [base * lr_multiplier(step, schedule) for base in scheduler.base_lrs]
+    scheduler.load_state_dict({**scheduler.state_dict(), "last_epoch": step, "_last_lr": lrs})
+    for group, lr in zip(engine.optimizer.param_groups, lrs):
+        group["lr"] = lr
+
+
 @torch.no_grad()
 def restore(trainer, state: dict, param_of: dict[str, torch.Tensor]) -> None:
     """Inverse of `capture`, for a state checked by trainer/checkpoint/schema.py; a state without
-    "rng" (a resharded one) leaves the fresh seeds."""
+    "rng" (a resharded one, or --no-load-rng) leaves the fresh seeds, one without "optimizer"
+    (--no-load-optim) the fresh inner optimizer, at this run's lr schedule."""
     for name, p in param_of.items():
         p.copy_(state["model"][name])
     engine = trainer.engine
-    restore_optimizer(engine.optimizer, state["optimizer"], param_of)
-    engine.lr_scheduler.load_state_dict(state["scheduler"])
+    if "optimizer" in state:
+        restore_optimizer(engine.optimizer, state["optimizer"], param_of)
+        engine.lr_scheduler.load_state_dict(state["scheduler"])
+    else:
+        schedule_at_step(engine, state["step"], trainer.config.schedule)
     trainer.step = state["step"]
     engine.set_step(trainer.step)
     for k, component in trainer.extra_state.items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -177,14 +178,19 @@ def tag_parameters(model: torch.nn.Module) -> None:
 
 
 @torch.no_grad()
-def initialize_weights(model: torch.nn.Module, shape: ModelShape, seed: int) -> None:
+def assign_full_weights(model: torch.nn.Module, full_of: Callable[[str, tuple[int, ...]], torch.Tensor]) -> None:
+    """Set every parameter to this TP rank's shard of `full_of(canonical name, full shape)`, its T=1 value
+    (initial weights, or weights loaded from a checkpoint of any layout)."""
     tp_rank = mps.get_tensor_model_parallel_rank()
     tp_size = mps.get_tensor_model_parallel_world_size()
     names = canonical_names(model)
     for name, param in model.named_parameters():
         layout = layout_of(name)
-        full = full_initial_tensor(names[name], full_shape(tuple(param.shape), layout, tp_size), shape, seed)
-        param.copy_(shard(full, layout, tp_rank, tp_size))
+        param.copy_(shard(full_of(names[name], full_shape(tuple(param.shape), layout, tp_size)), layout, tp_rank, tp_size))
+
+
+def initialize_weights(model: torch.nn.Module, shape: ModelShape, seed: int) -> None:
+    assign_full_weights(model, lambda name, full: full_initial_tensor(name, full, shape, seed))
     tag_parameters(model)
 
 
