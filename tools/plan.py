@@ -55,6 +55,7 @@ model does not price in.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -305,7 +306,12 @@ def _sent_uncompressed(p: ShardParam, compression: CompressionConfig) -> bool:
 
 
 def _group_config(p: ShardParam, compression: CompressionConfig) -> CompressionConfig:
-    return compression.for_group(compression_group(p.shape, p.embedding_or_output))
+    return _config_of_group(compression, compression_group(p.shape, p.embedding_or_output))
+
+
+@functools.cache  # a 15B plan asks once per tensor per rank: hundreds of thousands of times
+def _config_of_group(compression: CompressionConfig, group: str) -> CompressionConfig:
+    return compression.for_group(group)
 
 
 def host_outer_state(stage: list[ShardParam], inputs: PlanInputs) -> float:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import types
 import typing
@@ -92,6 +93,11 @@ def setting(default: Any = MISSING, *, doc: str = "", factory: Any = MISSING, ge
     return dataclasses.field(default=default, default_factory=factory, metadata={"spec": spec})
 
 
+# Resolving a block's string annotations is most of the cost of building one, and configs are built
+# often (`dataclasses.replace` per compression group, per tensor, in the planner), so once per class.
+_type_hints = functools.cache(typing.get_type_hints)
+
+
 def spec_of(f: dataclasses.Field) -> FieldSpec:
     return f.metadata.get("spec", FieldSpec())
 
@@ -113,7 +119,7 @@ class ConfigBlock:
     def __post_init__(self) -> None:
         problems: list[Problem] = []
         well_typed = True
-        hints = typing.get_type_hints(type(self))
+        hints = _type_hints(type(self))
         for f in dataclasses.fields(self):
             spec, raw = spec_of(f), getattr(self, f.name)
             value = _convert(_selected_block(self, spec) or hints[f.name], _casefolded(spec, raw), spec.flag or f.name,
@@ -170,7 +176,7 @@ def _load_block(cls: type, block: Any, where: str, problems: list[Problem],
         problems.append((where, f"must be an object, got {_show(block)}"))
         return _INVALID
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     before = len(problems)
     values = {}
     for key, raw in block.items():
