@@ -13,6 +13,7 @@ import torch
 
 from fake_wire import Board, FakeQuorum, FakeStatic, FakeWire, run_ranks
 from trainer.diloco.auth import JobKey
+from trainer.diloco.collectives import CollectiveError
 from trainer.diloco.config import CompressionConfig, MuLoCoConfig, StreamingConfig
 from trainer.diloco.outer_loop import OuterLoop, SyncTask
 from trainer.elastic.config import ElasticConfig
@@ -222,3 +223,25 @@ def test_a_member_whose_weights_drifted_is_left_out_and_caught_up_at_its_next_sy
     assert workers[1].records[-1]["rejoined"] and workers[0].records[-1]["left_out"] == {"1": "joining"}
     sync_all(workers, 16)
     assert workers[0].records[-1]["workers_in_sync"] == 3 and len(checksums(workers)) == 1
+
+
+class MetricsRoundFailsAtOuterStep2(FakeWire):
+    """A member leaves right after outer step 2 committed: that sync's background metrics round fails."""
+
+    def all_gather_floats(self, values, context):
+        if context.endswith("outer step 2"):
+            raise CollectiveError(f"all_gather failed in {context}: a member left")
+        return super().all_gather_floats(values, context)
+
+
+def test_a_member_leaving_after_a_sync_loses_its_metrics_not_the_run():
+    config = elastic_config(compression=CompressionConfig(method="statistical", bits=4))
+    board = Board(3)
+    workers = [quorum_worker(r, board, config, wire=MetricsRoundFailsAtOuterStep2) for r in range(3)]
+    for step in (4, 8, 12):
+        sync_all(workers, step)
+        assert len(checksums(workers)) == 1
+    for w in workers:
+        assert [r["outer_step"] for r in w.records] == [1, 2, 3]  # every sync applied once
+        assert w.records[1].get("metrics_lost") is True and "bytes_sent_per_rank" not in w.records[1]
+        assert all("bytes_sent_per_rank" in w.records[i] and "metrics_lost" not in w.records[i] for i in (0, 2))

@@ -55,9 +55,9 @@ class Session(Protocol):
 
     def decide(self, exchanged: Exchanged) -> Decision: ...
 
-    def sums(self, values: list[float], outer_step: int, fragment: int, context: str) -> list[list[float]]:
+    def sums(self, values: list[float], outer_step: int, fragment: int, context: str) -> list[list[float]] | None:
         """`values` summed over each member's ranks, one row per group rank (runs in the background,
-        after the exchange)."""
+        after the exchange); None when the round could not complete (an elastic member left)."""
 
 
 class Membership(Protocol):

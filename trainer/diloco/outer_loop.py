@@ -366,9 +366,12 @@ class OuterLoop:
             local = (LocalSums(verdict=verdict) if averaged is None else
                      self._local_sums(specs, deltas, buckets, averaged, exchange.bytes_sent, verdict))
             rows = session.sums(list(astuple(local)), task.outer_step, task.fragment, context)
+            background = {"background_round_trips": session.metrics_wire.take_stats().round_trips}
+            if rows is None:
+                return {**record, "metrics_lost": True, **background}
             reduced = sync_record(rows, decision.contributors, per_worker,
                                   decision.norms if averaged is not None else [], context)
-            return {**record, **reduced, "background_round_trips": session.metrics_wire.take_stats().round_trips}
+            return {**record, **reduced, **background}
         # A skipped sync's metrics round runs too: it checks that every worker skipped it.
         return SyncResult(task.fragment, averaged, record, reduce_metrics)
 

@@ -154,11 +154,19 @@ class _QuorumSession:
             return Decision([], [], "no member has a pseudogradient to contribute", record)
         return Decision(contributors, [members[i].norm for i in contributors], None, record)
 
-    def sums(self, values: list[float], outer_step: int, fragment: int, context: str) -> list[list[float]]:
+    def sums(self, values: list[float], outer_step: int, fragment: int, context: str) -> list[list[float]] | None:
+        """None when a member left the quorum after the sync committed: the sync stands, its metrics
+        (and the comparison of verdicts) are lost, and the next sync's quorum goes on without it."""
         local = torch.tensor(values, dtype=torch.float64)
         if self.membership.ballot_group is not None:
             comm.all_reduce(local, group=self.membership.ballot_group)
-        return [row or [0.0] * len(values) for row in self.wire.all_gather_floats(local.tolist(), context)]
+        try:
+            rows = self.wire.all_gather_floats(local.tolist(), context)
+        except _ATTEMPT_FAILURES as exc:
+            print(f"worker {self.membership.worker}: metrics of {context} lost: {str(exc).splitlines()[0][:300]}",
+                  flush=True)
+            return None
+        return [row or [0.0] * len(values) for row in rows]
 
 
 class QuorumMembership:
