@@ -147,9 +147,13 @@ def _assemble_and_train(config: RunConfig, trainer_class: type[Trainer], device:
     checkpointer = Checkpointer(config, topology, trainer, canonical, vocab_size, vocab)
     loads_state = bool(config.load) and started_from is None  # a resume or a --load-worker start
     starts_from_worker = loads_state and config.load_worker is not None
-    if starts_from_worker:  # before the outer loop exists: a new one starts from the loaded weights
+
+    def resume() -> None:
         watchdog.enter("resume", config.startup_timeout_s)
         checkpointer.resume(config.load)
+
+    if starts_from_worker:  # before the outer loop exists: a new one starts from the loaded weights
+        resume()
     outer = None
     if config.muloco is not None:
         outer = OuterLoop(config.muloco, list(model.named_parameters()), canonical, topology,
@@ -161,8 +165,7 @@ def _assemble_and_train(config: RunConfig, trainer_class: type[Trainer], device:
         print(f"global batch {config.batch.global_batch} sequences ({config.batch.per_worker} per worker x "
               f"{config.batch.workers} workers), {config.schedule.train_iters} steps", flush=True)
     if loads_state and not starts_from_worker:
-        watchdog.enter("resume", config.startup_timeout_s)
-        checkpointer.resume(config.load)
+        resume()
     elif started_from is not None and is_logger:
         print(f"started from {started_from}", flush=True)
     logger.start(trainer.step)

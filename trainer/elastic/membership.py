@@ -163,8 +163,9 @@ class _QuorumSession:
         try:
             rows = self.wire.all_gather_floats(local.tolist(), context)
         except _ATTEMPT_FAILURES as exc:
-            print(f"worker {self.membership.worker}: metrics of {context} lost: {str(exc).splitlines()[0][:300]}",
-                  flush=True)
+            if self.membership.topology.is_logging_rank:
+                print(f"worker {self.membership.worker}: metrics of {context} lost: {str(exc).splitlines()[0][:300]}",
+                      flush=True)
             return None
         return [row or [0.0] * len(values) for row in rows]
 
