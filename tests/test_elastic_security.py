@@ -27,6 +27,7 @@ from trainer.elastic.tunnel import Gateway, Tunnel, TunnelError, _Direction, hos
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KEY = JobKey(b"k" * 32, "test-job")
 TIMEOUT = timedelta(seconds=5)
+REFUSED = (RuntimeError, TimeoutError)
 
 
 @pytest.fixture
@@ -52,9 +53,11 @@ def test_only_a_worker_holding_the_secret_joins_the_quorum(lighthouse):
             == ["worker0"]
         # A stranger speaking torchft's protocol straight to the lighthouse's port, and one with another
         # secret (claiming a far-ahead step, which would make every worker heal from it): both refused.
-        with pytest.raises(RuntimeError):
+        # torchft reports the gateway's hang-up as a RuntimeError, or as a TimeoutError when gRPC calls
+        # the dropped call "cancelled" (seen on a loaded machine); either way no quorum is returned.
+        with pytest.raises(REFUSED):
             ask_quorum(f"http://{lighthouse.address[0]}:{lighthouse.address[1]}", "worker9", 10**6)
-        with pytest.raises(RuntimeError):
+        with pytest.raises(REFUSED):
             ask_quorum(f"http://127.0.0.1:{impostor.address[1]}", "worker8", 10**6)
         deadline = time.monotonic() + 10  # the gateway counts a refusal when its side of the handshake ends
         while lighthouse.refused < 2 and time.monotonic() < deadline:
