@@ -1,8 +1,9 @@
 """Shared test fixtures: repository paths and the sample corpus shipped in `corpus/`.
 
 `--sample-corpus-only` runs just the tests that read the sample corpus (those requesting the
-`shakespeare` fixture, themselves or through a fixture of their module): test_fresh_clone runs them in a clone
-with nothing beside it, proving the repository carries everything they need."""
+`shakespeare` fixture, themselves or through a fixture of their module) and launch no training run:
+test_fresh_clone runs them in a clone with nothing beside it, proving the repository carries everything
+they need."""
 import os
 from pathlib import Path
 
@@ -56,7 +57,8 @@ def shakespeare() -> Path:
 
 def pytest_addoption(parser):
     parser.addoption("--sample-corpus-only", action="store_true",
-                     help="run only the tests that read the sample corpus (the `shakespeare` fixture's users)")
+                     help="run only the tests that read the sample corpus (the `shakespeare` fixture's users) "
+                          "and launch no training run")
 
 
 def _reads_the_sample_corpus(item) -> bool:
@@ -64,7 +66,7 @@ def _reads_the_sample_corpus(item) -> bool:
     reaches the corpus only through another module's fixture (a tokenizer trained on it) reads
     nothing more of it, so running it in the clone would add launches, not readers."""
     info = getattr(item, "_fixtureinfo", None)
-    if info is None:
+    if info is None or item.get_closest_marker("trains"):  # a training launch reads its prepared dataset
         return False
     if "shakespeare" in info.argnames:
         return True

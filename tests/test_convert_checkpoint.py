@@ -56,19 +56,6 @@ def test_export_from_t2p2_gives_the_training_models_logits(base, good_export):
     assert (logits - recorded).abs().max() < 1e-4 * recorded.abs().max()
 
 
-def test_paper_architecture_export_from_t2p2_verifies(base, tmp_path):
-    """--arch paper (pre+post norms, document masking, the paper's init) at T=2 P=2, exported as
-    Gemma3ForCausalLM: --verify compares transformers' logits with the trainer's on the probe (one
-    sequence without document masking: a Hugging Face model attends over its whole input)."""
-    ckpt = tmp_path / "ckpt"
-    check(launch(base, 4, tmp_path / "run", "--arch", "paper", "--tensor-model-parallel-size", "2",
-                 "--pipeline-model-parallel-size", "2", "--save", str(ckpt)))
-    result = convert(ckpt, tmp_path / "hf", "--verify")
-    assert result.returncode == 0 and "verify passed" in result.stdout, result.stdout + result.stderr
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
-    assert "T=2" in result.stdout  # the recorded probe came from the sharded training model
-
-
 def test_verify_fails_on_a_corrupted_checkpoint_shard(base, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(reference_checkpoint(base) / "ckpt" / "iter_0000006", ckpt / "iter_0000006")
@@ -100,6 +87,7 @@ def test_verify_fails_on_a_corrupted_export_tensor(base, good_export, tmp_path):
     assert "FAIL transformers export vs trainer model" in result.stdout
 
 
+@pytest.mark.trains
 def test_llama_export_with_tokenizer_loads_and_generates(base, shakespeare, tmp_path):
     from transformers import AutoTokenizer
 

@@ -1,5 +1,7 @@
 """A user who clones the repository has nothing beside it: the tests that read the sample corpus
-pass in a fresh clone of the committed tree inside an empty folder (no ../shared, no data)."""
+pass in a fresh clone of the committed tree inside an empty folder (no ../shared, no data). Tests
+that go on to launch a training run (marked `trains`) are left out there: past preprocessing they
+read nothing of the corpus, and the main suite runs them."""
 import os
 import re
 import subprocess
@@ -25,4 +27,4 @@ def test_sample_corpus_tests_pass_in_a_fresh_clone(tmp_path):
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) >= 30 and "failed" not in summary, summary
+    assert passed and int(passed.group(1)) >= 25 and "failed" not in summary, summary

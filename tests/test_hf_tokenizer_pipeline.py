@@ -17,6 +17,7 @@ from tokenizer.interface import load_tokenizer, tokenizer_sha256
 pytestmark = pytest.mark.timeout(900)
 
 
+@pytest.mark.trains
 def test_hf_tokenizer_preprocess_train_export_generate(hf_tokenizer_dir: Path, shakespeare: Path, tmp_path: Path,  # noqa: F811
                                                        monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -318,8 +318,9 @@ def test_muloco_k2_from_imported_qwen3_at_t2p2_starts_every_worker_from_its_weig
 
 @pytest.mark.parametrize("arch", ["llama", "paper"])
 def test_import_train_export_round_trip_at_t2p2(base, hf_models, t2p2_imports, tmp_path, arch):
-    """Also the export of a T=2 P=2 paper-architecture (Gemma3) checkpoint: --verify checks its logits
-    against the trainer's, and the trainer's against the sharded model's probe."""
+    """Also the export of a T=2 P=2 paper-architecture checkpoint (pre+post norms, document masking) as
+    Gemma3ForCausalLM: --verify checks transformers' logits against the trainer's, and the trainer's
+    against the probe the sharded training model recorded."""
     ckpt, _, code = t2p2_imports[arch]
     assert code == 0
     save = tmp_path / "ckpt"

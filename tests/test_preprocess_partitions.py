@@ -161,6 +161,7 @@ def blend_lines(path: Path) -> list[tuple[float, str]]:
             (line.split() for line in path.read_text().splitlines())]
 
 
+@pytest.mark.trains
 def test_merge_writes_a_token_weighted_blend_that_trains(one_partition: Path, three_partitions,
                                                          sentencepiece_model: Path, tmp_path: Path, capsys):  # noqa: F811
     folder, _ = three_partitions
