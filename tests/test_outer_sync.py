@@ -62,11 +62,11 @@ def elastic_config(**muloco) -> MuLoCoConfig:
     return MuLoCoConfig(**{"workers": 3, "sync_interval": 4, "elastic": ElasticConfig(lighthouse="http://x:1"), **muloco})
 
 
-def quorum_worker(rank: int, board: Board, config: MuLoCoConfig, wire=FakeWire) -> Worker:
+def quorum_worker(rank: int, board: Board, config: MuLoCoConfig, wire=FakeWire, quorum=FakeQuorum) -> Worker:
     """An elastic worker: a world of one rank (it logs), worker id `rank`, on a fake torchft quorum."""
     topology = Topology(ParallelSizes(1, 1, 1, 1), 0, RankCoordinates(rank, 0, 0, 0), None, None)
     membership = QuorumMembership(config, topology, KEY, worker=rank)
-    membership.quorum = FakeQuorum(board, rank, KEY, wire=wire)
+    membership.quorum = quorum(board, rank, KEY, wire=wire)
     worker = Worker(rank, config.workers, config, membership, topology)
     membership.loop = worker.loop
     return worker
@@ -181,7 +181,11 @@ def test_a_restarted_worker_catches_up_at_whichever_sync_its_peers_are_at(fragme
     config = elastic_config(streaming=StreamingConfig(fragments=fragments, overlap_steps=tau))
     board = Board(3)
     workers = [quorum_worker(r, board, config) for r in range(3)]
+    # Worker 2 dies after step 9's sync landed, before it asks for the quorum of a sync at step 10 (a
+    # member that dies after asking is in that quorum: the exchange fails and is retried, see test_elastic).
+    workers[2].loop.last_step = 9
     steps(workers, 1, 9)
+    workers[2].loop.close()
     restarted = quorum_worker(2, board, config)  # its outer state is the initial one: committed 0
     syncing = next(s for s in range(10, 20) if any(s % 4 == o for o in restarted.loop.offsets))
     steps(workers[:2], 10, syncing - 1) if syncing > 10 else None
@@ -245,3 +249,60 @@ def test_a_member_leaving_after_a_sync_loses_its_metrics_not_the_run():
         assert [r["outer_step"] for r in w.records] == [1, 2, 3]  # every sync applied once
         assert w.records[1].get("metrics_lost") is True and "bytes_sent_per_rank" not in w.records[1]
         assert all("bytes_sent_per_rank" in w.records[i] and "metrics_lost" not in w.records[i] for i in (0, 2))
+
+
+class CountedQuorum(FakeQuorum):
+    """Counts this member's quorum requests."""
+    asked = 0
+
+    def start(self) -> None:
+        self.asked += 1
+        super().start()
+
+
+class FirstQuorumFails(CountedQuorum):
+    """The first request fails on every member (the lighthouse was briefly unreachable)."""
+
+    def start(self) -> None:
+        if self.asked == 0:
+            self.asked += 1
+            raise RuntimeError("lighthouse unreachable")
+        super().start()
+
+
+def idle(workers: list[Worker]) -> None:
+    """Wait until every worker's background thread has run what was submitted to it."""
+    for w in workers:
+        w.loop._background.submit(lambda: None).result()
+
+
+@pytest.mark.parametrize("tau", [0, 1])
+def test_each_sync_asks_for_its_quorum_one_inner_step_ahead_and_uses_it(tau):
+    """The lighthouse's round trip overlaps the inner step before a sync: the request is made after
+    step H-1's hook, and the sync after step H makes none of its own."""
+    config = elastic_config(streaming=StreamingConfig(overlap_steps=tau))
+    board = Board(3)
+    workers = [quorum_worker(r, board, config, quorum=CountedQuorum) for r in range(3)]
+    asked = lambda: [w.loop.membership.quorum.asked for w in workers]  # noqa: E731
+    steps(workers, 1, 2)
+    idle(workers)
+    assert asked() == [0, 0, 0]
+    steps(workers, 3, 3)
+    idle(workers)
+    assert asked() == [1, 1, 1]  # during inner step 4
+    steps(workers, 4, 4 + tau)
+    idle(workers)
+    assert asked() == [1, 1, 1]
+    assert all(w.records[-1]["outer_step"] == 1 and w.records[-1]["attempts"] == 1 for w in workers)
+    assert len(checksums(workers)) == 1
+
+
+def test_a_quorum_asked_for_ahead_that_failed_is_asked_for_again_at_the_sync():
+    config = elastic_config()
+    board = Board(3)
+    workers = [quorum_worker(r, board, config, quorum=FirstQuorumFails) for r in range(3)]
+    steps(workers, 1, 8)
+    for w in workers:
+        assert [(r["outer_step"], r["attempts"]) for r in w.records] == [(1, 2), (2, 1)]
+        assert w.loop.membership.quorum.asked == 3
+    assert len(checksums(workers)) == 1

@@ -15,6 +15,7 @@ from trainer.training import Trainer
 def bare_trainer(step: int = 0) -> Trainer:
     trainer = Trainer.__new__(Trainer)  # the hook mechanism only; no model or engine
     trainer.step, trainer._step_hooks = step, OrderedDict()
+    trainer.config = SimpleNamespace(schedule=SimpleNamespace(train_iters=10))
     return trainer
 
 

@@ -17,6 +17,7 @@ sync's statistics (gathered off the critical path).
 """
 from __future__ import annotations
 
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Protocol
@@ -67,6 +68,11 @@ class Membership(Protocol):
     def join(self, loop, trainer) -> None: ...
 
     def leave(self) -> None: ...
+
+    def prepare(self, background: Executor, step: int) -> None:
+        """The sync launched after inner step `step` comes after the coming inner step: begin what it
+        needs from the other workers now. Work goes to `background`, the loop's thread that runs one
+        task at a time in submission order, so it runs after every earlier sync has finished."""
 
     def run(self, loop, task, sync: Callable[[Session], object]) -> object:
         """sync(session) for each attempt of the sync `task`, until one commits; returns its result."""
@@ -121,6 +127,9 @@ class StaticMembership:
 
     def leave(self) -> None:
         pass
+
+    def prepare(self, background: Executor, step: int) -> None:
+        pass  # the K workers' groups stand for the whole run
 
     replays_pending = True  # a checkpoint's in-flight syncs are replayed on load (every worker resumes together)
 

@@ -35,7 +35,9 @@ on the outer loop's own groups, so it never interleaves with the training loop's
 One sync body serves every membership: the single world's fixed K workers (StaticMembership) and
 the elastic mode's torchft quorum (trainer/elastic/membership.py), which may retry an attempt with a
 fresh quorum and hands a member that is behind the state of a peer first (`peer_state`,
-`load_peer_state`). The outer state is read for a peer by the background thread while the main
+`load_peer_state`). One inner step before a sync launches, the membership is told (`prepare`): the
+elastic one asks for its quorum then, on the background thread, so that the lighthouse's round trip
+overlaps that inner step instead of waiting on the sync's critical path. The outer state is read for a peer by the background thread while the main
 thread may apply a sync: one lock guards it.
 
 `with outer.attached_to(trainer): trainer.train()` joins the membership, runs `after_inner_step`
@@ -190,6 +192,7 @@ class OuterLoop:
         self.pending: list[_Pending] = []
         self.joining = False  # no pseudogradient of its own to contribute (an elastic start, or a state just loaded)
         self.trainer = None
+        self.last_step: int | None = None  # the trainer's last inner step: no sync is prepared past it
         self._state_lock = threading.Lock()  # the outer state: applied by the main thread, read for a peer
         self._background = ThreadPoolExecutor(max_workers=1)  # overlapped syncs and every sync's metrics
         self._statistics: list[Future] = []  # of records whose metrics are being reduced
@@ -223,7 +226,7 @@ class OuterLoop:
     def attached_to(self, trainer):
         """Join the membership, sync after each of `trainer`'s optimizer steps inside the block
         (`after_inner_step` is looked up at every step, so a wrapper installed later still runs)."""
-        self.trainer = trainer
+        self.trainer, self.last_step = trainer, trainer.config.schedule.train_iters
         try:
             self.membership.join(self, trainer)
             handle = trainer.register_step_hook(lambda step: self.after_inner_step(step))
@@ -267,6 +270,10 @@ class OuterLoop:
         for fragment, offset in enumerate(self.offsets):
             if step % self.config.sync_interval == offset:
                 self._launch(fragment, step)
+        if self.last_step is None or step < self.last_step:
+            for offset in self.offsets:
+                if (step + 1) % self.config.sync_interval == offset:
+                    self.membership.prepare(self._background, step + 1)
 
     def flush_metrics(self) -> None:
         """Wait for the metrics of the applied syncs and log them (every rank, together)."""

@@ -2,7 +2,8 @@
 quorum (trainer/elastic/quorum.py). The outer loop's sync body (trainer/diloco/outer_loop.py) runs
 once per attempt:
 
-1. quorum: the workers that are alive and at the sync (torchft lighthouse, through the tunnel);
+1. quorum: the workers that are alive and at the sync (torchft lighthouse, through the tunnel); the
+   first attempt's is asked for one inner step ahead (`prepare`), so its round trip overlaps that step;
 2. catch-up, only when torchft counts fewer members at the highest number of committed syncs than in
    the quorum: every member publishes (worker id, committed syncs), tagged; the first member that has
    them all sends its state and the sync's task to the members behind, over the quorum's group, tagged,
@@ -32,6 +33,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -185,6 +187,7 @@ class QuorumMembership:
         self.rejoined = False  # the state came from a peer in this sync
         self.start_deadline = 0.0
         self._at_start = False
+        self._prepared: dict[int, Future] = {}  # launch step -> its first attempt's quorum (None, or what failed)
 
     # -- joining and leaving ---------------------------------------------------------------------
 
@@ -217,13 +220,29 @@ class QuorumMembership:
 
     # -- one sync ---------------------------------------------------------------------------------
 
+    def prepare(self, background: Executor, step: int) -> None:
+        """Ask for the quorum of the sync launched after inner step `step` one inner step early: the
+        lighthouse's round trip, and the wait for a member still in its inner step, overlap that step.
+        A member that dies in it fails the exchange, which is retried with a fresh quorum."""
+        self._prepared[step] = background.submit(self._start_quorum)
+
+    def _start_quorum(self) -> BaseException | None:
+        try:
+            self.quorum.start()
+        except _ATTEMPT_FAILURES as exc:
+            return exc
+        return None
+
     def run(self, loop, task, sync):
+        prepared = self._prepared.pop(task.step, None)
         attempt = 0
         while True:
             attempt += 1
             result, error = None, None
             try:
-                self.quorum.start()
+                failed = prepared.result() if prepared is not None and attempt == 1 else self._start_quorum()
+                if failed is not None:
+                    raise failed
                 session = _QuorumSession(self, self.quorum.wire(self.config.link), attempt)
                 self._catch_up(session, task)
                 result = sync(session)
