@@ -19,6 +19,10 @@ Elastic cases are compared with `elastic nosync` (the same runs with syncs disab
 time of the sync's own work (`sync_cpu_seconds`: encode, decode, checks, tags, on the thread that ran
 it) and how long applying the result waited for the background sync (`apply_wait_seconds`), which
 tells a codec competing with the inner step for the rank's core from a link that is not hidden.
+Each rank (an elastic case's worker) runs on a core of its own (`--no-pin`: wherever the OS puts
+it): left to the OS, two workers on two cores share them unevenly, one 10-15% slower than the other
+in a run, and the waits of a synchronous step then swing the ratios by more than a sync's cost; pinned,
+a sync's own CPU work competes with its rank's inner step, as it does on a real worker's host.
 The cases are interleaved `--repeats` times, each repeat in an order rotated by one, so machine load
 drifts hit all of them alike. Throughput is the job's over the windows of H steps after the first
 (each window holds one sync; the first is warm-up): tokens over the time the slowest rank takes to
@@ -80,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--windows", type=int, default=2, help="measured windows of H steps per run (after one warm-up)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--no-pin", action="store_true",
+                   help="let the OS place the ranks (default: rank, or elastic worker, k on core k mod cores)")
     p.add_argument("--cases", nargs="+", help="run only these cases (and their baselines)")
     p.add_argument("--workdir", help=argparse.SUPPRESS)  # these three are set by the launcher
     p.add_argument("--case", help=argparse.SUPPRESS)
@@ -114,6 +120,10 @@ def steps(args: argparse.Namespace) -> int:
 def train_one(args: argparse.Namespace) -> None:
     """One rank of run `--run-index` (case `--case`); it writes its metrics.jsonl and step times under
     the workdir."""
+    if not args.no_pin:  # before torch starts its threads: they inherit the core
+        k = args.worker_id if args.worker_id is not None else int(os.environ["LOCAL_RANK"])
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[k % len(cores)]})
     import deepspeed
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
@@ -176,7 +186,7 @@ def launch(args: argparse.Namespace, name: str, i: int, workdir: str, env: dict)
     elastic case a lighthouse and one single-process job per worker."""
     forwarded = [__file__, "--model", args.model, "--sync-interval", str(args.sync_interval), "--windows",
                  str(args.windows), "--seq-length", str(args.seq_length), "--workdir", workdir, "--case", name,
-                 "--run-index", str(i)]
+                 "--run-index", str(i), *(["--no-pin"] if args.no_pin else [])]
     if not name.startswith("elastic"):
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         *forwarded], check=True, env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
@@ -231,7 +241,7 @@ def main() -> None:
     baselines = {name: statistics.median(tokens[baseline_of(name)]) for name in names}
     print(f"model {args.model}, K = 2 workers x 4 sequences x {args.seq_length} tokens per step, H = {args.sync_interval}, "
           f"4-bit statistical + EF, link {SLOW_LINK['bandwidth_gbit_s']} Gbit/s + {SLOW_LINK['latency_ms']} ms; "
-          f"medians of {args.repeats} interleaved runs")
+          f"medians of {args.repeats} interleaved runs; ranks {'not pinned' if args.no_pin else 'pinned to cores'}")
     print(f"{'case':<26} {'tokens/s':>9} {'overhead_vs_nosync':>19} {'runs (tokens/s)':>26} {'round trips':>12} "
           f"{'background':>11} {'sync s':>7} {'link s':>7} {'sync CPU s':>11} {'apply wait s':>13} {'MB/rank/sync':>13}")
     rows = []
@@ -255,6 +265,7 @@ def main() -> None:
               f"{row['sync_seconds']:>7.3f} {row['link_seconds']:>7.3f} {row['sync_cpu_seconds']:>11.3f} "
               f"{row['apply_wait_seconds']:>13.3f} {row['bytes_per_rank_per_sync'] / 1e6:>13.3f}")
     print(json.dumps({"model": args.model, "sync_interval": args.sync_interval, "repeats": args.repeats,
+                      "pinned": not args.no_pin,
                       "load_average": os.getloadavg(), "rows": rows}))
 
 
