@@ -37,8 +37,8 @@ the elastic mode's torchft quorum (trainer/elastic/membership.py), which may ret
 fresh quorum and hands a member that is behind the state of a peer first (`peer_state`,
 `load_peer_state`). One inner step before a sync launches, the membership is told (`prepare`): the
 elastic one asks for its quorum then, on the background thread, so that the lighthouse's round trip
-overlaps that inner step instead of waiting on the sync's critical path. The outer state is read for a peer by the background thread while the main
-thread may apply a sync: one lock guards it.
+overlaps that inner step instead of waiting on the sync's critical path. The outer state is read for
+a peer by the background thread while the main thread may apply a sync: one lock guards it.
 
 `with outer.attached_to(trainer): trainer.train()` joins the membership, runs `after_inner_step`
 after every optimizer step of the block (a trainer step hook), and detaches and leaves on exit.

@@ -187,7 +187,7 @@ class QuorumMembership:
         self.rejoined = False  # the state came from a peer in this sync
         self.start_deadline = 0.0
         self._at_start = False
-        self._prepared: dict[int, Future] = {}  # launch step -> its first attempt's quorum (None, or what failed)
+        self._prepared: dict[int, Future] = {}  # launch step -> its first attempt's quorum request
 
     # -- joining and leaving ---------------------------------------------------------------------
 
@@ -224,14 +224,7 @@ class QuorumMembership:
         """Ask for the quorum of the sync launched after inner step `step` one inner step early: the
         lighthouse's round trip, and the wait for a member still in its inner step, overlap that step.
         A member that dies in it fails the exchange, which is retried with a fresh quorum."""
-        self._prepared[step] = background.submit(self._start_quorum)
-
-    def _start_quorum(self) -> BaseException | None:
-        try:
-            self.quorum.start()
-        except _ATTEMPT_FAILURES as exc:
-            return exc
-        return None
+        self._prepared[step] = background.submit(self.quorum.start)
 
     def run(self, loop, task, sync):
         prepared = self._prepared.pop(task.step, None)
@@ -240,9 +233,10 @@ class QuorumMembership:
             attempt += 1
             result, error = None, None
             try:
-                failed = prepared.result() if prepared is not None and attempt == 1 else self._start_quorum()
-                if failed is not None:
-                    raise failed
+                if prepared is not None and attempt == 1:
+                    prepared.result()  # raises what the early request raised
+                else:
+                    self.quorum.start()
                 session = _QuorumSession(self, self.quorum.wire(self.config.link), attempt)
                 self._catch_up(session, task)
                 result = sync(session)
