@@ -1,6 +1,7 @@
 """Crafted and damaged checkpoints, each with a meta.json whose SHA-256 matches the bad content, are
 refused with one `checkpoint error:` line naming the file and the field: meta.json and `latest` by the
-reader, a rank's tree by trainer/checkpoint/schema.py (the check resume makes before loading).
+reader, a rank's tree by trainer/checkpoint/schema.py (the check resume makes before loading), and each
+weight a weights start (--finetune, a weights-only checkpoint) takes alone.
 
 The checkpoint crafted from is the suite's T=2 P=2 reference (tests/_ckpt_runs.py); "this run" is
 the one that wrote it, so the good rank file's own form is the form expected of the crafted one.
@@ -56,9 +57,9 @@ def _edit_meta(root: Path, edit: Callable[[dict], object]) -> None:
     _meta_file(root).write_text(json.dumps(meta))
 
 
-def _reseal(root: Path) -> None:
+def _reseal(root: Path, rank: int = RANK) -> None:
     """meta.json records the rank file's new SHA-256: the damage is not a checksum mismatch."""
-    path = rank_file(root / f"iter_{STEP:07d}", RANK)
+    path = rank_file(root / f"iter_{STEP:07d}", rank)
     _edit_meta(root, lambda m: m["rank_files"].__setitem__(path.name, sha256_of(path)))
 
 
@@ -289,6 +290,72 @@ def test_the_good_rank_file_passes_and_nothing_else_moved(good, tmp_path):
     assert state["step"] == STEP
     assert random.getstate() == before[0] and (np.random.get_state()[1] == before[1]).all()
     assert torch.equal(torch.get_rng_state(), before[2]), "checking an RNG state must not load it"
+
+
+# -- a weights start (--finetune, a weights-only checkpoint) reads the weights alone -------------------
+
+NORM = "decoder.final_layernorm.weight"  # replicated: only tensor rank 0's copy is read
+INPUT_NORM = "decoder.layers.0.input_layernorm.weight"
+WEIGHTS_CASES = {
+    "NaN weight": (RANK, _scale("model/" + EMBEDDING, lambda t: t.index_fill(0, torch.tensor([3]), math.nan)),
+                   rf"model\.{EMBEDDING} holds NaN or infinite values"),
+    # copy_ would broadcast it over the whole norm
+    "a (1,) norm weight": (2, _scale("model/" + NORM, lambda t: t[:1].clone()),
+                           rf"model\.{NORM} must be a floating-point tensor of shape \(128,\) \(in the T=1 layout\), "
+                           r"got a float32 tensor of shape \(1,\)"),
+    "one shard short a row": (RANK, _scale("model/" + EMBEDDING, lambda t: t[1:].clone()),
+                              rf"model\.{EMBEDDING} must be a floating-point tensor of shape \(1024, 128\)"),
+    "shards that do not fit": (RANK, _scale("model/" + EMBEDDING, lambda t: t[0].clone()),
+                               rf"the shards of model\.{EMBEDDING} do not fit together"),
+    "integer weights": (0, _scale("model/" + INPUT_NORM, lambda t: t.long()),
+                        rf"model\.{INPUT_NORM} must be a floating-point tensor of shape \(128,\) \(in the T=1 layout\), got a "
+                        r"int64 tensor"),
+}
+
+
+def _start_from_weights(root: Path) -> torch.nn.Module:
+    """A T=1 P=1 run of the checkpoint's model given --load ROOT --finetune, as the entry point starts it."""
+    from trainer_harness import megatron_world_of_one
+
+    from trainer.checkpoint.checkpointer import start_from_weights
+    from trainer.checkpoint.format import checkpoint_args
+    from trainer.config import build_parser, resolve
+    from trainer.model.builder import build_model
+
+    args = build_parser().parse_args(["--ds_config", "ds_configs/cpu_tiny_muon.json", "--data-path", "x",
+                                      "--load", str(root), "--finetune", "--use-checkpoint-args"])
+    config = resolve(args, 1, checkpoint_args(args.load))
+    padded = CheckpointReader(root).meta.padded_vocab_size
+    with megatron_world_of_one():
+        model = build_model(config.model, padded)
+        assert "--finetune" in start_from_weights(config, model, padded)
+    return model
+
+
+def test_a_weights_start_takes_every_weight_of_the_good_checkpoint(good, tmp_path):
+    from trainer.model.builder import canonical_names
+
+    root = _copy(good, tmp_path)
+    model = _start_from_weights(root)
+    reader = CheckpointReader(root)
+    stage_of = reader.stage_of(0, 0)
+    for name, param in model.named_parameters():
+        name = canonical_names(model)[name]
+        assert torch.equal(param, reader.full_tensor(reader.stage_ranks(0, 0, stage_of[name]), name,
+                                                     lambda s: s["model"][name])), name
+
+
+@pytest.mark.parametrize("case", WEIGHTS_CASES)
+def test_a_weights_start_refuses_a_crafted_weight_in_one_line(good, tmp_path, capsys, case):
+    rank, craft, message = WEIGHTS_CASES[case]
+    root = _copy(good, tmp_path)
+    craft(rank_file(root / good.name, rank))
+    _reseal(root, rank)
+    with pytest.raises(SystemExit):
+        _start_from_weights(root)
+    line = capsys.readouterr().err.strip()
+    print(line)
+    assert "\n" not in line and re.match(rf"checkpoint error: {re.escape(str(root / good.name))}: {message}", line), line
 
 
 def _own_form(state: dict) -> dict:

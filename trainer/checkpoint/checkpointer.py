@@ -23,7 +23,7 @@ from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.format import (COMPLETE, CheckpointMeta, CheckpointReader, iteration_dir,
                                        latest_iteration, prune, publish, rank_file, remove_incomplete, sha256_of)
 from trainer.checkpoint.rank_file import to_plain, write_rank_file
-from trainer.checkpoint.schema import check_rank_state, checked_rank_state, own_form
+from trainer.checkpoint.schema import check_rank_state, check_weight, checked_rank_state, own_form
 from trainer.config import RunConfig
 from trainer.durable import write_durably, write_text_durably
 from trainer.failures import stop_together
@@ -172,8 +172,15 @@ def _assign_weights(config: RunConfig, model: torch.nn.Module, padded_vocab_size
     names = set(canonical_names(model).values())
     if not names <= set(stage_of):
         raise CheckpointError(f"checkpoint lacks parameters {sorted(names - set(stage_of))[:5]}")
-    assign_full_weights(model, lambda name, _: reader.full_tensor(reader.stage_ranks(worker, 0, stage_of[name]),
-                                                                  name, lambda s: s["model"][name]))
+
+    def weight(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        try:
+            full = reader.full_tensor(reader.stage_ranks(worker, 0, stage_of[name]), name, lambda s: s["model"][name])
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as err:  # crafted shards that do not fit
+            raise CheckpointError(f"{reader.directory}: the shards of model.{name} do not fit together ({err})") from None
+        return check_weight(full, name, shape, str(reader.directory))
+
+    assign_full_weights(model, weight)
     kind = "weights-only checkpoint" if meta.weights_only else "--finetune"
     return f"the weights of worker {worker} of {reader.directory} ({meta.describe_layout()}, {kind}), at step 0"
 

@@ -91,6 +91,20 @@ def state_problems(state: Any, step: int, params: Mapping[str, torch.Tensor], ow
     return problems
 
 
+def check_weight(value: Any, name: str, shape: tuple[int, ...], source: str) -> torch.Tensor:
+    """One weight taken alone (--finetune, a weights-only start), in its full T=1 layout: a finite
+    floating-point tensor of the parameter's full shape (any float dtype: `copy_` converts it, but it
+    would broadcast a smaller shape). Returns it, or raises CheckpointError naming `source` and `name`."""
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point() or tuple(value.shape) != shape:
+        got = (f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
+               if isinstance(value, torch.Tensor) else _kind(value))
+        raise CheckpointError(f"{source}: model.{name} must be a floating-point tensor of shape {shape} "
+                              f"(in the T=1 layout), got {got}")
+    if not bool(torch.isfinite(value).all()):
+        raise CheckpointError(f"{source}: model.{name} holds NaN or infinite values")
+    return value
+
+
 def _model_problems(model: Any, params: Mapping[str, torch.Tensor]) -> list[str]:
     if not isinstance(model, Mapping):
         return [f"model must be a dict of tensors, got {_kind(model)}"]
