@@ -3,12 +3,13 @@ recipe, `--recipe paper` filling a ds_config, the ds_config layout check, and ev
 layout fitting an 80 GB GPU in the planner."""
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from tools import plan as planner
-from trainer.config import build_parser, resolve
+from trainer.config import CheckpointArgs, build_parser, resolve
 from trainer.errors import ConfigError
 from trainer.model.presets import PRESETS, parameter_count
 from tools.write_gpu_configs import GPU_CONFIGS, gpu_ds_config
@@ -81,6 +82,34 @@ def _resolve(ds: dict, tmp_path, world: int, *flags: str):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ds))
     return resolve(build_parser().parse_args(["--ds_config", str(path), "--data-path", "x", *flags]), world)
+
+
+def test_with_use_checkpoint_args_the_config_is_checked_against_the_checkpoints_model(tmp_path):
+    """The model is the checkpoint's then, whatever --model says (default tiny): a 150m checkpoint runs
+    with the config made for 150m, and --recipe takes the 150m rules."""
+    path = tmp_path / "ds.json"
+    path.write_text((DS_CONFIGS / "gpu_150m_muloco_k1.json").read_text())
+
+    def resolved(model, *flags):
+        args = build_parser().parse_args(["--ds_config", str(path), "--data-path", "x", "--load", "ckpt",
+                                          "--use-checkpoint-args", *flags])
+        return resolve(args, 8, CheckpointArgs(model, 1000, None))
+
+    checkpoint_150m = replace(PRESETS["150m"], seq_length=1024, num_query_groups=2)  # a variant of the preset
+    assert resolved(checkpoint_150m).model == checkpoint_150m
+    assert "150m" in resolved(checkpoint_150m, "--recipe", "paper").recipe_table
+    with pytest.raises(ConfigError, match=r"made for --model 150m \(its recipe block\), not the --load checkpoint's "
+                                          r"model \(--use-checkpoint-args\), which is preset 416m \(num_layers 12, "):
+        resolved(PRESETS["416m"])
+    other = replace(PRESETS["150m"], hidden_size=384)
+    with pytest.raises(ConfigError, match=r"not the --load checkpoint's model .*, which is no preset \(num_layers 6, "
+                                          r"hidden_size 384, num_attention_heads 4, ffn_hidden_size 1408, kv_channels "
+                                          r"128\)"):
+        resolved(other)
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "recipe"}))
+    with pytest.raises(ConfigError, match=r"--recipe paper has rules for the presets only, and the model is the --load "
+                                          r"checkpoint's model .*, which is no preset"):
+        resolved(other, "--recipe", "paper")
 
 
 def test_layout_mismatch_is_a_configuration_error(tmp_path):

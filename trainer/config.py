@@ -25,7 +25,7 @@ from trainer.diloco.config import MuLoCoConfig
 from trainer.ds_config import DsConfig, load_ds_config, read_json_object
 from trainer.elastic.config import check_worker_id
 from trainer.errors import ConfigError
-from trainer.model.presets import ARCHITECTURES, PRESETS, ModelShape
+from trainer.model.presets import ARCHITECTURES, PRESET_SIZES, PRESETS, ModelShape, preset_of
 from trainer.model.stages import stage_layers
 from trainer.optim.config import OptimizerConfig, OptimizerName, retyped
 from trainer.recipe import fill_ds_config
@@ -263,10 +263,11 @@ def resolve(args: argparse.Namespace, world_size: int, checkpoint: CheckpointArg
     check it against the world and the model."""
     raw, origins = with_flags(read_json_object(args.ds_config), args)
     ds = load_ds_config(raw, origins)
-    ds.check_model(args.model)
-    sizes = _parallel_sizes(ds, args, world_size)
     if args.use_checkpoint_args and checkpoint is None:  # trainer.checkpoint.format.checkpoint_args reads it
         raise ConfigError("--use-checkpoint-args: the --load checkpoint was not read")
+    preset, run_model = _preset(args, checkpoint)
+    ds.check_model(preset, run_model)
+    sizes = _parallel_sizes(ds, args, world_size)
     shape = model_shape(args, checkpoint.model if checkpoint else None)
     saved_tokenizer = checkpoint.tokenizer_model if checkpoint else None
     tokenizer_model = args.tokenizer_model or (saved_tokenizer if args.vocab_size is None else None)
@@ -275,7 +276,9 @@ def resolve(args: argparse.Namespace, world_size: int, checkpoint: CheckpointArg
                         _accumulation(ds, args.global_batch_size, sizes.data, sizes.workers), sizes.data, sizes.workers)
     recipe_table = None
     if args.recipe is not None:  # fills what the ds_config (and the flags) leave out
-        recipe_table = fill_ds_config(raw, ds, args.model, batch.global_batch, set(origins))
+        if preset is None:
+            raise ConfigError(f"--recipe {args.recipe} has rules for the presets only, and the model is {run_model}")
+        recipe_table = fill_ds_config(raw, ds, preset, batch.global_batch, set(origins))
         ds = load_ds_config(raw, origins)
     run_dir = args.run_dir or str(Path("runs") / Path(args.ds_config).stem)
     return RunConfig(
@@ -342,6 +345,17 @@ def check_environment(config: RunConfig, device_type: str) -> None:
             problems.append(str(err))
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def _preset(args: argparse.Namespace, checkpoint: CheckpointArgs | None) -> tuple[str | None, str]:
+    """The run's model preset (None if its model is none) and how an error names that model: with
+    --use-checkpoint-args the model is the checkpoint's, whatever --model says."""
+    if checkpoint is None:
+        return args.model, args.model
+    preset = preset_of(checkpoint.model)
+    sizes = ", ".join(f"{f} {getattr(checkpoint.model, f)}" for f in PRESET_SIZES)
+    return preset, (f"the --load checkpoint's model (--use-checkpoint-args), which is "
+                    f"{f'preset {preset}' if preset else 'no preset'} ({sizes})")
 
 
 def model_shape(args: argparse.Namespace, base: ModelShape | None = None) -> ModelShape:

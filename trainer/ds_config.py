@@ -94,11 +94,12 @@ class DsConfig(ConfigBlock):
                                                  "dump_state", "flops_profiler", "comms_logger", "tensorboard",
                                                  "wandb", "csv_monitor")
 
-    def check_model(self, preset: str) -> None:
-        """A generated config's batch, weight decay and steps belong to the model it was made for."""
+    def check_model(self, preset: str | None, run_model: str | None = None) -> None:
+        """A generated config's batch, weight decay and steps belong to the model it was made for
+        (`preset`: the run's, None when its model is no preset; `run_model` names the run's model)."""
         if self.recipe is not None and self.recipe.model not in (None, preset):
             raise ConfigError(f"the ds_config's batch, weight decay and steps were made for --model "
-                              f"{self.recipe.model} (its recipe block), not {preset}")
+                              f"{self.recipe.model} (its recipe block), not {run_model or preset}")
 
     def deepspeed_keys(self) -> dict[str, Any]:
         """The pass-through keys the config sets, for deepspeed.initialize."""

@@ -69,6 +69,16 @@ PRESETS: dict[str, ModelShape] = {
     "15b": ModelShape(54, 4608, 36, 12672),
 }
 
+# What makes a model a preset's; the other fields (attention groups, architecture, RoPE base, sequence
+# length, init) have flags that vary a preset.
+PRESET_SIZES = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels")
+
+
+def preset_of(shape: ModelShape) -> str | None:
+    """The preset `shape` is a variant of (a checkpoint's model, for --use-checkpoint-args), or None."""
+    return next((name for name, preset in PRESETS.items()
+                 if all(getattr(preset, f) == getattr(shape, f) for f in PRESET_SIZES)), None)
+
 
 def parameter_count(shape: ModelShape, vocab_size: int) -> int:
     """Parameters of the whole model: per layer Q, K, V and output projections, SwiGLU (gate, up,
