@@ -5,8 +5,8 @@ transformers builds offline from a config, each with a tokenizer.json of fewer i
   T x P probe, against transformers'; the round trip back to Hugging Face tensors;
 - every feature the trainer cannot represent is refused with one error naming it, before anything
   is written;
-- import -> train at T=2 P=2 -> export -> transformers, for each architecture; Qwen3 as MuLoCo K=2,
-  whose workers (and the outer loop's global copy) all start from the imported weights;
+- import -> train at T=2 P=2 -> export -> transformers, for each architecture; Qwen3 as MuLoCo K=2 at
+  T=2 P=1, whose workers (and the outer loop's global copy) all start from the imported weights;
 - the trainer's flags: --finetune from one of its own checkpoints, --no-load-optim/--no-load-rng,
   --use-checkpoint-args, and their refusals."""
 import contextlib
@@ -287,12 +287,13 @@ def _export_and_load(ckpt: Path, out: Path, hf_folder: Path) -> str:
     return result.stdout
 
 
-def test_muloco_k2_from_imported_qwen3_at_t2p2_starts_every_worker_from_its_weights(
+def test_muloco_k2_at_t2_from_a_t2p2_import_starts_every_worker_from_its_weights(
         base, hf_models, t2p2_imports, tmp_path):
+    """K=2 x T=2 x P=1 from the T=2 P=2 import: each worker takes the weights, resharded to one stage."""
     ckpt, _, code = t2p2_imports["qwen3"]
     assert code == 0
     save = tmp_path / "ckpt"
-    result = check(launch(base, 8, tmp_path / "run", *_train_flags(ckpt, save), *T2P2,
+    result = check(launch(base, 4, tmp_path / "run", *_train_flags(ckpt, save), "--tensor-model-parallel-size", "2",
                           "--train-iters", "10", "--save-interval", "5", ds_config="ds_configs/cpu_tiny_muloco.json",
                           data_flags=_data(base, None)))
     assert "started from the weights of worker 0" in result.stdout and "weights-only checkpoint" in result.stdout
@@ -302,13 +303,15 @@ def test_muloco_k2_from_imported_qwen3_at_t2p2_starts_every_worker_from_its_weig
     assert sorted(trained) == list(range(1, 11)) and trained[10] < trained[1]
     # Before the first outer sync (H=10), the outer loop's global copy is the weights every worker started from.
     imported, run = CheckpointReader(ckpt), CheckpointReader(save, 5)
-    assert run.meta.sizes.workers == 2 and run.meta.vocab_size == ROWS
+    assert (run.meta.sizes.workers, run.meta.sizes.pipeline, run.meta.vocab_size) == (2, 1, ROWS)
+    stage_of = imported.stage_of(0, 0)
+    assert set(stage_of.values()) == {0, 1}
     for rank, coords in enumerate(run.meta.ranks):
         state = run.rank_state(rank)
         global_weights = state["extra"]["muloco"]["global_weights"]
-        assert set(global_weights) == set(state["model"])
+        assert set(global_weights) == set(state["model"]) == set(stage_of)
         for name, weight in global_weights.items():
-            ranks = imported.stage_ranks(0, 0, coords.pipeline)
+            ranks = imported.stage_ranks(0, 0, stage_of[name])
             start = shard(imported.full_tensor(ranks, name, lambda s: s["model"][name]), layout_of(name),
                           coords.tensor, 2)
             assert torch.equal(weight, start), f"worker {coords.worker}: {name} did not start from the import"

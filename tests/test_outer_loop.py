@@ -1,5 +1,6 @@
 """The MuLoCo outer loop end to end (issue 5): identities of the algorithm on real multi-process CPU
-trainings, the NaN/outlier guard, streaming with overlap, and the CLI run.
+trainings, the NaN/outlier guard, streaming with overlap, and the CLI run (whose sync bytes are
+tools/plan.py's).
 
 Start-up dominates on CPU, so tests/_outer_probe.py runs several short trainings per launch: two
 2-rank and two 4-rank launches serve every identity; the CLI test is one more launch.
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tools import plan as planner
 from _probe_common import load_rank_dumps, worker_weights
 from synthetic_data import write_markov_dataset
 from trainer_harness import PRETRAIN, REPO_ROOT, LaunchResult, deepspeed_launch, read_metrics, shared_memory_files
@@ -327,6 +329,12 @@ def test_cli_k2_t2_four_bit_error_feedback_run_learns_and_logs_outer_syncs(workd
         assert r["pseudograd_norm"] > 0 and 0 < r["pseudograd_cosine"] <= 1
         assert r["bytes_sent_per_rank"] > 0 and 0 < r["compression_error"] < 0.5 and r["sync_seconds"] > 0
         assert (r["round_trips"], r["background_round_trips"]) == (1, 1)  # all-gather with the vote; metrics
+    # tools/plan.py prices each sync by the bytes the trainer's collectives send (here an all-gather at T=2).
+    plan = planner.make_plan(planner.inputs_from_args(planner.build_parser().parse_args([
+        "--model", "tiny", "--seq-length", "128", "--vocab-size", str(VOCAB), "--tensor", "2", "--data", "1",
+        "--global-batch", "8", "--micro-batch", "4", "--ds-config", str(MULOCO_CONFIG)])))
+    assert {r["bytes_sent_per_rank"] for r in syncs} == {plan.sync.per_rank_mean}
+    assert plan.sync.per_rank_max >= plan.sync.per_rank_mean
 
 
 @pytest.mark.parametrize("block, message", [
