@@ -23,7 +23,7 @@ from tools.compare.records import AlignmentRecord, BranchKey, RecordError, Recor
 from tools.compare.report import BEGIN, END, SUMMARY_BEGIN, SUMMARY_END, combined_verdict, write_corpus, \
     write_readme, write_verdict_summary
 from tools.compare.stats import alignment_stats, alignment_summaries, loss_stats, losses, selected
-from tools.compare.verdicts import (FAILS, HOLDS, INCONCLUSIVE, NOT_RUN, Stat, all_of, less, non_inferior,
+from tools.compare.verdicts import (FAILS, HOLDS, INCONCLUSIVE, NOT_RUN, PENDING, Stat, all_of, less, non_inferior,
                                     smaller_increase, smaller_relative_gap, t_quantile)
 from trainer.model.presets import PRESETS
 
@@ -224,6 +224,48 @@ def test_trend_tests_and_combinations():
     assert combined_verdict([HOLDS, HOLDS]) == HOLDS and combined_verdict([HOLDS, INCONCLUSIVE]) == INCONCLUSIVE
     assert combined_verdict([HOLDS, FAILS]) == "mixed"
     assert combined_verdict([HOLDS, NOT_RUN]) == HOLDS and combined_verdict([NOT_RUN]) == NOT_RUN
+    assert combined_verdict([PENDING, NOT_RUN]) == PENDING and combined_verdict([HOLDS, PENDING]) == "holds so far"
+    assert combined_verdict([FAILS, PENDING, INCONCLUSIVE]) == "does not hold so far"
+
+
+def test_a_report_while_the_selection_is_under_way_shows_its_runs_and_pending_claims(tmp_path):
+    """Seed-0 runs only, no method's setting chosen yet: the report lists each method's runs so far,
+    and every claim of the corpus's methods is pending (not 'not run', and no verdict)."""
+    methods = [Method.load(m) for m in ("dp_muon", "muloco_k2")]
+    runs = {r.key: r for r in (run_record("dp_muon", 0.01, loss=4.2), run_record("dp_muon", 0.02, loss=4.1),
+                               run_record("muloco_k2", 0.01, 1.0, loss=4.4))}
+    settings = replace(SETTINGS, methods=("dp_muon", "muloco_k2"))
+    report = write_corpus("shakespeare", methods, settings, runs, {}, tmp_path / "shakespeare", [])
+    assert "No runs recorded yet" not in report.markdown
+    assert "Selection still under way on seed 0" in report.markdown
+    assert "| dp_muon | 1 | 0.01: 4.2000, 0.02: 4.1000 |" in report.markdown
+    assert "| muloco_k2 | 2 | 0.01/1: 4.4000 |" in report.markdown
+    verdicts = {c.key: c.verdict for c in report.claims}
+    assert verdicts["a"] == NOT_RUN  # this corpus runs no MuLoCo K=1 or DP AdamW
+    empty = write_corpus("shakespeare", methods, settings, {}, {}, tmp_path / "empty", [])
+    assert "No runs recorded yet." in empty.markdown and "Selection still under way" not in empty.markdown
+    every = [Method.load(m) for m in METHOD_ORDER]
+    full = write_corpus("shakespeare", every, replace(SETTINGS, methods=tuple(METHOD_ORDER)), runs, {},
+                        tmp_path / "every", [])
+    assert {c.verdict for c in full.claims} == {PENDING}
+
+
+def test_a_report_from_the_records_alone_has_the_corpuss_methods_and_seeds(tmp_path):
+    """--report-only while the selection is under way: the report is the one the sweep writes (every
+    method of the corpus, the default test seeds), not one of the methods that happen to have runs."""
+    from tools.compare_methods import main
+
+    (tmp_path / "shakespeare").mkdir()
+    runs = RecordFile(tmp_path / "shakespeare" / "runs.jsonl", RunRecord)
+    for r in (run_record("dp_muon", 0.01, loss=4.2), run_record("muloco_k2", 0.01, 1.0, loss=4.4)):
+        runs.append(r)
+    assert main(["--report-only", "--out", str(tmp_path)]) == 0
+    written = json.loads((tmp_path / "shakespeare" / "settings.json").read_text())
+    assert written["methods"] == list(METHOD_ORDER) and written["runs"] == 2
+    assert (written["test_seeds"], written["more_test_seeds"]) == ([1, 2, 3], [4, 5])
+    (d1,) = [line for line in (tmp_path / "README.md").read_text().splitlines()
+             if line.startswith("| (d1) ") and line.count("|") > 6]
+    assert d1.endswith("| - | pending | pending | - |"), d1
 
 
 @pytest.mark.parametrize("df", [1, 2, 4, 9, 30])
@@ -415,7 +457,7 @@ def test_report_from_synthetic_records(tmp_path):
                           tmp_path / "shakespeare", [])
     verdicts = {c.key: c.verdict for c in report.claims}
     assert verdicts["b"] == HOLDS and verdicts["d1"] == NOT_RUN  # no compressed variant
-    assert verdicts["e"] == NOT_RUN  # measured at K=2 only
+    assert verdicts["e"] == PENDING  # measured at K=2 only: K=4 and 8 are run, their alignment is not
     rows = (tmp_path / "shakespeare" / "summary.csv").read_text().splitlines()
     assert rows[0].startswith("corpus,method,workers,inner,compression,inner_lr,inner_lr_at_edge,outer_lr")
     assert len(rows) == 1 + len(methods)

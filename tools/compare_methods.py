@@ -53,15 +53,19 @@ def default_methods(corpus: str) -> tuple[str, ...]:
 
 
 def _recorded_settings(corpus: str, runs: dict) -> Settings:
-    """The settings the records were made with, for a report from the records alone."""
+    """The settings the records were made with, for a report from the records alone: the corpus's
+    methods are its default ones and any other it has records of; the test seeds are the defaults
+    until records name others (a sweep still selecting has none)."""
+    default = Settings(methods=default_methods(corpus))
     if not runs:
-        return Settings(methods=default_methods(corpus))
+        return default
     protocol = next(iter(runs.values())).protocol
     seeds = sorted({s.seed for s in runs} - {protocol["selection_seed"]})
     return Settings(**{k: protocol[k] for k in ("steps", "sync_interval", "warmup", "global_batch", "eval_batches",
                                                 "selection_seed")},
-                    test_seeds=tuple(seeds[:3]), more_test_seeds=tuple(seeds[3:]),
-                    methods=tuple(m for m in METHOD_ORDER if any(s.method == m for s in runs)))
+                    test_seeds=tuple(seeds[:3]) or default.test_seeds,
+                    more_test_seeds=tuple(seeds[3:]) or default.more_test_seeds,
+                    methods=tuple(m for m in METHOD_ORDER if m in default.methods or any(s.method == m for s in runs)))
 
 
 def _report_corpus(out: Path, corpus: str, settings: Settings | None, failures: list[str]) -> CorpusReport:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tools.compare.methods import KS
-from tools.compare.verdicts import (INCONCLUSIVE, LOSSLESS_MARGIN, MIN_SEEDS, NON_INFERIORITY_MARGIN, NOT_RUN, Stat,
-                                    Test, all_of, less, non_inferior, smaller_increase, smaller_relative_gap)
+from tools.compare.verdicts import (INCONCLUSIVE, LOSSLESS_MARGIN, MIN_SEEDS, NON_INFERIORITY_MARGIN, NOT_RUN, PENDING,
+                                    Stat, Test, all_of, less, non_inferior, smaller_increase, smaller_relative_gap)
 
 # The paper's 150M numbers (arXiv 2505.23725, final eval loss) by method; K=16 where it reports K>1.
 PAPER_150M = {"dp_adamw": 3.158, "dp_muon": 3.124, "muloco_k1": 3.120, "diloco_k1": 3.142}
@@ -21,7 +21,7 @@ class Claim:
     paper: str
     tests: tuple[Test, ...]
     verdict: str
-    needs: tuple[str, ...]  # the methods it compares: a corpus that ran fewer has NOT_RUN
+    needs: tuple[str, ...]  # the methods it compares: NOT_RUN on a corpus that runs fewer
     on_alignment: bool = False  # tested on the alignment measure, not on val losses
 
 
@@ -31,8 +31,8 @@ def _claim(key, text, paper, tests, needs, on_alignment=False) -> Claim:
 
 def claims(loss: dict[str, Stat], alignment: dict[str, Stat], methods: tuple[str, ...]) -> list[Claim]:
     """Every claim on the given stats (method -> per-seed final val loss / mean cosine with the K=1
-    reference at the method's lr); a claim needing a method outside `methods`, or one with no test
-    seed yet, is NOT_RUN."""
+    reference at the method's lr); a claim needing a method outside `methods` is NOT_RUN, one needing
+    a method with no test seed yet is PENDING."""
     def lo(name):
         return loss.get(name)
 
@@ -77,10 +77,12 @@ def claims(loss: dict[str, Stat], alignment: dict[str, Stat], methods: tuple[str
                [less(al(f"diloco_k{k}"), al(f"muloco_k{k}"), f"MuLoCo − DiLoCo cosine at K={k}") for k in ALIGNED_KS],
                [f"{m}_k{k}" for k in ALIGNED_KS for m in ("muloco", "diloco")], on_alignment=True),
     ]
-    def ran(c: Claim) -> bool:
-        return all(n in methods and n in (alignment if c.on_alignment else loss) for n in c.needs)
+    def state(c: Claim) -> str:
+        if not all(n in methods for n in c.needs):
+            return NOT_RUN
+        return c.verdict if all(n in (alignment if c.on_alignment else loss) for n in c.needs) else PENDING
 
-    return [c if ran(c) else replace(c, verdict=NOT_RUN) for c in rows]
+    return [replace(c, verdict=state(c)) for c in rows]
 
 
 def undecided(claims_on_first_seeds: list[Claim]) -> list[Claim]:

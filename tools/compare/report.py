@@ -17,7 +17,7 @@ from tools.compare.records import AlignmentRecord, BranchKey, RunRecord
 from tools.compare.stats import (AlignmentSummary, alignment_stats, alignment_summaries, loss_stats,
                                  runs_on_test_seeds, selected)
 from tools.compare.verdicts import (CONFIDENCE, FAILS, HOLDS, INCONCLUSIVE, LOSSLESS_MARGIN, MIN_SEEDS,
-                                    NON_INFERIORITY_MARGIN, NOT_RUN, Stat)
+                                    NON_INFERIORITY_MARGIN, NOT_RUN, PENDING, Stat)
 
 BEGIN, END = "<!-- results:begin (tools/compare_methods.py writes this section) -->", "<!-- results:end -->"
 SUMMARY_BEGIN = "<!-- compare-verdicts:begin (tools/compare_methods.py writes this table) -->"
@@ -75,9 +75,10 @@ RULE = (f"Verdict rule: a setting is chosen on the selection seed alone and ever
         f"margin ({NON_INFERIORITY_MARGIN:.1%} of b; {LOSSLESS_MARGIN:.0%} for 'effectively lossless'): it "
         f"holds when the interval of a − b lies below the margin and does not hold when it lies above it. "
         f"Everything else is **inconclusive**, and so is a test with fewer than {MIN_SEEDS} common test "
-        f"seeds. A claim of several tests holds when all hold and does not hold when one does not; a corpus "
-        f"that did not run a claim's methods shows **not run**, and the verdict across corpora is over those "
-        f"that did.")
+        f"seeds. A claim of several tests holds when all hold and does not hold when one does not. A corpus "
+        f"that does not run a claim's methods shows **not run**, one that has not yet run them on the test "
+        f"seeds **pending**; the verdict across corpora is over those that ran them, and says 'so far' while "
+        f"another corpus is pending.")
 
 
 def _plot(table: list[Summary], aligned: dict[tuple[str, float], AlignmentSummary], out: Path, corpus: str) -> list[str]:
@@ -153,6 +154,24 @@ def _summary_table(table: list[Summary]) -> str:
     return "\n".join(lines)
 
 
+def _selection_progress(methods: list[Method], chosen: dict[str, Selection], runs: dict[RunSpec, RunRecord],
+                        seed: int) -> str:
+    """The selection seed's runs of each method whose setting is not chosen yet: where its sweep stands."""
+    lines = []
+    for m in methods:
+        tried = sorted((s for s in runs if s.method == m.name and s.seed == seed),
+                       key=lambda s: (s.outer_lr or 0.0, s.inner_lr))
+        if m.name in chosen or not tried:
+            continue
+        points = ", ".join(f"{s.inner_lr:g}" + ("" if s.outer_lr is None else f"/{s.outer_lr:g}")
+                           + f": {runs[s].final_val_loss:.4f}" for s in tried)
+        lines.append(f"| {m.name} | {m.workers} | {points} |")
+    if not lines:
+        return ""
+    return "\n".join([f"Selection still under way on seed {seed} (the runs so far; inner lr, or inner/outer lr: final "
+                      "val loss):", "", "| method | K | runs |", "|---|---|---|", *lines])
+
+
 def _alignment_table(aligned: dict[tuple[str, float], AlignmentSummary], lrs: dict[str, float]) -> str:
     lines = ["| method | lr (x selected) | cosine, whole model (per seed: mean over starts; mean ± std, n) | by start "
              "step | norm ratio | per hidden matrix: mean, spread, min |", "|" + "---|" * 6]
@@ -167,7 +186,7 @@ def _alignment_table(aligned: dict[tuple[str, float], AlignmentSummary], lrs: di
 def _claims_table(rows: list[Claim]) -> str:
     lines = ["| claim | paper | ours (test seeds) | verdict |", "|---|---|---|---|"]
     for c in rows:
-        evidence = "-" if c.verdict == NOT_RUN else "; ".join(str(t) for t in c.tests)
+        evidence = "-" if c.verdict in (NOT_RUN, PENDING) else "; ".join(str(t) for t in c.tests)
         lines.append(f"| ({c.key}) {c.text} | {c.paper} | {evidence} | {c.verdict} |")
     return "\n".join(lines)
 
@@ -211,7 +230,7 @@ def write_corpus(corpus: str, methods: list[Method], settings: Settings, runs: d
          "alignment_measurements": len(aligned_records), "seconds_total": round(seconds),
          "failures": failures}, indent=2) + "\n")
     rows = claims(loss_stats(chosen, runs), alignment_stats(aligned), tuple(m.name for m in methods))
-    plots = _plot(table, aligned, out, corpus) if table else []
+    plots = _plot(table, aligned, out, corpus) if aligned or any(s.val_loss for s in table) else []  # else empty
     lrs = {name: c.spec.inner_lr for name, c in chosen.items()}
     markdown = "\n\n".join(filter(None, [
         f"### {corpus}",
@@ -220,7 +239,8 @@ def write_corpus(corpus: str, methods: list[Method], settings: Settings, runs: d
         f"H={settings.sync_interval}, B={settings.global_batch}. The setting of each method is chosen on seed "
         f"{settings.selection_seed} (its loss there is shown); the test seeds' mean ± std is what the verdicts use. "
         "'(edge)' marks an lr still at the edge of those tried after the extensions.",
-        _summary_table(table) if table else "No runs recorded yet.",
+        _summary_table(table) if table else ("" if runs else "No runs recorded yet."),
+        _selection_progress(methods, chosen, runs, settings.selection_seed),
         f"Alignment from the DP baselines' states at steps {', '.join(map(str, alignment.start_steps(settings)))}, "
         f"each method at its selected inner lr and at {', '.join(f'{x:g}x' for x in alignment.LR_MULTIPLIERS if x != 1)} "
         "of it (the control):" if aligned else "",
@@ -232,10 +252,13 @@ def write_corpus(corpus: str, methods: list[Method], settings: Settings, runs: d
 
 def combined_verdict(verdicts: list[str]) -> str:
     """Across the corpora that ran the claim's methods: holds where it holds on every one, fails
-    where it fails on every one that decides it."""
-    verdicts = [v for v in verdicts if v != NOT_RUN]
+    where it fails on every one that decides it; 'so far' while another corpus is pending."""
+    planned = [v for v in verdicts if v != NOT_RUN]
+    verdicts = [v for v in planned if v != PENDING]
     if not verdicts:
-        return NOT_RUN
+        return PENDING if planned else NOT_RUN
+    if len(verdicts) < len(planned):
+        return f"{combined_verdict(verdicts)} so far"
     decided = [v for v in verdicts if v != INCONCLUSIVE]
     if FAILS in decided:
         return FAILS if all(v == FAILS for v in decided) else "mixed"
@@ -258,7 +281,7 @@ def _verdicts_table(reports: list[CorpusReport], first: dict[str, dict], first_l
         old = first.get(claim.key)
         before = "-" if old is None else (old["verdict"] if old["claim"] == claim.text else
                                           f"{old['verdict']} ({old['claim']})")
-        cells = [f"{'-' if c.verdict == NOT_RUN else '; '.join(map(str, c.tests))} | {c.verdict}" if evidence
+        cells = [f"{'-' if c.verdict in (NOT_RUN, PENDING) else '; '.join(map(str, c.tests))} | {c.verdict}" if evidence
                  else c.verdict for c in row]
         lines.append(f"| ({claim.key}) {claim.text} | {claim.paper} | " + " | ".join(cells)
                      + f" | {combined_verdict([c.verdict for c in row])} | {before} |")
