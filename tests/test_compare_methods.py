@@ -240,6 +240,7 @@ def test_a_report_while_the_selection_is_under_way_shows_its_runs_and_pending_cl
     assert "Selection still under way on seed 0" in report.markdown
     assert "| dp_muon | 1 | 0.01: 4.2000, 0.02: 4.1000 |" in report.markdown
     assert "| muloco_k2 | 2 | 0.01/1: 4.4000 |" in report.markdown
+    assert not list((tmp_path / "shakespeare").glob("*.png"))  # nothing to plot yet
     verdicts = {c.key: c.verdict for c in report.claims}
     assert verdicts["a"] == NOT_RUN  # this corpus runs no MuLoCo K=1 or DP AdamW
     empty = write_corpus("shakespeare", methods, settings, {}, {}, tmp_path / "empty", [])

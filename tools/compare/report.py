@@ -91,6 +91,10 @@ def _plot(table: list[Summary], aligned: dict[tuple[str, float], AlignmentSummar
     written = []
 
     def save(fig, ax, name: str, **labels) -> None:
+        if not ax.has_data():  # nothing measured for this plot yet
+            plt.close(fig)
+            (out / name).unlink(missing_ok=True)
+            return
         ax.set(**labels)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
