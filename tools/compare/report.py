@@ -234,7 +234,7 @@ def write_corpus(corpus: str, methods: list[Method], settings: Settings, runs: d
          "alignment_measurements": len(aligned_records), "seconds_total": round(seconds),
          "failures": failures}, indent=2) + "\n")
     rows = claims(loss_stats(chosen, runs), alignment_stats(aligned), tuple(m.name for m in methods))
-    plots = _plot(table, aligned, out, corpus) if aligned or any(s.val_loss for s in table) else []  # else empty
+    plots = _plot(table, aligned, out, corpus)
     lrs = {name: c.spec.inner_lr for name, c in chosen.items()}
     markdown = "\n\n".join(filter(None, [
         f"### {corpus}",

@@ -96,10 +96,8 @@ def check_weight(value: Any, name: str, shape: tuple[int, ...], source: str) -> 
     floating-point tensor of the parameter's full shape (any float dtype: `copy_` converts it, but it
     would broadcast a smaller shape). Returns it, or raises CheckpointError naming `source` and `name`."""
     if not isinstance(value, torch.Tensor) or not value.is_floating_point() or tuple(value.shape) != shape:
-        got = (f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
-               if isinstance(value, torch.Tensor) else _kind(value))
         raise CheckpointError(f"{source}: model.{name} must be a floating-point tensor of shape {shape} "
-                              f"(in the T=1 layout), got {got}")
+                              f"(in the T=1 layout), got {_typed_kind(value)}")
     if not bool(torch.isfinite(value).all()):
         raise CheckpointError(f"{source}: model.{name} holds NaN or infinite values")
     return value
@@ -152,11 +150,8 @@ def _optimizer_problems(optimizer: Any, params: Mapping[str, torch.Tensor], own_
 
 
 def _tensor_like(value: Any, like: torch.Tensor, where: str, problems: list[str]) -> None:
-    expected = f"a {str(like.dtype).removeprefix('torch.')} tensor of shape {tuple(like.shape)}"
     if not isinstance(value, torch.Tensor) or value.dtype != like.dtype or value.shape != like.shape:
-        got = (f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
-               if isinstance(value, torch.Tensor) else _kind(value))
-        problems.append(f"{where} must be {expected}, got {got}")
+        problems.append(f"{where} must be {_typed_kind(like)}, got {_typed_kind(value)}")
     elif value.is_floating_point() and not bool(torch.isfinite(value).all()):
         problems.append(f"{where} holds NaN or infinite values")
 
@@ -237,6 +232,13 @@ def _is_number(value: Any) -> bool:
 
 def _show(value: Any) -> str:
     return repr(value) if isinstance(value, (type(None), bool, int, float, str)) else _kind(value)
+
+
+def _typed_kind(value: Any) -> str:
+    """A tensor with its dtype and shape ("a float32 tensor of shape (128,)"); anything else as _kind."""
+    if isinstance(value, torch.Tensor):
+        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
+    return _kind(value)
 
 
 def _kind(value: Any) -> str:
