@@ -20,7 +20,7 @@ def dp_states(tmp_path_factory):
     """A DP Muon run of 6 steps keeping its states at the start steps (2 and 4)."""
     base = tmp_path_factory.mktemp("alignment")
     prefix = dataset(base)
-    data = Data(prefix, prefix, ("--vocab-size", "1000"))
+    data = Data(prefix, prefix, ("--vocab-size", "1000"), "0" * 64)  # records are not written here
     dp = Method.load("dp_muon")
     run_dir, root = base / "dp", base / "dp" / "ckpt"
     flags = trainer_flags(RunSpec(dp.name, 0.02, None, 1), SETTINGS, data, 1, run_dir, eval_interval=0)

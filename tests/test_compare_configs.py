@@ -70,7 +70,7 @@ def test_config_follows_the_papers_recipe(name):
 @pytest.mark.parametrize("name", METHOD_ORDER)
 def test_config_resolves_with_the_comparisons_flags(name, tmp_path):
     workers = BY_NAME[name].workers or 1
-    flags = trainer_flags(RunSpec(name, 0.01, None, 1), SETTINGS, Data("x", "x", ("--vocab-size", "4096")), workers,
+    flags = trainer_flags(RunSpec(name, 0.01, None, 1), SETTINGS, Data("x", "x", ("--vocab-size", "4096"), "0" * 64), workers,
                           tmp_path, eval_interval=30)
     config = resolve(build_parser().parse_args(["--ds_config", str(CONFIG_DIR / f"{name}.json"), *flags]),
                      world_size=workers)

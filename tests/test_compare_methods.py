@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools.compare import alignment, sweep
+from tools.compare import alignment, launch, sweep
 from tools.compare.claims import claims, undecided
 from tools.compare.methods import METHOD_ORDER, UNCOMPRESSED
 from tools.compare.protocol import (Launch, Method, RunSpec, Settings, extension_lr, seed_launch, selection,
@@ -30,15 +30,16 @@ from trainer.model.presets import PRESETS
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = Settings(steps=60, sync_interval=10, warmup=5)
 HASHES = {m: Method.load(m).config_sha256 for m in METHOD_ORDER}
+DATA = "d" * 64  # the prepared data's digest
 
 
 def run_record(method="dp_muon", lr=0.02, outer=None, seed=0, loss=5.0, **changes) -> RunRecord:
-    return replace(RunRecord("shakespeare", method, lr, outer, seed, SETTINGS.protocol(), HASHES[method], loss,
+    return replace(RunRecord("shakespeare", DATA, method, lr, outer, seed, SETTINGS.protocol(), HASHES[method], loss,
                              [[10, loss + 1], [60, loss]], [[10, 1e6], [60, 2e6]], None, 12.5, "abc"), **changes)
 
 
 def alignment_record(method="muloco_k2", x=1.0, seed=1, step=20, cosine=0.8, **changes) -> AlignmentRecord:
-    return replace(AlignmentRecord("shakespeare", method, x, seed, step, 0.02 * x, f"dp_muon_lr0.02_s{seed}",
+    return replace(AlignmentRecord("shakespeare", DATA, method, x, seed, step, 0.02 * x, f"dp_muon_lr0.02_s{seed}",
                                    SETTINGS.protocol(), HASHES[method], cosine, 1.1, {"a": cosine, "b": cosine - 0.1},
                                    30.0, "abc"), **changes)
 
@@ -50,11 +51,11 @@ def test_records_round_trip_and_later_lines_supersede(tmp_path):
     first, again = run_record(), run_record(loss=4.0)
     for r in (first, run_record(seed=1), again):
         runs.append(r)
-    assert runs.load("shakespeare", SETTINGS.protocol(), HASHES) == {first.key: again, run_record(seed=1).key:
+    assert runs.load("shakespeare", DATA, SETTINGS.protocol(), HASHES) == {first.key: again, run_record(seed=1).key:
                                                                       run_record(seed=1)}
     aligned = RecordFile(tmp_path / "alignment.jsonl", AlignmentRecord)
     aligned.append(alignment_record())
-    loaded = aligned.load("shakespeare", SETTINGS.protocol(), HASHES)
+    loaded = aligned.load("shakespeare", DATA, SETTINGS.protocol(), HASHES)
     assert loaded == {BranchKey("muloco_k2", 1.0, 1, 20): alignment_record()}
     assert loaded[BranchKey("muloco_k2", 1.0, 1, 20)].matrix_cosines == {"a": 0.8, "b": pytest.approx(0.7)}
 
@@ -63,6 +64,7 @@ def test_records_round_trip_and_later_lines_supersede(tmp_path):
     ({"protocol": {**SETTINGS.protocol(), "steps": 300}}, "steps 300 vs 60 now"),
     ({"protocol": {**SETTINGS.protocol(), "arch": "qwen3"}}, "arch qwen3 vs paper now"),
     ({"corpus": "stdlib"}, "corpus 'stdlib'"),
+    ({"data_sha256": "e" * 64}, "prepared data eeeeeeeeeeee vs dddddddddddd now"),
     ({"config_sha256": "0" * 64}, "configs/compare/dp_muon.json has changed"),
 ])
 def test_a_record_made_with_other_settings_is_refused(tmp_path, change, message):
@@ -70,13 +72,56 @@ def test_a_record_made_with_other_settings_is_refused(tmp_path, change, message)
     f.append(run_record())
     f.append(run_record(seed=1, **change))
     with pytest.raises(RecordError, match=rf"runs.jsonl:2: recorded with other settings \(.*{message}"):
-        f.load("shakespeare", SETTINGS.protocol(), HASHES)
+        f.load("shakespeare", DATA, SETTINGS.protocol(), HASHES)
+
+
+def test_a_report_from_the_records_alone_refuses_lines_of_other_data(tmp_path):
+    f = RecordFile(tmp_path / "runs.jsonl", RunRecord)
+    f.append(run_record())
+    f.append(run_record(seed=1, data_sha256="e" * 64))
+    with pytest.raises(RecordError, match="runs.jsonl:2: .*prepared data eeeeeeeeeeee vs dddddddddddd now"):
+        f.load("shakespeare", None, None, HASHES)
+
+
+def test_prepared_data_is_made_once_per_content_of_the_corpus(tmp_path, monkeypatch):
+    """The digest a record carries is of the files the trainer reads: the same corpus is prepared once and
+    keeps its digest wherever it lies; a changed document, or a preparation cut short, is prepared
+    again from nothing."""
+    corpus = tmp_path / "corpus"
+    for split in ("train", "valid"):
+        (corpus / split).mkdir(parents=True)
+        (corpus / split / "a.jsonl").write_text(f'{{"text": "{split}"}}\n')
+    outputs = []
+
+    def fake_step(command):  # the tokenizer and the tokenized splits, each a function of its input
+        source, out = (Path(command[command.index(flag) + 1]) for flag in ("--input", "--output-prefix"))
+        outputs.append(out.name)
+        text = "".join(p.read_text() for p in sorted(source.iterdir()))
+        suffixes = [".model"] if "tokenizer.train" in command else ["_text_document.bin", "_text_document.idx"]
+        for suffix in suffixes:
+            Path(f"{out}{suffix}").write_text(text + suffix)
+
+    monkeypatch.setattr(launch, "_check_call", fake_step)
+    work = tmp_path / "work"
+    first = launch.prepare_data(corpus, work)
+    assert outputs == ["tok", "train", "valid"]
+    assert launch.prepare_data(corpus, work) == first and len(outputs) == 3
+    assert launch.prepare_data(corpus, tmp_path / "elsewhere").sha256 == first.sha256
+    (corpus / "train" / "a.jsonl").write_text('{"text": "other"}\n')
+    changed = launch.prepare_data(corpus, work)
+    assert len(outputs) == 9 and changed.sha256 != first.sha256
+    (work / "source.sha256").unlink()  # as if the preparation had been killed before its end
+    (work / "partial.bin").write_text("")
+    assert launch.prepare_data(corpus, work) == changed and len(outputs) == 12
+    assert not (work / "partial.bin").exists()
+    Path(changed.valid + ".idx").write_text("edited")  # the digest is of what is read, not of what was made
+    assert launch.prepare_data(corpus, work).sha256 != changed.sha256 and len(outputs) == 12
 
 
 def test_the_first_protocols_records_are_not_this_protocols(tmp_path):
     old = REPO / "results" / "compare" / "protocol1" / "shakespeare" / "runs.jsonl"
     with pytest.raises(RecordError, match="runs.jsonl:1: not a RunRecord .*expected the fields"):
-        RecordFile(old, RunRecord).load("shakespeare", SETTINGS.protocol(), HASHES)
+        RecordFile(old, RunRecord).load("shakespeare", DATA, SETTINGS.protocol(), HASHES)
 
 
 @pytest.mark.parametrize("line, message", [
@@ -88,7 +133,7 @@ def test_a_corrupt_line_is_one_clear_error(tmp_path, line, message):
     path = tmp_path / "runs.jsonl"
     path.write_text(to_line(run_record()) + line)
     with pytest.raises(RecordError, match=message):
-        RecordFile(path, RunRecord).load("shakespeare", SETTINGS.protocol(), HASHES)
+        RecordFile(path, RunRecord).load("shakespeare", DATA, SETTINGS.protocol(), HASHES)
 
 
 # -- selection and test seeds ----------------------------------------------------------------------

@@ -3,6 +3,7 @@ pass, resume after a kill, the .meta.json, Megatron's flag spellings; tools/buil
 feed the preprocessor."""
 import gzip
 import hashlib
+import importlib
 import json
 import os
 import subprocess
@@ -21,7 +22,7 @@ from dataprep.dataset_meta import read_dataset_meta
 from dataprep.shards import read_documents, resolve_inputs
 from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
 from tools import preprocess_data
-from tools.build_demo_corpus import DemoCorpusConfig, build_demo_corpus
+from tools.build_demo_corpus import DemoCorpusConfig, build_demo_corpus, module_document
 
 
 def jsonl(*texts: str) -> bytes:
@@ -154,6 +155,33 @@ def test_demo_corpus_feeds_preprocessing(sentencepiece_model: Path, tmp_path: Pa
     assert code == 0, err
     assert "bad_records=0" in out
     assert len(IndexedDataset(str(tmp_path / "demo_tok_text_document"))) == counts["train"]
+
+
+
+def test_demo_corpus_shows_defaults_as_written_not_this_processs_values(tmp_path: Path, monkeypatch):
+    (tmp_path / "defaults_demo.py").write_text(
+        "import os\nimport sys\n\n\ndef read(env=os.environ, python=sys.executable, *, size=2 ** 10):\n"
+        "    \"\"\"Reads.\"\"\"\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("DEMO_CORPUS_SECRET", "hunter2")
+    document = module_document(importlib.import_module("defaults_demo"))
+    assert "function read(env=os.environ, python=sys.executable, *, size=2 ** 10)\n\nReads." in document
+    assert "hunter2" not in document and sys.executable not in document
+
+
+def test_demo_corpus_is_byte_identical_under_another_environment(tmp_path: Path, monkeypatch):
+    """The corpus's records are keyed by its content: another machine (its environment variables, working
+    directory) must build the same bytes, and no variable's value may leak into the text."""
+    build_demo_corpus(DemoCorpusConfig(tmp_path / "here", max_mb=1.0, train_shards=1))
+    monkeypatch.setenv("DEMO_CORPUS_SECRET", "hunter2")
+    monkeypatch.chdir(tmp_path)
+    build_demo_corpus(DemoCorpusConfig(tmp_path / "there", max_mb=1.0, train_shards=1))
+    shards = sorted(p.relative_to(tmp_path / "here") for p in (tmp_path / "here").rglob("*.zstd"))
+    assert len(shards) == 2
+    for shard in shards:
+        content = (tmp_path / "here" / shard).read_bytes()
+        assert content == (tmp_path / "there" / shard).read_bytes(), shard
+        assert b"hunter2" not in zstandard.ZstdDecompressor().decompress(content, max_output_size=1 << 26)
 
 
 # ---------------------------------------------------------------------------------------------

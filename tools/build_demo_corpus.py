@@ -11,6 +11,7 @@ hash of the module name, so the split does not move when a module is missing on 
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import importlib
 import inspect
@@ -19,6 +20,7 @@ import json
 import pkgutil
 import re
 import sys
+import textwrap
 import uuid
 import warnings
 import zlib
@@ -86,7 +88,7 @@ def module_document(module: ModuleType) -> str:
         elif inspect.isfunction(member) or inspect.isbuiltin(member):
             sections.append(_api_section("function", name, member))
     text = "\n\n".join(section for section in sections if section)
-    return _MEMORY_ADDRESS.sub("", text)  # reprs of sentinel defaults would differ per run
+    return _MEMORY_ADDRESS.sub("", text)  # reprs of defaults without source (builtins) would differ per run
 
 
 def _api_section(kind: str, name: str, obj) -> str:
@@ -94,10 +96,52 @@ def _api_section(kind: str, name: str, obj) -> str:
     if not doc:
         return ""
     try:
-        signature = str(inspect.signature(obj)) if kind != "class" else ""
+        signature = _signature_as_written(obj) if kind != "class" else ""
     except (TypeError, ValueError):  # many builtins have no introspectable signature
         signature = ""
     return f"{kind} {name}{signature}\n\n{doc}"
+
+
+class _Expression:
+    """A default value shown as its source expression."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _signature_as_written(obj) -> str:
+    """The signature with each default as the source spells it (`env=os.environ`), not its value's repr:
+    a value computed at import (os.environ, sys.executable, an install path) would put this machine's
+    environment, secrets included, into the corpus and make it differ between machines. Builtins'
+    signatures are text already; a default whose source cannot be read shows as `...`."""
+    signature = inspect.signature(obj)
+    written = _source_defaults(inspect.unwrap(getattr(obj, "__func__", obj)))
+    parameters = [p if p.default is p.empty or written is None else p.replace(default=_Expression(written.get(p.name, "...")))
+                  for p in signature.parameters.values()]
+    return str(signature.replace(parameters=parameters))
+
+
+def _source_defaults(function) -> dict[str, str] | None:
+    """Parameter name -> the source text of its default; None for a function without Python source."""
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return None
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    node = next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                 and (isinstance(n, ast.Lambda) or n.name == code.co_name)), None)
+    if node is None:
+        return {}
+    arguments = node.args
+    positional = [*arguments.posonlyargs, *arguments.args]
+    pairs = [*zip(positional[len(positional) - len(arguments.defaults):], arguments.defaults),
+             *((a, d) for a, d in zip(arguments.kwonlyargs, arguments.kw_defaults) if d is not None)]
+    return {argument.arg: ast.unparse(default) for argument, default in pairs}
 
 
 def is_validation_module(name: str) -> bool:

@@ -71,7 +71,8 @@ def _recorded_settings(corpus: str, runs: dict) -> Settings:
 def _report_corpus(out: Path, corpus: str, settings: Settings | None, failures: list[str]) -> CorpusReport:
     runs_file, alignments_file = _record_files(out, corpus)
     protocol, hashes = None if settings is None else settings.protocol(), _config_hashes()
-    runs, aligned = runs_file.load(corpus, protocol, hashes), alignments_file.load(corpus, protocol, hashes)
+    # Every line must share the first's data; a sitting checked it against the prepared data before it ran.
+    runs, aligned = runs_file.load(corpus, None, protocol, hashes), alignments_file.load(corpus, None, protocol, hashes)
     settings = settings or _recorded_settings(corpus, runs)
     methods = [Method.load(m) for m in METHOD_ORDER if m in settings.methods]
     return write_corpus(corpus, methods, settings, runs, aligned, out / corpus, failures)
@@ -130,11 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(str(err)) from None
     if args.jobs < 1:
         raise SystemExit(f"--jobs must be >= 1, got {args.jobs}")
+    data = prepare_data(corpus_dir, args.work_dir / corpus / "data")
     runs_file, alignments_file = _record_files(args.out, corpus)
     hashes = _config_hashes()
-    progress = Progress(runs_file.load(corpus, settings.protocol(), hashes),
-                        alignments_file.load(corpus, settings.protocol(), hashes))
-    data = prepare_data(corpus_dir, args.work_dir / corpus / "data")
+    progress = Progress(runs_file.load(corpus, data.sha256, settings.protocol(), hashes),
+                        alignments_file.load(corpus, data.sha256, settings.protocol(), hashes))
     work = args.work_dir / corpus / f"steps{settings.steps}_h{settings.sync_interval}_b{settings.global_batch}"
     budget = Budget(args.jobs, args.max_runs, None if args.deadline_minutes is None else args.deadline_minutes * 60)
     ctx = Context(corpus, settings, data, work, runs_file, alignments_file)

@@ -3,8 +3,10 @@ trainer/pretrain.py`, one rank per worker, D = P = T = 1), each on its own free 
 where workers talk, with its own job secret beside its ds_config."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -23,30 +25,46 @@ class Data:
     train: str  # indexed-dataset prefixes
     valid: str
     vocabulary: tuple[str, str]  # ("--tokenizer-model", path), or ("--vocab-size", n) for pre-tokenized data
+    sha256: str  # of the files the trainer reads: a record's numbers hold for this data only
 
     def flags(self) -> list[str]:
         return ["--data-path", self.train, "--valid-data-path", self.valid, *self.vocabulary]
 
 
+def files_sha256(root: Path, paths: list[Path]) -> str:
+    """One digest of the files' names (relative to `root`, so not of where they lie) and contents."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            content = hashlib.file_digest(f, "sha256").hexdigest()
+        digest.update(f"{path.relative_to(root).as_posix()}\0{content}\n".encode())
+    return digest.hexdigest()
+
+
 def prepare_data(corpus: Path, work: Path) -> Data:
-    """A tokenizer (vocab VOCAB_SIZE) trained on the corpus's train/ split and both splits tokenized,
-    once, under `work` (a corpus in Nemotron-CC layout: DIR/train and DIR/valid)."""
-    for split in ("train", "valid"):
+    """A tokenizer (vocab VOCAB_SIZE) trained on the corpus's train/ split and both splits tokenized
+    under `work` (a corpus in Nemotron-CC layout: DIR/train and DIR/valid), once per content of the
+    corpus: `work/source.sha256`, written last, says what the files were prepared from, so a corpus
+    that changed, or a preparation that was cut short, is prepared again from nothing."""
+    splits = ("train", "valid")
+    for split in splits:
         if not (corpus / split).is_dir():
             raise SystemExit(f"--corpus {corpus}: no {corpus / split} (Nemotron-CC layout: train/ and valid/)")
-    tokenizer = work / "tok.model"
-    data = Data(str(work / "train_text_document"), str(work / "valid_text_document"),
-                ("--tokenizer-model", str(tokenizer)))
-    work.mkdir(parents=True, exist_ok=True)
-    if not tokenizer.exists():
+    source = files_sha256(corpus, sorted(p for split in splits for p in (corpus / split).rglob("*") if p.is_file()))
+    tokenizer, stamp = work / "tok.model", work / "source.sha256"
+    data_prefixes = {split: work / f"{split}_text_document" for split in splits}
+    if not (stamp.exists() and stamp.read_text() == source):
+        shutil.rmtree(work, ignore_errors=True)  # derived files only: made again below
+        work.mkdir(parents=True)
         _check_call([sys.executable, "-m", "tokenizer.train", "--input", str(corpus / "train"), "--vocab-size",
                      str(VOCAB_SIZE), "--output-prefix", str(tokenizer.with_suffix(""))])
-    for split, prefix in (("train", data.train), ("valid", data.valid)):
-        if not Path(prefix + ".idx").exists():
+        for split, prefix in data_prefixes.items():
             _check_call([sys.executable, "tools/preprocess_data.py", "--input", str(corpus / split),
-                         "--output-prefix", prefix.removesuffix("_text_document"), "--tokenizer-model",
-                         str(tokenizer), "--workers", "2"])
-    return data
+                         "--output-prefix", str(work / split), "--tokenizer-model", str(tokenizer), "--workers", "2"])
+        stamp.write_text(source)
+    read = [tokenizer, *(Path(f"{prefix}{suffix}") for prefix in data_prefixes.values() for suffix in (".bin", ".idx"))]
+    return Data(str(data_prefixes["train"]), str(data_prefixes["valid"]), ("--tokenizer-model", str(tokenizer)),
+                files_sha256(work, read))
 
 
 def _env() -> dict:

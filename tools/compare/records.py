@@ -6,8 +6,9 @@ A line is appended whole (one write of the encoded line, then fsync) only after 
 so a killed sitting leaves no partial line; a line that does not parse, or that misses fields, stops
 the tool with one error naming the file and line. A record is trusted only when it was made with
 this invocation's protocol (steps, H, warm-up, batch, validation size, model, architecture,
-vocabulary, selection seed), on this corpus, with the current content of its method's config:
-otherwise the tool refuses to go on (use another --out, or remove the stale lines). A later line for
+vocabulary, selection seed), on this corpus (its name, and the digest of its prepared data: the
+tokenizer and both tokenized splits, which a corpus built on another machine may not share), with
+the current content of its method's config: otherwise the tool refuses to go on (use another --out, or remove the stale lines). A later line for
 the same key supersedes an earlier one.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tools.compare.protocol import RunSpec
 @dataclass(frozen=True)
 class RunRecord:
     corpus: str
+    data_sha256: str  # Data.sha256 of the prepared corpus the run read
     method: str
     inner_lr: float
     outer_lr: float | None
@@ -65,6 +67,7 @@ class BranchKey:
 @dataclass(frozen=True)
 class AlignmentRecord:
     corpus: str
+    data_sha256: str
     method: str
     lr_multiplier: float
     seed: int
@@ -108,9 +111,10 @@ class RecordFile(Generic[Record]):
         self.path, self.kind = path, kind
         self._lock = threading.Lock()  # the scheduler's threads append concurrently
 
-    def load(self, corpus: str, protocol: dict | None, config_sha256: dict[str, str]) -> dict:
-        """Every record, by key. `protocol` None: whatever the file's first line has (for a report from
-        the record alone); the corpus, the protocol and each method's config must match throughout."""
+    def load(self, corpus: str, data_sha256: str | None, protocol: dict | None, config_sha256: dict[str, str]) -> dict:
+        """Every record, by key. `data_sha256` or `protocol` None: whatever the file's first line has (for
+        a report from the records alone); the corpus, its data, the protocol and each method's config
+        must match throughout."""
         records: dict = {}
         if not self.path.exists():
             return records
@@ -124,7 +128,8 @@ class RecordFile(Generic[Record]):
                 except (ValueError, TypeError) as err:
                     raise RecordError(f"{where}: not a {self.kind.__name__} ({err}); fix or remove that line") from None
                 protocol = record.protocol if protocol is None else protocol
-                problem = _mismatch(record, corpus, protocol, config_sha256)
+                data_sha256 = record.data_sha256 if data_sha256 is None else data_sha256
+                problem = _mismatch(record, corpus, data_sha256, protocol, config_sha256)
                 if problem:
                     raise RecordError(f"{where}: recorded with other settings ({problem}); use another --out or "
                                       "remove the stale lines")
@@ -146,9 +151,12 @@ class RecordFile(Generic[Record]):
                 os.close(fd)
 
 
-def _mismatch(record, corpus: str, protocol: dict, config_sha256: dict[str, str]) -> str | None:
+def _mismatch(record, corpus: str, data_sha256: str, protocol: dict, config_sha256: dict[str, str]) -> str | None:
     if record.corpus != corpus:
         return f"corpus {record.corpus!r}, this run {corpus!r}"
+    if record.data_sha256 != data_sha256:
+        return (f"prepared data {record.data_sha256[:12]} vs {data_sha256[:12]} now: the corpus's content or its "
+                "tokenizer differs")
     differences = [f"{k} {record.protocol.get(k)} vs {protocol.get(k)} now" for k in sorted(set(protocol)
                    | set(record.protocol)) if record.protocol.get(k) != protocol.get(k)]
     if differences:

@@ -222,8 +222,9 @@ def write_corpus(corpus: str, methods: list[Method], settings: Settings, runs: d
                      f"{a.cosine.std:.4f}" if a.cosine.n else "", a.cosine.n, f"{a.norm_ratio:.4f}",
                      f"{a.matrix_mean:.4f}", f"{a.matrix_spread:.4f}", f"{a.matrix_min:.4f}"] for a in aligned.values())
     seconds = sum(r.seconds for r in runs.values()) + sum(r.seconds for r in aligned_records.values())
+    data_sha256 = next((r.data_sha256 for r in runs.values()), None)  # the same on every line (RecordFile.load)
     (out / "settings.json").write_text(json.dumps(
-        {"corpus": corpus, **settings.protocol(), "test_seeds": list(settings.test_seeds),
+        {"corpus": corpus, "data_sha256": data_sha256, **settings.protocol(), "test_seeds": list(settings.test_seeds),
          "more_test_seeds": list(settings.more_test_seeds), "methods": list(settings.methods),
          "lr_grid_size": settings.lr_grid_size, "lr_grids": {k: g.points for k, g in LR_GRIDS.items()},
          "lr_extension_steps": {k: g.step for k, g in LR_GRIDS.items()}, "outer_lr_grid": OUTER_LR_GRID.points,
@@ -239,7 +240,8 @@ def write_corpus(corpus: str, methods: list[Method], settings: Settings, runs: d
     markdown = "\n\n".join(filter(None, [
         f"### {corpus}",
         f"{len(runs)} runs in `{corpus}/runs.jsonl` and {len(aligned_records)} alignment measurements in "
-        f"`{corpus}/alignment.jsonl` ({seconds / 3600:.1f} h of launches), {settings.steps} steps, "
+        f"`{corpus}/alignment.jsonl` ({seconds / 3600:.1f} h of launches)"
+        f"{f', prepared data sha256 `{data_sha256[:12]}`' if data_sha256 else ''}, {settings.steps} steps, "
         f"H={settings.sync_interval}, B={settings.global_batch}. The setting of each method is chosen on seed "
         f"{settings.selection_seed} (its loss there is shown); the test seeds' mean ± std is what the verdicts use. "
         "'(edge)' marks an lr still at the edge of those tried after the extensions.",

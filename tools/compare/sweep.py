@@ -116,7 +116,7 @@ def execute_run(method: Method, job: Launch, ctx: Context) -> RunRecord:
     if job.start_states:
         alignment.keep_only(start_root(ctx, spec.name), alignment.start_steps(settings))
     curves = read_curves(run_dir, method.workers)
-    return RunRecord(ctx.corpus, spec.method, spec.inner_lr, spec.outer_lr, spec.seed, settings.protocol(),
+    return RunRecord(ctx.corpus, ctx.data.sha256, spec.method, spec.inner_lr, spec.outer_lr, spec.seed, settings.protocol(),
                      method.config_sha256, curves.val[-1][1], curves.val, curves.sent, curves.worker_cosine,
                      round(seconds, 1), _commit())
 
@@ -127,7 +127,7 @@ def execute_branch(method: Method, chosen: Selection, key: BranchKey, ctx: Conte
     print(f"[{ctx.corpus}] alignment {key.name} (K={method.workers}, lr {spec.inner_lr:g}, from {dp_run})", flush=True)
     result = alignment.measure(method, spec, ctx.settings, ctx.data, start_root(ctx, dp_run), key.start_step,
                                ctx.work / "alignment" / key.name)
-    return AlignmentRecord(ctx.corpus, key.method, key.lr_multiplier, key.seed, key.start_step, spec.inner_lr, dp_run,
+    return AlignmentRecord(ctx.corpus, ctx.data.sha256, key.method, key.lr_multiplier, key.seed, key.start_step, spec.inner_lr, dp_run,
                            ctx.settings.protocol(), method.config_sha256, result.cosine, result.norm_ratio,
                            result.matrix_cosines, round(time.time() - start, 1), _commit())
 
