@@ -157,7 +157,6 @@ def test_demo_corpus_feeds_preprocessing(sentencepiece_model: Path, tmp_path: Pa
     assert len(IndexedDataset(str(tmp_path / "demo_tok_text_document"))) == counts["train"]
 
 
-
 def test_demo_corpus_shows_defaults_as_written_not_this_processs_values(tmp_path: Path, monkeypatch):
     (tmp_path / "defaults_demo.py").write_text(
         "import os\nimport sys\n\n\ndef read(env=os.environ, python=sys.executable, *, size=2 ** 10):\n"

@@ -71,8 +71,11 @@ def _recorded_settings(corpus: str, runs: dict) -> Settings:
 def _report_corpus(out: Path, corpus: str, settings: Settings | None, failures: list[str]) -> CorpusReport:
     runs_file, alignments_file = _record_files(out, corpus)
     protocol, hashes = None if settings is None else settings.protocol(), _config_hashes()
-    # Every line must share the first's data; a sitting checked it against the prepared data before it ran.
-    runs, aligned = runs_file.load(corpus, None, protocol, hashes), alignments_file.load(corpus, None, protocol, hashes)
+    # Every line of both files must share the first run's data; a sitting checked it against the prepared
+    # data before it ran.
+    runs = runs_file.load(corpus, None, protocol, hashes)
+    data_sha256 = next((r.data_sha256 for r in runs.values()), None)
+    aligned = alignments_file.load(corpus, data_sha256, protocol, hashes)
     settings = settings or _recorded_settings(corpus, runs)
     methods = [Method.load(m) for m in METHOD_ORDER if m in settings.methods]
     return write_corpus(corpus, methods, settings, runs, aligned, out / corpus, failures)

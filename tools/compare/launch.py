@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools.compare.protocol import ARCH, MODEL, QUERY_GROUPS, REPO, VOCAB_SIZE, Method, RunSpec, Settings
+from trainer.checkpoint.format import sha256_of
 from trainer.diloco.auth import write_new_key
 
 
@@ -35,9 +36,7 @@ def files_sha256(root: Path, paths: list[Path]) -> str:
     """One digest of the files' names (relative to `root`, so not of where they lie) and contents."""
     digest = hashlib.sha256()
     for path in paths:
-        with open(path, "rb") as f:
-            content = hashlib.file_digest(f, "sha256").hexdigest()
-        digest.update(f"{path.relative_to(root).as_posix()}\0{content}\n".encode())
+        digest.update(f"{path.relative_to(root).as_posix()}\0{sha256_of(path)}\n".encode())
     return digest.hexdigest()
 
 

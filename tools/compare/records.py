@@ -8,8 +8,8 @@ the tool with one error naming the file and line. A record is trusted only when 
 this invocation's protocol (steps, H, warm-up, batch, validation size, model, architecture,
 vocabulary, selection seed), on this corpus (its name, and the digest of its prepared data: the
 tokenizer and both tokenized splits, which a corpus built on another machine may not share), with
-the current content of its method's config: otherwise the tool refuses to go on (use another --out, or remove the stale lines). A later line for
-the same key supersedes an earlier one.
+the current content of its method's config: otherwise the tool refuses to go on (use another --out,
+or remove the stale lines). A later line for the same key supersedes an earlier one.
 """
 from __future__ import annotations
 
