@@ -196,11 +196,10 @@ def test_a_restarted_worker_catches_up_at_whichever_sync_its_peers_are_at(fragme
             workers[r].train(syncing)
             return
         # QuorumMembership.join without torchft: a sync of fragment 0 from the start, whichever the peers are at
-        membership, loop = restarted.loop.membership, restarted.loop
-        loop.joining, membership._at_start = True, True
+        loop = restarted.loop
+        loop.joining = True
         task = SyncTask(0, 0, loop.outer_step + 1, restarted.trainer.engine.lr_scheduler.state_dict())
         result = loop.sync(task, loop.zero_deltas(0))
-        membership._at_start = False
         loop.apply(result, overlapped=False)
     run_ranks(3, rank)
     assert restarted.trainer.step == syncing
@@ -227,6 +226,44 @@ def test_a_member_whose_weights_drifted_is_left_out_and_caught_up_at_its_next_sy
     assert workers[1].records[-1]["rejoined"] and workers[0].records[-1]["left_out"] == {"1": "joining"}
     sync_all(workers, 16)
     assert workers[0].records[-1]["workers_in_sync"] == 3 and len(checksums(workers)) == 1
+
+
+class AloneForOuterStep3(FakeQuorum):
+    """Worker 1's quorum for outer step 3 forms without worker 0 (it came later than the lighthouse's
+    join timeout); every other quorum is the shared board's."""
+
+    def __init__(self, board: Board, rank: int, key: JobKey | None, wire=None):
+        super().__init__(board, rank, key, wire=wire)
+        self.shared, self.alone, self.member = board, Board(1), rank
+
+    def start(self) -> None:
+        alone = self.committed_syncs == 2
+        self.board, self.rank = (self.alone, 0) if alone else (self.shared, self.member)  # its place in the quorum
+        super().start()
+
+
+def test_a_live_member_that_missed_a_whole_sync_goes_on_from_its_peers_step():
+    """F=2 fragments of H=4, tau=1: fragment 0 launches after steps 2, 6, 10, ..., fragment 1 after 4,
+    8, 12. Worker 1 syncs outer step 3 (fragment 0, step 6) alone; worker 0, still at its step-6 sync,
+    meets it at outer step 4 (fragment 1, step 8), catches up and takes part. It must go on from its
+    peers' step: on its own (step 7) it would launch fragment 1 where its peer launches fragment 0,
+    payloads of different sizes in one collective (gloo aborts the process)."""
+    config = MuLoCoConfig(workers=2, sync_interval=4, elastic=ElasticConfig(lighthouse="http://x:1"),
+                          streaming=StreamingConfig(fragments=2, overlap_steps=1))
+    board = Board(2)
+    workers = [quorum_worker(0, board, config), quorum_worker(1, board, config, quorum=AloneForOuterStep3)]
+    steps(workers, 1, 5)
+    run_ranks(2, lambda r: [workers[r].train(s) for s in ((6, 7) if r == 0 else (6, 7, 8))])
+    assert workers[0].trainer.step == 8, "the caught-up member stays at its own inner step"
+    run_ranks(2, lambda r: [workers[r].train(s) for s in range(workers[r].trainer.step + 1, 16)])
+    for w in workers:
+        w.loop.flush_metrics()
+    caught_up = next(r for r in workers[0].records if r["outer_step"] == 4)
+    assert (caught_up["fragment"], caught_up["rejoined"], caught_up["left_out"]) == (1, True, {"0": "joining"})
+    assert [r["outer_step"] for r in workers[1].records] == [1, 2, 3, 4, 5, 6, 7]
+    assert [r["outer_step"] for r in workers[0].records] == [1, 2, 4, 5, 6, 7]
+    assert all(r["workers_in_sync"] == 2 and r["quorum"] == [0, 1] for r in workers[0].records[-3:])
+    assert len(checksums(workers)) == 1
 
 
 class MetricsRoundFailsAtOuterStep2(FakeWire):

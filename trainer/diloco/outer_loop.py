@@ -138,6 +138,7 @@ class SyncResult:
     averaged: list[Averaged] | None  # one per bucket; None when nothing is applied
     record: dict  # what the sync logs
     statistics: Callable[[], dict] | None = None  # the rest of the record, reduced off the critical path
+    caught_up: SyncTask | None = None  # the peers' sync this member received their state for
 
 
 @dataclass
@@ -268,12 +269,18 @@ class OuterLoop:
             result.record["apply_wait_seconds"] = time.perf_counter() - waited  # what overlap did not hide
             self.apply(result, overlapped=True)
         for fragment, offset in enumerate(self.offsets):
-            if step % self.config.sync_interval == offset:
+            if step % self.config.sync_interval == offset and not self._moved_from(step):
                 self._launch(fragment, step)
+        if self._moved_from(step):  # it caught up: its next syncs are its peers' next ones, from their step
+            return
         if self.last_step is None or step < self.last_step:
             for offset in self.offsets:
                 if (step + 1) % self.config.sync_interval == offset:
                     self.membership.prepare(self._background, step + 1)
+
+    def _moved_from(self, step: int) -> bool:
+        """Whether applying a caught-up sync moved this member to its peers' step."""
+        return self.trainer is not None and self.trainer.step != step
 
     def flush_metrics(self) -> None:
         """Wait for the metrics of the applied syncs and log them (every rank, together)."""
@@ -380,7 +387,7 @@ class OuterLoop:
                                   decision.norms if averaged is not None else [], context)
             return {**record, **reduced, **background}
         # A skipped sync's metrics round runs too: it checks that every worker skipped it.
-        return SyncResult(task.fragment, averaged, record, reduce_metrics)
+        return SyncResult(task.fragment, averaged, record, reduce_metrics, caught_up)
 
     @staticmethod
     def _vote_share(specs: list[_BucketSpec], deltas: list[torch.Tensor]) -> tuple[bool, float]:
@@ -417,12 +424,33 @@ class OuterLoop:
                         avg = (avg.t() if self.params[i].transposed else avg).reshape(g.shape).to(g.device)
                         g.add_(outer_sgd_direction(avg, self.momentum[i], c.outer_momentum, c.nesterov), alpha=-c.outer_lr)
                 self.outer_step += 1
-        alpha = self.config.streaming.mix_alpha if overlapped else 0.0
-        self._restart_from_global(result.fragment, alpha)
+        if result.caught_up is not None:
+            self._go_on_from(result.caught_up)
+        else:
+            self._restart_from_global(result.fragment, self.config.streaming.mix_alpha if overlapped else 0.0)
         if result.statistics is None:
             self._log(result.record)
         else:
             self._statistics.append(self._background.submit(result.statistics))
+
+    def _go_on_from(self, task: SyncTask) -> None:
+        """After a sync it caught up to, a member goes on as its peers do: every fragment's local weights
+        from the global ones (its own inner steps since its last sync are lost: they started from global
+        weights it no longer holds), and from their position at `task` (inner step, engine counters, lr
+        schedule). A member that had only missed syncs, on its own step, would launch other fragments
+        than its peers: payloads of other sizes in one collective."""
+        for fragment in range(len(self.buckets)):
+            self._restart_from_global(fragment)
+        if self.trainer is None:
+            return
+        engine = self.trainer.engine
+        engine.lr_scheduler.load_state_dict(task.scheduler)
+        for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
+            group["lr"] = lr
+        # The trainer's step is the run's one counter (step hooks see it already counting their step);
+        # the engine's counters follow it, and the data position is the step.
+        self.trainer.step = task.step
+        engine.set_step(task.step)
 
     def _restart_from_global(self, fragment: int, alpha: float = 0.0) -> None:
         """The fragment's local weights := its global weights (mixed with weight alpha of the local ones)."""
@@ -529,11 +557,11 @@ class OuterLoop:
                     for a, n in zip(averages, sizes))
 
     @torch.no_grad()
-    def load_peer_state(self, state: dict, at_start: bool) -> SyncTask:
-        """Take a peer's state (checked by check_peer_state first); its error feedback restarts from
-        zero (it held what this member's own payloads did not carry). At the start of a run (a worker
-        that restarted) the local weights restart from the global ones and the run's position (inner
-        step, engine counters, lr schedule) is the peer's. Returns the sync to take part in."""
+    def load_peer_state(self, state: dict) -> SyncTask:
+        """Take a peer's outer state (checked by check_peer_state first); its error feedback restarts
+        from zero (it held what this member's own payloads did not carry). Returns the sync to take part
+        in; applying its result moves the local weights and the run's position to the peers'
+        (`_go_on_from`), on the main thread."""
         tau = self.config.streaming.overlap_steps
         sync = state["sync"]
         task = SyncTask(sync["fragment"], sync["step"], sync["outer_step"], sync["scheduler"])
@@ -553,17 +581,6 @@ class OuterLoop:
                                      _done(SyncResult(e["fragment"], None if e["skipped"] else
                                                       [Averaged(a, torch.zeros_like(a)) for a in e["averages"]], {})))
                             for e in state["pending"]] + [e for e in self.pending if not e.future.done()]
-        if at_start:
-            for fragment in range(len(self.buckets)):
-                self._restart_from_global(fragment)
-            engine = self.trainer.engine
-            engine.lr_scheduler.load_state_dict(task.scheduler)
-            for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
-                group["lr"] = lr
-            # The trainer's step is the run's one counter (step hooks see it already counting their step);
-            # the engine's counters follow it, and the data position is the step.
-            self.trainer.step = task.step
-            engine.set_step(task.step)
         self.joining = True
         return task
 

@@ -25,8 +25,11 @@ A worker that restarts joins at its peers' next sync, whichever fragment it is: 
 outer step with them as a member that does not contribute, and goes on from their inner step. Its
 inner optimizer state is its own (fresh, or from its --load checkpoint); its error feedback restarts
 from zero. A fresh run waits (up to `quorum_timeout_s`) until all K workers are in the first quorum.
-One known gap: when a peer dies in the middle of the last collective, one survivor may commit a sync
-another one retries; the one left behind catches up at its next attempt, losing its inner steps since.
+A live member that is behind (it missed a whole sync: its peers' quorum formed without it, because it
+came later than the lighthouse's join timeout) catches up the same way at its next sync and goes on
+from its peers' step, losing its own inner steps since its last sync. One known gap: when a peer dies
+in the middle of the last collective, one survivor may commit a sync another one retries; the one
+left behind catches up at its next attempt.
 """
 from __future__ import annotations
 
@@ -104,6 +107,12 @@ def left_out(members: list[Member], max_norm_ratio: float) -> dict[int, str]:
     return reasons
 
 
+def _first_line(exc: BaseException) -> str:
+    """What a log line says of a failure: its message's first line, or its type when it has none."""
+    lines = str(exc).splitlines()
+    return lines[0][:300] if lines and lines[0] else type(exc).__name__
+
+
 class _WaitingForPeers(Exception):
     """A fresh run's first quorum does not yet hold every worker."""
 
@@ -166,7 +175,7 @@ class _QuorumSession:
             rows = self.wire.all_gather_floats(local.tolist(), context)
         except _ATTEMPT_FAILURES as exc:
             if self.membership.topology.is_logging_rank:
-                print(f"worker {self.membership.worker}: metrics of {context} lost: {str(exc).splitlines()[0][:300]}",
+                print(f"worker {self.membership.worker}: metrics of {context} lost: {_first_line(exc)}",
                       flush=True)
             return None
         return [row or [0.0] * len(values) for row in rows]
@@ -186,7 +195,6 @@ class QuorumMembership:
         self.loop = None
         self.rejoined = False  # the state came from a peer in this sync
         self.start_deadline = 0.0
-        self._at_start = False
         self._prepared: dict[int, Future] = {}  # launch step -> its first attempt's quorum request
 
     # -- joining and leaving ---------------------------------------------------------------------
@@ -204,13 +212,10 @@ class QuorumMembership:
             self.worker, self.topology.rank, sizes.ranks_per_worker, self.elastic.lighthouse_address(),
             self.elastic.manager_host, self.key, self.config.outer_backend,
             timedelta(seconds=self.config.sync_timeout_s), timedelta(seconds=self.elastic.quorum_timeout_s))
-        loop.joining, self._at_start = True, True
+        loop.joining = True
         self.start_deadline = time.monotonic() + self.elastic.quorum_timeout_s
         task = SyncTask(0, trainer.step, loop.outer_step + 1, trainer.engine.lr_scheduler.state_dict())
-        try:
-            result = loop.sync(task, loop.zero_deltas(0))
-        finally:
-            self._at_start = False
+        result = loop.sync(task, loop.zero_deltas(0))
         if not result.record.get("start"):  # a fresh run has nothing to average: every worker holds the seed's weights
             loop.apply(result, overlapped=False)
 
@@ -252,7 +257,7 @@ class QuorumMembership:
                 time.sleep(_START_POLL_S)
                 continue
             if self.topology.is_logging_rank:
-                print(f"worker {self.worker}: outer sync attempt {attempt} failed: {str(error).splitlines()[0][:300]}",
+                print(f"worker {self.worker}: outer sync attempt {attempt} failed: {_first_line(error)}",
                       flush=True)
             if attempt >= self.elastic.max_attempts:
                 raise CollectiveError(f"worker {self.worker}: outer sync failed {attempt} times in a row") from error
@@ -292,6 +297,6 @@ class QuorumMembership:
         problems = loop.check_peer_state(state)
         if problems:
             raise RankFileError("the state from a peer is refused: " + "; ".join(problems[:5]))
-        session.caught_up = loop.load_peer_state(state, at_start=self._at_start)
+        session.caught_up = loop.load_peer_state(state)
         session.joining = self.rejoined = True
         self.quorum.set_committed_syncs(top)
