@@ -128,7 +128,9 @@ def _stranger(lighthouse: str, scenario: Scenario, stop: threading.Event) -> Non
                 replica_id="worker9", timeout=timedelta(seconds=2), address="http://127.0.0.1:1",
                 store_address="127.0.0.1:2", step=10**6, world_size=1)
             scenario.stranger_admitted += 1
-        except RuntimeError:
+        # Refused by the gateway (RuntimeError), or left unanswered until its deadline on a loaded
+        # machine (TimeoutError): either way not admitted, and the stranger keeps trying.
+        except (RuntimeError, TimeoutError):
             scenario.stranger_refusals += 1
 
 
