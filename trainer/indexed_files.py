@@ -24,7 +24,12 @@ _SCAN_TOKENS = 1 << 24  # tokens per chunk of the max scan: bounded memory on an
 class IndexedFiles:
     prefix: str
     dtype: np.dtype
-    tokens: int  # the sum of the sequence lengths: the .bin holds exactly this many
+    lengths: np.ndarray  # int64 tokens per sequence (each one document, as preprocessing writes them)
+
+    @property
+    def tokens(self) -> int:
+        """The sum of the sequence lengths: the .bin holds exactly this many."""
+        return int(self.lengths.sum())
 
     def max_token_id(self) -> int:
         """The largest token id in the .bin (one streaming pass; -1 for an empty file)."""
@@ -54,8 +59,12 @@ def read_indexed_files(prefix: str) -> IndexedFiles:
     starts = np.cumsum(lengths) - lengths
     if (lengths < 0).any() or not np.array_equal(pointers, starts * dtype.itemsize):
         raise ConfigError(f"{idx}: its sequence lengths and byte offsets disagree: the index is damaged")
+    boundaries = np.frombuffer(raw, np.int64, documents, _FIXED.size + 12 * sequences)
+    if documents == 0 or boundaries[0] != 0 or boundaries[-1] != sequences or (np.diff(boundaries) < 0).any():
+        raise ConfigError(f"{idx}: its document boundaries are not an increasing run from 0 to its {sequences} "
+                          "sequences: the index is damaged")
     tokens = int(lengths.sum())
     if bin_path.stat().st_size != tokens * dtype.itemsize:
         raise ConfigError(f"{bin_path}: {bin_path.stat().st_size} bytes, but {idx} describes {tokens} tokens of "
                           f"{dtype} ({tokens * dtype.itemsize} bytes): the file is truncated or not this index's")
-    return IndexedFiles(prefix, dtype, tokens)
+    return IndexedFiles(prefix, dtype, lengths)

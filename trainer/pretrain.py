@@ -18,6 +18,7 @@ import torch.distributed as dist  # noqa: E402
 from trainer import comm  # noqa: E402
 from trainer.config import RunConfig, build_parser, check_environment, resolve  # noqa: E402
 from trainer.data import check_data, check_model_vocabulary, index_cache_dir, refuse_unsafe_index_cache  # noqa: E402
+from trainer.data_splits import check_splits_hold_a_sample  # noqa: E402
 from trainer.checkpoint.format import checkpoint_args  # noqa: E402
 from trainer.durable import check_output_folders  # noqa: E402
 from trainer.errors import ConfigError, TopologyError  # noqa: E402
@@ -39,6 +40,7 @@ def checked_config(args, world_size: int) -> RunConfig:
     check_model_vocabulary(config.data, config.model_vocab_size)
     check_output_folders(config)
     refuse_unsafe_index_cache(index_cache_dir(config.run_dir))
+    check_splits_hold_a_sample(config.data, config.model.seq_length)
     return config
 
 
