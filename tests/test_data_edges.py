@@ -70,6 +70,11 @@ DAMAGES = {  # what is done to the pair, and the line it must give
     "idx dtype code": (lambda p: _poke(f"{p}.idx", 17, b"\x63"), r"{p}\.idx: unknown token dtype code 99"),
     "idx offsets": (lambda p: _poke(f"{p}.idx", 34 + 16 + 8, (5).to_bytes(8, "little")),
                     r"{p}\.idx: its sequence lengths and byte offsets disagree: the index is damaged"),
+    "idx boundaries decreasing": (lambda p: _poke(f"{p}.idx", 34 + 12 * 4 + 8 * 2, (0).to_bytes(8, "little")),
+                                  r"{p}\.idx: its document boundaries are not an increasing run from 0 to its 4 "
+                                  r"sequences: the index is damaged"),
+    "idx boundary out of range": (lambda p: _poke(f"{p}.idx", 34 + 12 * 4 + 8 * 4, (99).to_bytes(8, "little")),
+                                  r"{p}\.idx: its document boundaries are not an increasing run"),
     "meta counts other tokens": (lambda p: _meta(p, tokens=354),
                                  r"{p}\.meta\.json counts 354 tokens, but {p}\.idx describes 353: the files are not "
                                  r"from one preprocessing run"),
