@@ -58,19 +58,33 @@ def document_lengths(prefix: str) -> np.ndarray:
 def plan_files(lengths: Sequence[np.ndarray], max_tokens: int | None) -> list[list[tuple[int, int, int]]]:
     """The output files for documents that lie in parts `lengths` (tokens per document of each part), in
     order: each file a list of (part, first document, stop document). A file takes documents while they
-    fit in `max_tokens`; a longer document gets a file of its own; None puts everything in one file."""
+    fit in `max_tokens`; a longer document gets a file of its own; None puts everything in one file. A
+    last file of less than half `max_tokens` shares the documents of the one before evenly instead: a
+    sliver of a file would give the trainer a prefix too small to split into train and validation."""
     if max_tokens is None:
         return [[(part, 0, len(part_lengths)) for part, part_lengths in enumerate(lengths)]]
     sizes = np.concatenate([np.asarray(part, dtype=np.int64) for part in lengths] or [np.zeros(0, np.int64)])
     ends = np.cumsum(sizes)  # tokens up to and including each document
     part_starts = np.cumsum([0] + [len(part) for part in lengths])
-    files, first = [], 0
+    starts, first = [], 0  # the first document of each file
     while first < len(sizes):
+        starts.append(first)
         before = ends[first] - sizes[first]
-        stop = max(first + 1, int(np.searchsorted(ends, before + max_tokens, side="right")))
-        files.append(_part_ranges(part_starts, first, stop))
-        first = stop
-    return files
+        first = max(first + 1, int(np.searchsorted(ends, before + max_tokens, side="right")))
+    if len(starts) > 1 and ends[-1] - ends[starts[-1] - 1] < max_tokens / 2:
+        starts[-1] = _even_cut(np.concatenate([[0], ends]), starts[-2], starts[-1], max_tokens)
+    return [_part_ranges(part_starts, start, stop) for start, stop in zip(starts, [*starts[1:], len(sizes)])]
+
+
+def _even_cut(totals: np.ndarray, first: int, cut: int, max_tokens: int) -> int:
+    """The document boundary between documents `first` and the last that leaves the two files around it
+    closest in tokens while both fit in `max_tokens` (`cut` when none does better); `totals[i]` is the
+    token count of documents [0, i)."""
+    candidates = np.arange(first + 1, len(totals) - 1)
+    left, right = totals[candidates] - totals[first], totals[-1] - totals[candidates]
+    allowed = ((left <= max_tokens) & (right <= max_tokens)) | (candidates == cut)
+    imbalance = np.where(allowed, np.abs(left - right), np.iinfo(np.int64).max)
+    return int(candidates[np.argmin(imbalance)])
 
 
 def _part_ranges(part_starts: np.ndarray, first: int, stop: int) -> list[tuple[int, int, int]]:

@@ -113,7 +113,8 @@ def test_bucket_weights_match_folders_values_or_whole_buckets(tmp_path: Path):
 
 
 def greedy_cut(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """The rule, one document at a time: a file takes documents while they fit; never an empty file."""
+    """The rule, one document at a time: a file takes documents while they fit; never an empty file; a
+    last file under half the limit is evened out with the one before (every cut tried, both must fit)."""
     files, current, tokens = [], [], 0
     for document, length in enumerate(lengths):
         if current and tokens + length > max_tokens:
@@ -121,10 +122,20 @@ def greedy_cut(lengths: list[int], max_tokens: int) -> list[list[int]]:
             current, tokens = [], 0
         current.append(document)
         tokens += length
-    return files + ([current] if current else [])
+    files += [current] if current else []
+    if len(files) > 1 and sum(lengths[d] for d in files[-1]) < max_tokens / 2:
+        pair = files[-2] + files[-1]
+        best = len(files[-2])
+        for cut in range(1, len(pair)):
+            left, right = (sum(lengths[d] for d in docs) for docs in (pair[:cut], pair[cut:]))
+            best_left, best_right = (sum(lengths[d] for d in docs) for docs in (pair[:best], pair[best:]))
+            if max(left, right) <= max_tokens and abs(left - right) < abs(best_left - best_right):
+                best = cut
+        files[-2:] = [pair[:best], pair[best:]]
+    return files
 
 
-@pytest.mark.parametrize("max_tokens", [1, 5, 17, 50, 10**9])
+@pytest.mark.parametrize("max_tokens", [1, 5, 17, 50, 61, 100, 10**9])
 def test_plan_files_cuts_as_the_one_document_at_a_time_rule(max_tokens: int):
     rng = np.random.default_rng(max_tokens)
     parts = [rng.integers(0, 20, size=n) for n in (7, 0, 1, 12, 5)]
@@ -162,3 +173,10 @@ def test_batch_writes_equal_megatrons_builder_document_by_document(tmp_path: Pat
     assert [dataset[i].tolist() for i in range(len(dataset))] == [d.tolist() for d in documents]
     with pytest.raises(TypeError, match="int32"):
         copied.add_documents(np.zeros(3, np.int32), [3])
+
+
+def test_a_group_never_ends_in_a_sliver_of_a_file():
+    """Ten documents of 100 tokens at 450 a file: 400, 400, 200 would leave a 200-token file; the last two share."""
+    plan = plan_files([np.full(6, 100), np.full(4, 100)], 450)
+    assert [sum(stop - first for _, first, stop in ranges) * 100 for ranges in plan] == [400, 300, 300]
+    assert plan[1:] == [[(0, 4, 6), (1, 0, 1)], [(1, 1, 4)]]

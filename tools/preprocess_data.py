@@ -803,7 +803,8 @@ def parse_args(argv: Sequence[str] | None = None) -> PreprocessConfig | MergeCon
     sharding.add_argument("--shards-per-file", type=int,
                           help="input shards (of one bucket) per output file (default 1 when sharded)")
     sharding.add_argument("--max-tokens-per-file", type=int,
-                          help="cut each output file at document boundaries to at most this many tokens")
+                          help="cut each output file at document boundaries to at most this many tokens (a group's "
+                                "last file, if under half of it, shares the documents of the one before evenly)")
     merge = parser.add_argument_group("merging the partitions (reads metadata only)")
     merge.add_argument("--merge-manifests", nargs="+", metavar="MANIFEST",
                        help="the partitions' PREFIX_partition-*-of-*.json files (or globs)")
