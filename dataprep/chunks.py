@@ -20,6 +20,7 @@ from dataprep.shards import (
     documents_in_lines,
     is_compressed,
     is_parquet,
+    line_limit,
     open_parquet,
     open_parquet_metadata,
     parquet_row_group_documents,
@@ -61,7 +62,7 @@ def chunk_bytes_for(path: Path, override: int | None = None) -> int:
 
 
 def plan_chunks(
-    shard: int, path: Path, chunk_bytes: int, column: str, on_bad: OnBadRecord
+    shard: int, path: Path, chunk_bytes: int, column: str, max_record_bytes: int, on_bad: OnBadRecord
 ) -> Iterator[tuple[Chunk, bytes | None]]:
     """The shard's chunks in order, each with its bytes when the worker cannot read it itself.
 
@@ -71,7 +72,7 @@ def plan_chunks(
         yield from ((chunk, None) for chunk in _parquet_chunks(shard, path, chunk_bytes, column, on_bad))
     elif is_compressed(path):
         start = lines = 0
-        for index, block in enumerate(read_line_blocks(path, chunk_bytes, on_bad)):
+        for index, block in enumerate(read_line_blocks(path, chunk_bytes, max_record_bytes, on_bad)):
             yield Chunk(shard, index, path, start, start + len(block), lines), block
             start += len(block)
             lines += block.count(b"\n")
@@ -85,13 +86,20 @@ def plan_chunks(
             yield Chunk(shard, index, path, start, stop, None), None
 
 
-def load_chunk(chunk: Chunk, payload: bytes | None) -> bytes | None:
-    """A JSONL chunk's bytes (read from the file when the planner did not hand them over); None for parquet."""
+def load_chunk(chunk: Chunk, payload: bytes | None, max_record_bytes: int, on_bad: OnBadRecord) -> bytes | None:
+    """A JSONL chunk's bytes (read from the file when the planner did not hand them over, lines longer than
+    `max_record_bytes` reported, with their line in the chunk, and left empty); None for parquet."""
     if payload is not None or is_parquet(chunk.path):
         return payload
+    limit = line_limit(chunk.path, max_record_bytes, on_bad)
+    data = bytearray()
     with open(chunk.path, "rb") as shard:
         shard.seek(chunk.start)
-        return shard.read(chunk.stop - chunk.start)
+        remaining = chunk.stop - chunk.start
+        while remaining and (piece := shard.read(min(remaining, MIN_CHUNK_BYTES))):
+            data += limit.feed(piece)
+            remaining -= len(piece)
+    return bytes(data + limit.finish())
 
 
 def count_records(chunk: Chunk, data: bytes | None) -> int:
@@ -102,14 +110,16 @@ def count_records(chunk: Chunk, data: bytes | None) -> int:
     return sum(metadata.row_group(group).num_rows for group in range(chunk.start, chunk.stop))
 
 
-def chunk_documents(chunk: Chunk, data: bytes | None, column: str, on_bad: OnBadRecord) -> Iterator[Document]:
+def chunk_documents(chunk: Chunk, data: bytes | None, column: str, max_record_bytes: int,
+                    on_bad: OnBadRecord) -> Iterator[Document]:
     """The chunk's documents (`data` from `load_chunk`); line (row) numbers count from 1 at the chunk's start."""
     if data is not None:
         yield from documents_in_lines(chunk.path, data, 1, column, on_bad)
         return
     parquet = open_parquet(chunk.path, column, on_bad)
     if parquet is not None:
-        yield from parquet_row_group_documents(chunk.path, parquet, range(chunk.start, chunk.stop), 1, column, on_bad)
+        yield from parquet_row_group_documents(chunk.path, parquet, range(chunk.start, chunk.stop), 1, column,
+                                               max_record_bytes, on_bad)
 
 
 def records_before(chunk: Chunk) -> int:

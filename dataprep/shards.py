@@ -1,12 +1,13 @@
 """Streaming reader for pretraining corpus shards (Nemotron-CC layout and similar).
 
 Finds shards from globs/dirs and turns their records (JSON lines, parquet rows) into documents, never
-holding a whole shard in memory. Bad records are handed to a callback with file and line so that one
+holding a whole shard, or more than --max-document-bytes of one record, in memory. Bad records are handed to a callback with file and line so that one
 broken line never costs its good neighbours; a shard that cannot be read at all is one bad record.
 """
 from __future__ import annotations
 
 import codecs
+import functools
 import glob
 import gzip
 import io
@@ -17,10 +18,15 @@ from pathlib import Path
 
 import zstandard
 
+from dataprep.long_lines import LineLimit
+
 # Nemotron-CC v1 ships zstd JSONL, v2 parquet; the others are common in the wild.
 SHARD_SUFFIXES = (".jsonl.zstd", ".jsonl.zst", ".jsonl.gz", ".jsonl", ".parquet")
 
 _READ_CHUNK_BYTES = 1 << 20
+# A zstd block inflates at most 128 KiB from 4 bytes, so this much input gives at most 8 MiB of output.
+_ZSTD_FEED_BYTES = 256
+DEFAULT_MAX_DOCUMENT_BYTES = 16 << 20  # a record (JSON line, parquet text) longer than this is dropped
 _PARQUET_BATCH_ROWS = 1024
 
 
@@ -88,9 +94,10 @@ def is_compressed(path: Path | str) -> bool:
     return str(path).endswith((".zstd", ".zst", ".gz"))
 
 
-def read_documents(path: Path, json_key: str, on_bad: OnBadRecord) -> Iterator[Document]:
+def read_documents(path: Path, json_key: str, on_bad: OnBadRecord,
+                   max_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES) -> Iterator[Document]:
     """Yield every well-formed document of one shard; report everything else to `on_bad`."""
-    records = _parquet_documents if is_parquet(path) else _jsonl_documents
+    records = functools.partial(_parquet_documents if is_parquet(path) else _jsonl_documents, max_bytes=max_bytes)
     unreadable = False
 
     def note(record: BadRecord) -> None:
@@ -106,9 +113,9 @@ def read_documents(path: Path, json_key: str, on_bad: OnBadRecord) -> Iterator[D
         on_bad(BadRecord(str(path), 0, "empty_shard", "shard holds no document"))
 
 
-def _jsonl_documents(path: Path, json_key: str, on_bad: OnBadRecord) -> Iterator[Document]:
+def _jsonl_documents(path: Path, json_key: str, on_bad: OnBadRecord, max_bytes: int) -> Iterator[Document]:
     lines = 0
-    for block in read_line_blocks(path, _READ_CHUNK_BYTES, on_bad):
+    for block in read_line_blocks(path, _READ_CHUNK_BYTES, max_bytes, on_bad):
         yield from documents_in_lines(path, block, lines + 1, json_key, on_bad)
         lines += count_lines(block)
 
@@ -118,22 +125,33 @@ def count_lines(block: bytes) -> int:
     return block.count(b"\n") + (1 if block and not block.endswith(b"\n") else 0)
 
 
-def read_line_blocks(path: Path, min_bytes: int, on_bad: OnBadRecord) -> Iterator[bytes]:
+def line_limit(path: Path, max_bytes: int, on_bad: OnBadRecord) -> LineLimit:
+    """A LineLimit that reports each line over `max_bytes` as a bad record of `path` (line numbers from 1)."""
+    def report(line: int) -> None:
+        on_bad(BadRecord(str(path), line, "oversize_record",
+                         f"line longer than {max_bytes} bytes (--max-document-bytes): dropped unread"))
+
+    return LineLimit(max_bytes, report)
+
+
+def read_line_blocks(path: Path, min_bytes: int, max_line_bytes: int, on_bad: OnBadRecord) -> Iterator[bytes]:
     """The (decompressed) bytes of a JSONL shard in blocks of whole lines, each ending at the first
     newline at or after `min_bytes` (the last block: at the end of the stream). The cut points depend
-    only on the content and `min_bytes`, so a rerun cuts the same blocks.
+    only on the content and `min_bytes`, so a rerun cuts the same blocks. A line longer than
+    `max_line_bytes` is reported and left empty (streamed past, never held).
 
     A damaged or truncated compressed stream ends the blocks at the last whole line before the damage
     and is reported; a file that is not what its name says is reported as unreadable.
     """
     buffer = bytearray()
     lines = produced = 0
+    limit = line_limit(path, max_line_bytes, on_bad)
     try:
         with _open_binary(path) as stream:
             # read1: one raw read at a time, so the bytes before a truncation are not lost with it
             while chunk := stream.read1(_READ_CHUNK_BYTES):
                 produced += len(chunk)
-                buffer += chunk
+                buffer += limit.feed(chunk)
                 while len(buffer) >= min_bytes and (end := buffer.find(b"\n", min_bytes - 1)) >= 0:
                     block = bytes(buffer[: end + 1])
                     del buffer[: end + 1]
@@ -145,12 +163,12 @@ def read_line_blocks(path: Path, min_bytes: int, on_bad: OnBadRecord) -> Iterato
         if produced == 0:
             on_bad(BadRecord(str(path), 0, "unreadable_shard", f"cannot read the file ({error})"))
             return
-        whole = buffer.rfind(b"\n") + 1
-        if whole:
-            lines += count_lines(bytes(buffer[:whole]))
-            yield bytes(buffer[:whole])
+        if buffer:  # whole lines only: the partial last one stays in the limit, dropped
+            lines += count_lines(bytes(buffer))
+            yield bytes(buffer)
         on_bad(BadRecord(str(path), lines + 1, "truncated", f"stream ends early ({error})"))
         return
+    buffer += limit.finish()
     if buffer:
         yield bytes(buffer)
 
@@ -234,7 +252,7 @@ def open_parquet_metadata(path: Path):
 
 
 def parquet_row_group_documents(
-    path: Path, parquet, groups: range, first_row: int, column: str, on_bad: OnBadRecord
+    path: Path, parquet, groups: range, first_row: int, column: str, max_bytes: int, on_bad: OnBadRecord
 ) -> Iterator[Document]:
     """The documents of row groups `groups`, whose first row is row `first_row` (1-based) of the shard."""
     row = first_row - 1
@@ -247,15 +265,18 @@ def parquet_row_group_documents(
                 elif not isinstance(text, str):
                     kind = type(text).__name__
                     on_bad(BadRecord(str(path), row, "non_string_text", f"{column!r} is {kind}"))
+                elif (nbytes := len(text.encode("utf-8"))) > max_bytes:
+                    on_bad(BadRecord(str(path), row, "oversize_record",
+                                     f"{column!r} is {nbytes} bytes, over --max-document-bytes {max_bytes}"))
                 else:
-                    yield Document(row, text, len(text.encode("utf-8")))
+                    yield Document(row, text, nbytes)
 
 
-def _parquet_documents(path: Path, json_key: str, on_bad: OnBadRecord) -> Iterator[Document]:
+def _parquet_documents(path: Path, json_key: str, on_bad: OnBadRecord, max_bytes: int) -> Iterator[Document]:
     parquet = open_parquet(path, json_key, on_bad)
     if parquet is not None:
         groups = range(parquet.metadata.num_row_groups)
-        yield from parquet_row_group_documents(path, parquet, groups, 1, json_key, on_bad)
+        yield from parquet_row_group_documents(path, parquet, groups, 1, json_key, max_bytes, on_bad)
 
 
 def _open_binary(path: Path) -> io.BufferedIOBase:
@@ -268,7 +289,9 @@ def _open_binary(path: Path) -> io.BufferedIOBase:
 
 
 class _ZstdStream(io.RawIOBase):
-    """Streaming zstd decompression that, unlike zstandard's stream_reader, reports truncation.
+    """Streaming zstd decompression that, unlike zstandard's stream_reader, reports truncation, and
+    that inflates a small piece of input at a time, so one read never yields more than 8 MiB however
+    far the data inflates.
 
     Supports concatenated frames (as written by parallel compressors).
     """
@@ -278,19 +301,22 @@ class _ZstdStream(io.RawIOBase):
         self._decompressor = zstandard.ZstdDecompressor()
         self._frame = self._decompressor.decompressobj()
         self._frame_started = False
-        self._pending = memoryview(b"")
+        self._input = memoryview(b"")  # read from the file, not yet inflated
+        self._pending = memoryview(b"")  # inflated, not yet handed out
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
         while not self._pending:
-            chunk = self._compressed.read(_READ_CHUNK_BYTES)
-            if not chunk:
-                if self._frame_started and not self._frame.eof:
-                    raise TruncatedStreamError("compressed input ends inside a zstd frame")
-                return 0
-            self._pending = memoryview(self._decompress(chunk))
+            if not self._input:
+                self._input = memoryview(self._compressed.read(_READ_CHUNK_BYTES))
+                if not self._input:
+                    if self._frame_started and not self._frame.eof:
+                        raise TruncatedStreamError("compressed input ends inside a zstd frame")
+                    return 0
+            piece, self._input = self._input[:_ZSTD_FEED_BYTES], self._input[_ZSTD_FEED_BYTES:]
+            self._pending = memoryview(self._decompress(bytes(piece)))
         size = min(len(buffer), len(self._pending))
         buffer[:size] = self._pending[:size]
         self._pending = self._pending[size:]
@@ -310,4 +336,3 @@ class _ZstdStream(io.RawIOBase):
     def close(self) -> None:
         self._compressed.close()
         super().close()
-

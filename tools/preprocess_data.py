@@ -88,7 +88,7 @@ from dataprep.manifest import (
 )
 from dataprep.partition import Partition, PartitionError, ShardGroup, assign_groups, plan_groups
 from dataprep.progress import ProgressLine
-from dataprep.shards import BadRecord, NoInputMatchedError, resolve_inputs
+from dataprep.shards import DEFAULT_MAX_DOCUMENT_BYTES, BadRecord, NoInputMatchedError, resolve_inputs
 from tokenizer.interface import TOKENIZER_TYPES, load_tokenizer, tokenizer_sha256
 from trainer.durable import fsync_dir, write_text_durably
 
@@ -96,6 +96,7 @@ from trainer.durable import fsync_dir, write_text_durably
 PART_FORMAT_VERSION = 2
 BAD_RECORDS_REPORTED_PER_SHARD = 10
 ENCODE_BATCH_DOCUMENTS = 64
+ENCODE_BATCH_BYTES = 4 << 20  # the tokenizer needs tens of bytes per byte of text: batches stay small
 PROGRESS_EVERY_DOCUMENTS = 256
 CHUNKS_IN_FLIGHT_PER_WORKER = 2  # bounds the decompressed bytes held for the workers
 # Test hook: "SHARD:CHUNK:DOCUMENTS" SIGKILLs the worker once that many documents of that chunk are encoded.
@@ -117,6 +118,7 @@ class PreprocessConfig:
     partition: Partition | None = None  # None: this process covers the whole input
     shards_per_file: int | None = None  # None: 1 when the output is sharded
     max_tokens_per_file: int | None = None
+    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES  # longer records are dropped as bad
 
     @property
     def sharded(self) -> bool:
@@ -270,9 +272,10 @@ def _tokenize_chunk(chunk: Chunk, payload: bytes | None, fingerprint: str, prefi
     bin_tmp, idx_tmp = f"{prefix}.bin.tmp", f"{prefix}.idx.tmp"
     writer = DocumentWriter(bin_tmp, _worker["dtype"])
     reported = ChunkStats()
-    data = load_chunk(chunk, payload)
+    data = load_chunk(chunk, payload, config.max_document_bytes, on_bad)
     stats.records = count_records(chunk, data)
     batch: list[str] = []
+    batch_bytes = 0
 
     def add(texts: list[str]) -> None:
         # One native batch call, then one array per batch: no Python object per token beyond the ids.
@@ -291,15 +294,16 @@ def _tokenize_chunk(chunk: Chunk, payload: bytes | None, fingerprint: str, prefi
         if kill_at and kill_at[:2] == (chunk.shard, chunk.index) and documents_before < kill_at[2] <= stats.documents:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    for document in chunk_documents(chunk, data, config.json_key, on_bad):
+    for document in chunk_documents(chunk, data, config.json_key, config.max_document_bytes, on_bad):
         stats.input_bytes += document.nbytes
         if not document.text:
             stats.empty_documents += 1
             continue
         batch.append(document.text)
-        if len(batch) == ENCODE_BATCH_DOCUMENTS:
+        batch_bytes += document.nbytes
+        if len(batch) == ENCODE_BATCH_DOCUMENTS or batch_bytes >= ENCODE_BATCH_BYTES:
             add(batch)
-            batch = []
+            batch, batch_bytes = [], 0
     if batch:
         add(batch)
     writer.finalize(idx_tmp)
@@ -425,7 +429,7 @@ class _Preprocess:
         self.tokenizer_hash = tokenizer_sha256(tokenizer)
         self.part_identity = {"version": PART_FORMAT_VERSION, "tokenizer_sha256": self.tokenizer_hash,
                               "json_key": config.json_key, "append_eod": config.append_eod,
-                              "dtype": np.dtype(self.dtype).name}
+                              "dtype": np.dtype(self.dtype).name, "max_document_bytes": config.max_document_bytes}
         self.output_identity = {**self.part_identity, "shards_per_file": config.shards_per_file or 1,
                                 "max_tokens_per_file": config.max_tokens_per_file}
         if config.sharded:
@@ -512,6 +516,7 @@ class _Preprocess:
                 self._shard_finished(work, plan)
                 continue
             for chunk, payload in plan_chunks(shard, path, chunk_bytes, self.config.json_key,
+                                              self.config.max_document_bytes,
                                               functools.partial(_shard_problem, self.config, plan)):
                 plan.chunks.append(chunk)
                 self.chunks += 1
@@ -794,6 +799,9 @@ def parse_args(argv: Sequence[str] | None = None) -> PreprocessConfig | MergeCon
                         help="tokenizing processes; they share the chunks of every shard, big or small")
     parser.add_argument("--chunk-mb", type=float,
                         help="chunk size in MB of uncompressed text (default: 1/64 of each shard, 1-256 MiB)")
+    parser.add_argument("--max-document-bytes", type=int, default=DEFAULT_MAX_DOCUMENT_BYTES,
+                        help="drop (as a bad record) a JSON line or parquet text longer than this many bytes, "
+                             "without holding it (default: %(default)s)")
     parser.add_argument("--strict", action="store_true", help="fail on the first bad record")
     parser.add_argument("--keep-parts", action="store_true", help="keep the per-chunk parts after merging")
     sharding = parser.add_argument_group("sharded output, split across machines")
@@ -832,6 +840,8 @@ def parse_args(argv: Sequence[str] | None = None) -> PreprocessConfig | MergeCon
         parser.error(f"--json-keys takes one key here (every document is one field), got {args.json_keys}")
     if args.chunk_mb is not None and args.chunk_mb <= 0:
         parser.error("--chunk-mb must be positive")
+    if args.max_document_bytes < 1:
+        parser.error("--max-document-bytes must be at least 1")
     for flag in ("shards_per_file", "max_tokens_per_file"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
@@ -853,6 +863,7 @@ def parse_args(argv: Sequence[str] | None = None) -> PreprocessConfig | MergeCon
         partition=partition,
         shards_per_file=args.shards_per_file,
         max_tokens_per_file=args.max_tokens_per_file,
+        max_document_bytes=args.max_document_bytes,
     )
 
 
