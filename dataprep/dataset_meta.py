@@ -10,17 +10,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from trainer.durable import write_text_durably
+from trainer.typed_json import ConfigBlock, load, setting
 
 SUFFIX = ".meta.json"
 
 
 @dataclass(frozen=True)
-class DatasetMeta:
-    max_token_id: int
-    vocab_size: int
-    tokenizer_sha256: str
-    documents: int
-    tokens: int
+class DatasetMeta(ConfigBlock):
+    max_token_id: int = setting(ge=-1, doc="-1: no token")
+    vocab_size: int = setting(ge=1)
+    tokenizer_sha256: str = setting()
+    documents: int = setting(ge=0)
+    tokens: int = setting(ge=0)
 
 
 def meta_path(data_prefix: str | Path) -> Path:
@@ -34,8 +35,9 @@ def write_dataset_meta(data_prefix: str | Path, meta: DatasetMeta) -> Path:
 
 
 def read_dataset_meta(data_prefix: str | Path) -> DatasetMeta | None:
-    """The dataset's metadata, or None for data preprocessed without it (older runs, other tools)."""
+    """The dataset's metadata, or None for data preprocessed without it (older runs, other tools).
+    Raises ValueError (JSON) or a ConfigError naming each key of the wrong type or range."""
     path = meta_path(data_prefix)
     if not path.is_file():
         return None
-    return DatasetMeta(**json.loads(path.read_text()))
+    return load(DatasetMeta, json.loads(path.read_text()))

@@ -15,6 +15,7 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 from trainer.config import DataConfig, build_parser
+from trainer.data import check_data
 from trainer.errors import ConfigError
 from trainer.indexed_files import read_indexed_files
 from trainer.pretrain import STARTUP_ERRORS, checked_config
@@ -37,8 +38,6 @@ def _meta(prefix: str, **changes) -> None:
 
 
 def _check(prefix: str, vocab_size: int = 1000) -> None:
-    from trainer.data import check_data
-
     check_data(DataConfig(data_path=[prefix], vocab_size=vocab_size))
 
 
@@ -78,6 +77,15 @@ DAMAGES = {  # what is done to the pair, and the line it must give
     "meta counts other tokens": (lambda p: _meta(p, tokens=354),
                                  r"{p}\.meta\.json counts 354 tokens, but {p}\.idx describes 353: the files are not "
                                  r"from one preprocessing run"),
+    "meta id a string": (lambda p: _meta(p, max_token_id="5"),
+                         r"{p}\.meta\.json is not a valid data description: max_token_id must be an integer, got '5'$"),
+    "meta id null": (lambda p: _meta(p, max_token_id=None),
+                     r"{p}\.meta\.json is not a valid data description: max_token_id must be an integer, got None$"),
+    "meta not an object": (lambda p: Path(f"{p}.meta.json").write_text("[1, 2]"),
+                           r"{p}\.meta\.json is not a valid data description: must be an object"),
+    "bin damaged under its meta": (lambda p: _poke(f"{p}.bin", 2 * 10, (60000).to_bytes(2, "little")),
+                                   r"{p}\.bin: its largest token id is 60000, but {p}\.meta\.json records 999: the "
+                                   r"\.bin was damaged or replaced after preprocessing$"),
 }
 
 
@@ -103,6 +111,16 @@ def test_token_ids_beyond_the_vocabulary_are_found_without_a_meta_json(tmp_path)
                                           r"vocabulary of --vocab-size has only 1000 ids \(0\.\.999\)"):
         _check(prefix)
     _check(prefix, vocab_size=1001)
+
+
+def test_an_unreadable_tokenizer_model_is_one_line_naming_it(tmp_path):
+    prefix = _write(tmp_path / "d")
+    for name, content in (("garbage.model", b"\x00\x01 not a protobuf" * 50), ("tokenizer.json", b"{ not json")):
+        model = tmp_path / name
+        model.write_bytes(content)
+        with pytest.raises(STARTUP_ERRORS, match=rf"^tokenizer model {re.escape(str(model))} cannot be read as a "
+                                                 r"(SentencePiece|HuggingFace)Tokenizer: \S"):
+            check_data(DataConfig(data_path=[prefix], tokenizer_model=str(model)))
 
 
 def test_a_planted_pickle_in_the_index_cache_stops_the_entry_point_with_one_line(tmp_path):

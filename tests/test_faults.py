@@ -208,17 +208,19 @@ def test_the_hang_line_names_the_collective_past_logging_wrappers_and_its_caller
     assert line == f"waiting in all_reduce on ranks of the world, called from {expected_caller}"
 
 
-def _data_with_meta(tmp_path: Path, **meta) -> str:
+def _data_with_meta(tmp_path: Path, max_token_id: int, **meta) -> str:
+    """Ten documents whose largest token id is `max_token_id`, with the .meta.json preprocessing writes."""
     import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     prefix = tmp_path / "cc_text_document"
     builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
     for _ in range(10):
-        builder.add_document(torch.arange(100), [100])
+        builder.add_document(torch.arange(100) + max_token_id - 99, [100])
     builder.finalize(f"{prefix}.idx")
     prefix.with_name(prefix.name + ".meta.json").write_text(json.dumps(
-        {"documents": 10, "tokens": 1000, "vocab_size": 2000, "tokenizer_sha256": "0" * 64, **meta}))
+        {"documents": 10, "tokens": 1000, "vocab_size": 2000, "tokenizer_sha256": "0" * 64,
+         "max_token_id": max_token_id, **meta}))
     return str(prefix)
 
 
@@ -228,7 +230,7 @@ def test_data_that_does_not_fit_the_tokenizer_is_refused_before_start(shakespear
 
     prefix = _data_with_meta(tmp_path, max_token_id=1500)
     check_data(DataConfig(data_path=[prefix], vocab_size=2000))
-    with pytest.raises(ConfigError, match=(rf"^{prefix}.meta.json: the data holds token id 1500, but the vocabulary "
+    with pytest.raises(ConfigError, match=(rf"^{prefix}.bin: the data holds token id 1500, but the vocabulary "
                                            r"of --vocab-size has only 1000 ids")):
         check_data(DataConfig(data_path=[prefix], vocab_size=1000))
 

@@ -70,7 +70,18 @@ def load_tokenizer(path: str | Path, tokenizer_type: str | None = None) -> Token
     detected = detect_tokenizer_type(file)
     if tokenizer_type is not None and tokenizer_type != detected:
         raise ValueError(f"{file} is a {detected} model, not a {tokenizer_type} (from --tokenizer-type)")
-    return HuggingFaceTokenizer(file) if detected == HUGGINGFACE else SentencePieceTokenizer(file)
+    try:
+        return HuggingFaceTokenizer(file) if detected == HUGGINGFACE else SentencePieceTokenizer(file)
+    except ValueError:  # ours: readable, but unfit (no end-of-document token), already one line
+        raise
+    except Exception as error:  # `tokenizers` raises a bare Exception, SentencePiece a RuntimeError
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UnreadableTokenizerError(f"tokenizer model {file} cannot be read as a {detected}: "
+                                       f"{reason}") from None
+
+
+class UnreadableTokenizerError(ValueError):
+    """A tokenizer file that its library cannot parse (not a model, damaged, or the wrong kind)."""
 
 
 def tokenizer_sha256(tokenizer: Tokenizer) -> str:

@@ -155,7 +155,9 @@ def _check_token_ids_fit(data: DataConfig, prefixes: list[str]) -> None:
     """Each dataset's .bin and .idx must agree (and with PREFIX.meta.json, where preprocessing wrote
     one); its token ids must exist in this run's vocabulary and come from the same tokenizer, or the
     embedding lookup fails (or, worse, silently reads the wrong rows) long after start-up. The largest
-    id is PREFIX.meta.json's, or, for data made without it, found by one scan of the .bin."""
+    id is found by one scan of the .bin, never taken on trust: a .bin damaged or replaced under an
+    intact .meta.json is caught by the scan disagreeing with it (a checksum would cost more than the
+    scan, which runs at memory speed)."""
     tokenizer = load_tokenizer(data.tokenizer_model) if data.tokenizer_model else None
     vocab_size = tokenizer.vocab_size if tokenizer else data.vocab_size
     tokenizer_hash = None  # computed once, when a meta.json needs it: a blend may have thousands of files
@@ -165,17 +167,19 @@ def _check_token_ids_fit(data: DataConfig, prefixes: list[str]) -> None:
         path = meta_path(prefix)
         try:
             meta = read_dataset_meta(prefix)
-        except (ValueError, TypeError) as err:  # not JSON, or not the keys preprocessing writes
+        except ValueError as err:  # not JSON, or not the keys and types preprocessing writes
             raise ConfigError(f"{path} is not a valid data description: {err}") from None
         if meta is not None and meta.tokens != files.tokens:
             raise ConfigError(f"{path} counts {meta.tokens} tokens, but {prefix}.idx describes {files.tokens}: the "
                               "files are not from one preprocessing run")
-        max_token_id = meta.max_token_id if meta is not None else files.max_token_id()
+        max_token_id = files.max_token_id()
+        if meta is not None and meta.max_token_id != max_token_id:
+            raise ConfigError(f"{prefix}.bin: its largest token id is {max_token_id}, but {path} records "
+                              f"{meta.max_token_id}: the .bin was damaged or replaced after preprocessing")
         if max_token_id >= vocab_size:
-            source = path if meta is not None else f"{prefix}.bin"
-            raise ConfigError(f"{source}: the data holds token id {max_token_id}, but the vocabulary of {flag} has "
-                              f"only {vocab_size} ids (0..{vocab_size - 1}): tokenize with this tokenizer, or use the "
-                              "one the data was made with")
+            raise ConfigError(f"{prefix}.bin: the data holds token id {max_token_id}, but the vocabulary of {flag} "
+                              f"has only {vocab_size} ids (0..{vocab_size - 1}): tokenize with this tokenizer, or use "
+                              "the one the data was made with")
         if tokenizer is not None and meta is not None:
             tokenizer_hash = tokenizer_hash or tokenizer_sha256(tokenizer)
             if meta.tokenizer_sha256 != tokenizer_hash:
