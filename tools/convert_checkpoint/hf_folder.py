@@ -7,8 +7,9 @@ Everything is checked before anything is written, and every problem is reported 
 tied embeddings unless untied on request, a rope scaling type, another activation, Gemma's logit
 soft-capping or attention scale, quantized weights); then every tensor's name, shape and dtype.
 Nothing here runs code from the folder: JSON is parsed by `json`, the configuration by its
-transformers class (never `trust_remote_code`), tensors by the safetensors library; pickled
-`pytorch_model.bin` files are refused, and the index may name only files inside the folder.
+transformers class (never `trust_remote_code`), once its sizes are known to be sane, tensors by the
+safetensors library; pickled `pytorch_model.bin` files are refused, and every file is opened through
+folder_files (regular files, links only within the folder or its hub cache, JSON read with a size cap).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
+from tools.convert_checkpoint.folder_files import HfFolderError, folder_file, has_entry, read_folder_text
 from tools.convert_checkpoint.hf_mapping import (ARCHITECTURES, EMBEDDING, HEAD, MODEL_TYPES, config_class, hf_names,
                                                  megatron_names)
 from trainer.model.presets import ModelShape
@@ -33,10 +35,12 @@ _ARCH_OF_MODEL_TYPE = {model_type: arch for arch, model_type in MODEL_TYPES.item
 _FLOAT_DTYPES = {"F32", "BF16", "F16"}
 # Derived buffers older transformers versions saved; transformers itself ignores them on load.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class HfFolderError(ValueError):
-    """A Hugging Face folder the importer cannot represent or read; the message names every problem."""
+CONFIG_MAX_BYTES = 1 << 20
+INDEX_MAX_BYTES = 64 << 20
+# Beyond any model the trainer could hold; checked before transformers, which builds per-layer lists.
+SIZE_LIMITS = {"num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024, "head_dim": 4096,
+               "hidden_size": 1 << 17, "intermediate_size": 1 << 20, "vocab_size": 1 << 24,
+               "max_position_embeddings": 1 << 24}
 
 
 @dataclass(frozen=True)
@@ -83,11 +87,15 @@ def read_hf_model(directory: str | Path, untie_embeddings: bool = False) -> HfMo
 def _read_config(directory: Path) -> PretrainedConfig:
     path = directory / "config.json"
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raw = json.loads(read_folder_text(directory, "config.json", CONFIG_MAX_BYTES))
+    except (json.JSONDecodeError, RecursionError) as err:
         raise HfFolderError(f"{path}: cannot read a Hugging Face config ({err})") from None
     if not isinstance(raw, dict):
         raise HfFolderError(f"{path}: not a JSON object")
+    sizes = [f"{key} {raw[key]!r} is not a whole number in 1..{limit}" for key, limit in SIZE_LIMITS.items()
+             if key in raw and raw[key] is not None and not (type(raw[key]) is int and 1 <= raw[key] <= limit)]
+    if sizes:
+        raise HfFolderError(f"{path}: " + "; ".join(sizes))
     model_type = raw.get("model_type")
     if model_type not in _ARCH_OF_MODEL_TYPE:
         hint = " (a multimodal Gemma3: only the text model, gemma3_text, is imported)" if model_type == "gemma3" else ""
@@ -221,22 +229,21 @@ def checked_weights(model: HfModel) -> HfWeights:
 def _weight_files(directory: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it (the index's weight_map, or the single file's names)."""
     index = directory / INDEX
-    if index.is_file():
+    if has_entry(directory, INDEX):
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
+            weight_map = json.loads(read_folder_text(directory, INDEX, INDEX_MAX_BYTES))["weight_map"]
+        except (json.JSONDecodeError, RecursionError, KeyError, TypeError) as err:
             raise HfFolderError(f"{index}: not a safetensors index with a weight_map ({err})") from None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise HfFolderError(f"{index}: weight_map is not an object of file names")
         files = {}
-        for file in set(weight_map.values()):
-            path = directory / file
-            if Path(file).name != file or file in (".", "..") or not path.is_file() or path.is_symlink():
+        for file in sorted(set(weight_map.values())):
+            if Path(file).name != file or file in (".", ".."):
                 raise HfFolderError(f"{index}: {file!r} is not a file in {directory}")
-            files[file] = path
+            files[file] = folder_file(directory, file)
         return {name: files[file] for name, file in weight_map.items()}
-    single = directory / SINGLE
-    if single.is_file():
+    if has_entry(directory, SINGLE):
+        single = folder_file(directory, SINGLE)
         try:
             with safe_open(str(single), framework="pt") as f:
                 return dict.fromkeys(f.keys(), single)

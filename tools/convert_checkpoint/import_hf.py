@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tokenizer.interface import load_tokenizer
+from tools.convert_checkpoint.folder_files import folder_file, has_entry
 from tools.convert_checkpoint.hf_folder import (HfFolderError, HfModel, HfWeights, checked_weights, read_hf_model,
                                                 special_token_ids)
 from tools.convert_checkpoint.hf_mapping import megatron_tensor
@@ -45,6 +46,7 @@ from trainer.model.presets import ModelShape
 from trainer.topology import ParallelSizes, coordinates
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_MAX_BYTES = 256 << 20  # the largest on the Hub (Gemma's) is about 33 MB
 IMPORTED_STEP = 0
 
 
@@ -104,18 +106,19 @@ def _vocabulary_note(rows: int, padded: int) -> str:
 
 
 def _checked_tokenizer(model: HfModel) -> tuple[Path | None, list[str]]:
-    """The folder's tokenizer.json (None without one), checked against the embedding rows."""
-    path = model.directory / TOKENIZER_FILE
+    """The folder's tokenizer.json (the file it resolves to; None without one), checked against the embedding rows."""
     rows = model.vocab_size
     problems = [f"config.json's {key} {i} is not a row of the {rows}-row embedding"
                 for key, ids in special_token_ids(model.config).items() for i in ids if not 0 <= i < rows]
-    if not path.is_file():
+    if not has_entry(model.directory, TOKENIZER_FILE):
         if problems:
             raise HfFolderError("; ".join(problems))
         return None, [f"no {TOKENIZER_FILE} in {model.directory}: give the run a --tokenizer-model with at most "
                       f"{rows} ids"]
+    path = model.directory / TOKENIZER_FILE
+    file = folder_file(model.directory, TOKENIZER_FILE, TOKENIZER_MAX_BYTES)  # a hub-cache link: its blob
     try:
-        tokenizer = load_tokenizer(path)
+        tokenizer = load_tokenizer(file)
     except ValueError as err:
         raise HfFolderError(f"{path}: {err}") from None
     if tokenizer.vocab_size > rows:
@@ -131,7 +134,7 @@ def _checked_tokenizer(model: HfModel) -> tuple[Path | None, list[str]]:
     if eos and tokenizer.eod_id not in eos:
         notes.append(f"config.json's eos_token_id {eos} is not the end-of-document id {tokenizer.eod_id} the "
                      "training data will use")
-    return path, notes
+    return file, notes
 
 
 @contextmanager
