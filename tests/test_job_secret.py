@@ -51,6 +51,20 @@ def test_a_bad_secret_is_one_config_error(tmp_path, key_file, content, message):
         resolved(tmp_path, {"auth": {"key_file": key_file}})
 
 
+def test_a_secret_others_may_read_is_refused_by_the_run_and_the_lighthouse(tmp_path, monkeypatch):
+    from trainer.elastic.lighthouse import main as lighthouse_main
+
+    auth_main(["new-key", str(tmp_path / "job.key")])
+    (tmp_path / "job.key").chmod(0o644)
+    line = rf"the job secret {tmp_path / 'job.key'} has mode 0644, so other users may read it: chmod 600 "
+    with pytest.raises(ConfigError, match=f"^{line}"):
+        resolved(tmp_path, {"auth": {"key_file": "job.key"}})
+    with pytest.raises(SystemExit, match=f"^configuration error: {line}"):
+        lighthouse_main(["--bind", "127.0.0.1:0", "--key-file", str(tmp_path / "job.key")])
+    (tmp_path / "job.key").chmod(0o600)
+    assert resolved(tmp_path, {"auth": {"key_file": "job.key"}}).auth_key_file
+
+
 def test_a_bad_auth_block_is_one_config_error(tmp_path):
     with pytest.raises(ConfigError, match="muloco.auth"):
         resolved(tmp_path, {"auth": "off"})

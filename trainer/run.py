@@ -21,7 +21,7 @@ from trainer import comm
 from trainer.checkpoint.checkpointer import Checkpointer, start_from_weights
 from trainer.config import RunConfig
 from trainer.data import StreamPosition, build_datasets, index_cache_dir, tokenizer_info
-from trainer.diloco.auth import JobKey, key_file_is_private, read_job_key
+from trainer.diloco.auth import JobKey, read_job_key
 from trainer.diloco.membership import StaticMembership
 from trainer.diloco.outer_loop import OuterLoop
 from trainer.engine import Engine
@@ -54,10 +54,7 @@ def _job_key(config: RunConfig, is_logger: bool) -> JobKey | None:
             print('WARNING: muloco.auth is "none": messages between workers are not authenticated, so anyone who '
                   "reaches the outer link can change the weights", flush=True)
         return None
-    path = Path(config.auth_key_file)
-    if is_logger and not key_file_is_private(path):
-        print(f"WARNING: the job secret {path} is readable by other users (chmod 600 it)", flush=True)
-    return read_job_key(path, muloco.auth.job_id)
+    return read_job_key(Path(config.auth_key_file), muloco.auth.job_id)  # checked private at start-up
 
 
 def _seed_everything(seed: int) -> None:

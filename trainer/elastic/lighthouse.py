@@ -26,9 +26,10 @@ from pathlib import Path
 
 from torchft.coordination import LighthouseServer
 
-from trainer.diloco.auth import KEY_FILE_ENV, AuthConfig, read_job_key
+from trainer.diloco.auth import KEY_FILE_ENV, AuthConfig
 from trainer.elastic.tunnel import Gateway, host_port
 from trainer.errors import ConfigError
+from trainer.job_secret import read_private_job_key
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.no_auth and not args.key_file:
             raise ConfigError(f"the lighthouse admits only workers that hold the job secret: give --key-file or "
                               f"${KEY_FILE_ENV} (or --no-auth to admit anyone)")
-        key = None if args.no_auth else read_job_key(Path(args.key_file), args.job_id)
+        key = None if args.no_auth else read_private_job_key(Path(args.key_file), args.job_id)
     except (ValueError, ConfigError) as err:
         sys.exit(f"configuration error: {err}")
     timeouts = dict(min_replicas=args.min_workers, join_timeout_ms=int(args.join_timeout_s * 1000),
