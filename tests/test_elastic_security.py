@@ -128,6 +128,69 @@ def test_the_tunnel_relays_bytes_both_ways():
         echo.close()
 
 
+@pytest.fixture
+def echo_gateway():
+    """A gateway in front of a server that echoes every connection."""
+    echo = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        while True:
+            try:
+                conn, _ = echo.accept()
+            except OSError:
+                return
+            threading.Thread(target=lambda c=conn: [c.sendall(d) for d in iter(lambda: c.recv(65536), b"")],
+                             daemon=True).start()
+    threading.Thread(target=serve, daemon=True).start()
+    gateway = Gateway("127.0.0.1", 0, echo.getsockname()[:2], KEY).start()
+    yield gateway
+    gateway.close()
+    echo.close()
+
+
+def test_a_trickle_flood_keeps_no_worker_out_and_is_logged_in_a_few_lines(echo_gateway, capsys):
+    """100 strangers that each send a byte every 0.2 s (more than the gateway's 64 handshake slots)."""
+    flood = [socket.create_connection(echo_gateway.address) for _ in range(100)]
+    tunnel = Tunnel(echo_gateway.address, KEY).start()
+    try:
+        for round_ in range(10):
+            for stranger in flood:
+                try:
+                    stranger.send(b"M")
+                except OSError:
+                    pass  # closed by the gateway
+            if round_ == 5:
+                with socket.create_connection(tunnel.address, timeout=5) as honest:
+                    honest.sendall(b"ping")
+                    assert honest.recv(4) == b"ping"
+            time.sleep(0.2)
+    finally:
+        tunnel.close()
+        for stranger in flood:
+            stranger.close()
+    lines = [line for line in capsys.readouterr().err.splitlines() if "lighthouse gateway: refused" in line]
+    assert 1 <= len(lines) <= 2, lines  # one per source and interval, with the count
+
+
+def test_a_handshake_has_a_deadline_in_all_not_per_read(echo_gateway, monkeypatch):
+    monkeypatch.setattr("trainer.elastic.tunnel.HANDSHAKE_TIMEOUT_S", 1.0)
+    slow = socket.create_connection(echo_gateway.address)
+    start, closed = time.monotonic(), False
+    try:
+        while time.monotonic() - start < 5 and not closed:
+            try:
+                slow.send(b"M")  # one byte every 0.2 s: each read well within the deadline
+                slow.settimeout(0.2)
+                closed = slow.recv(1) == b""
+            except TimeoutError:
+                pass
+            except OSError:
+                closed = True
+    finally:
+        slow.close()
+    assert closed and time.monotonic() - start < 3
+
+
 class _CreatesMarker:
     def __init__(self, marker: Path):
         self.marker = marker

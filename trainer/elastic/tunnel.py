@@ -15,6 +15,13 @@ Every connection through them:
    dropped, reordered or replayed inside a connection either. No encryption: the bytes are readable.
 
 Relaying is two threads per connection (gRPC keeps a few long-lived connections per worker).
+
+A stranger cannot hold the gateway either: a handshake has HANDSHAKE_TIMEOUT_S in all (not per read, so
+one byte every few seconds does not keep it open), and of the connections in their handshake each source
+address holds at most MAX_HANDSHAKES_PER_SOURCE and all together MAX_HANDSHAKES; a new one beyond either
+cap closes the oldest (of its source, else of all). A flood thus displaces only itself, and an honest
+handshake, which takes milliseconds, completes. Refusals are logged at most once per source and
+REFUSAL_LOG_INTERVAL_S, with their count.
 """
 from __future__ import annotations
 
@@ -25,6 +32,8 @@ import socket
 import struct
 import sys
 import threading
+import time
+from collections import OrderedDict
 
 from trainer.diloco.auth import JobKey
 
@@ -33,16 +42,24 @@ NONCE_BYTES = 32
 DIGEST_BYTES = 32
 FRAME_BYTES = 1 << 20
 HANDSHAKE_TIMEOUT_S = 10.0
-MAX_HANDSHAKES = 64  # connections in their handshake at once; more are closed at once (a flood)
+MAX_HANDSHAKES = 64  # connections in their handshake at once; a new one closes the oldest
+MAX_HANDSHAKES_PER_SOURCE = 8
+REFUSAL_LOG_INTERVAL_S = 10.0
 
 
 class TunnelError(ConnectionError):
     """A connection that failed authentication or broke a frame."""
 
 
-def _read_exactly(sock: socket.socket, n: int) -> bytes:
+def _read_exactly(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """`n` bytes; with a `deadline` (time.monotonic()), all of them by then."""
     data = bytearray()
     while len(data) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TunnelError(f"handshake not finished within {HANDSHAKE_TIMEOUT_S:g} s")
+            sock.settimeout(left)
         chunk = sock.recv(n - len(data))
         if not chunk:
             raise TunnelError("connection closed")
@@ -92,12 +109,14 @@ def _client_handshake(sock: socket.socket, key: JobKey) -> tuple[_Direction, _Di
 
 
 def _server_handshake(sock: socket.socket, key: JobKey) -> tuple[_Direction, _Direction]:
-    hello = _read_exactly(sock, len(MAGIC) + NONCE_BYTES)
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+    hello = _read_exactly(sock, len(MAGIC) + NONCE_BYTES, deadline)
     if not hello.startswith(MAGIC):
         raise TunnelError("not a MuLoCo tunnel")
     client_nonce, server_nonce = hello[len(MAGIC):], secrets.token_bytes(NONCE_BYTES)
     sock.sendall(server_nonce + key.mac(b"tunnel gateway", client_nonce, server_nonce))
-    if not hmac.compare_digest(_read_exactly(sock, DIGEST_BYTES), key.mac(b"tunnel worker", client_nonce, server_nonce)):
+    proof = _read_exactly(sock, DIGEST_BYTES, deadline)
+    if not hmac.compare_digest(proof, key.mac(b"tunnel worker", client_nonce, server_nonce)):
         raise TunnelError("failed authentication (no job secret, or another one)")
     return _session(key, client_nonce, server_nonce)
 
@@ -170,6 +189,54 @@ class _Listener:
         self._thread.join(timeout=5)
 
 
+class _Handshakes:
+    """The gateway's connections in their handshake, oldest first, within the caps (see the module)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pending: OrderedDict[socket.socket, str] = OrderedDict()
+
+    def admit(self, conn: socket.socket, source: str) -> None:
+        with self._lock:
+            same_source = [c for c, s in self._pending.items() if s == source]
+            if len(same_source) >= MAX_HANDSHAKES_PER_SOURCE:
+                self._evict(same_source[0])
+            elif len(self._pending) >= MAX_HANDSHAKES:
+                self._evict(next(iter(self._pending)))
+            self._pending[conn] = source
+
+    def finished(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._pending.pop(conn, None)
+
+    def _evict(self, conn: socket.socket) -> None:
+        """Wake its thread, blocked reading, which then refuses it as closed."""
+        self._pending.pop(conn)
+        try:
+            conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+class _RefusalLog:
+    """One line per source address and interval, with how many of its connections were refused."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+        self._last_line: dict[str, float] = {}
+
+    def refused(self, source: str, reason: object) -> None:
+        with self._lock:
+            self._counts[source] = self._counts.get(source, 0) + 1
+            now = time.monotonic()
+            if now - self._last_line.get(source, -REFUSAL_LOG_INTERVAL_S) < REFUSAL_LOG_INTERVAL_S:
+                return
+            count, self._counts[source], self._last_line[source] = self._counts[source], 0, now
+        print(f"lighthouse gateway: refused {count} connection(s) from {source} since its last line (last: {reason})",
+              file=sys.stderr, flush=True)
+
+
 class Gateway(_Listener):
     """The lighthouse's public port: authenticates each connection, then relays it to `target`."""
 
@@ -177,23 +244,21 @@ class Gateway(_Listener):
         super().__init__(host, port)
         self.target, self.key = target, key
         self.refused = 0
-        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self._handshakes = _Handshakes()
+        self._log = _RefusalLog()
 
     def serve(self, conn: socket.socket, peer) -> None:
-        if not self._handshakes.acquire(blocking=False):
-            conn.close()
-            return
+        self._handshakes.admit(conn, peer[0])
         try:
-            conn.settimeout(HANDSHAKE_TIMEOUT_S)
             c2s, s2c = _server_handshake(conn, self.key)
             conn.settimeout(None)
         except (TunnelError, OSError) as err:
             self.refused += 1
-            print(f"lighthouse gateway: refused {peer[0]}:{peer[1]}: {err}", file=sys.stderr, flush=True)
+            self._log.refused(peer[0], err)
             conn.close()
             return
         finally:
-            self._handshakes.release()
+            self._handshakes.finished(conn)
         try:
             upstream = socket.create_connection(self.target)
         except OSError:
