@@ -31,6 +31,7 @@ pytestmark = pytest.mark.timeout(900)
 STEP = 3
 RANK = 1  # not rank 0: the finding was a damaged file on another rank
 EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"
 QKV = "decoder.layers.0.self_attention.linear_qkv.weight"
 FC2 = "decoder.layers.0.mlp.linear_fc2.weight"
 
@@ -343,6 +344,28 @@ def test_a_weights_start_takes_every_weight_of_the_good_checkpoint(good, tmp_pat
         name = canonical_names(model)[name]
         assert torch.equal(param, reader.full_tensor(reader.stage_ranks(0, 0, stage_of[name]), name,
                                                      lambda s: s["model"][name])), name
+
+
+def test_a_weights_start_recomputes_the_probe_and_refuses_swapped_tensors(good, tmp_path, capsys):
+    """The embedding and the output layer have one shape: swapped (checksums recomputed), every tensor
+    passes its own check, and only the recorded probe logits tell the difference."""
+    root = _copy(good, tmp_path)
+    reader = CheckpointReader(root)
+    first, last = reader.stage_ranks(0, 0, 0), reader.stage_ranks(0, 0, reader.meta.sizes.pipeline - 1)
+    for embedding_rank, output_rank in zip(first, last):
+        embedding = to_plain(read_rank_file(rank_file(root / good.name, embedding_rank)))["model"][EMBEDDING].clone()
+        output = to_plain(read_rank_file(rank_file(root / good.name, output_rank)))["model"][OUTPUT].clone()
+        _state(lambda state, t=output: state["model"].__setitem__(EMBEDDING, t))(rank_file(root / good.name,
+                                                                                           embedding_rank))
+        _state(lambda state, t=embedding: state["model"].__setitem__(OUTPUT, t))(rank_file(root / good.name, output_rank))
+        _reseal(root, embedding_rank)
+        _reseal(root, output_rank)
+    with pytest.raises(SystemExit):
+        _start_from_weights(root)
+    line = capsys.readouterr().err.strip()
+    print(line)
+    assert "\n" not in line and re.match(rf"checkpoint error: {re.escape(str(root / good.name))}: the weights of worker 0 "
+                                         r"give logits up to \S+ away from the probe recorded when they were saved", line)
 
 
 @pytest.mark.parametrize("case", WEIGHTS_CASES)

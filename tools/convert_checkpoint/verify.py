@@ -29,12 +29,13 @@ from tools.convert_checkpoint.hf_folder import HfWeights
 from tools.convert_checkpoint.hf_mapping import EMBEDDING
 from tools.convert_checkpoint.merge import full_weights, recorded_probe
 from trainer.checkpoint import CheckpointReader
+from trainer.checkpoint.checkpointer import PROBE_RELATIVE_TOLERANCE
 from trainer.model.presets import ModelShape
 
 # Of the largest reference logit, by the reference's dtype. Every reference is fp32: the export's
 # model, and the probe the checkpointer records without autocast (fp32 differences are ~1e-6; a bf16
 # forward of the 150m model is ~0.06 away, which no fp32 tolerance would pass).
-RELATIVE_TOLERANCE = {torch.float32: 1e-4}
+RELATIVE_TOLERANCE = {torch.float32: PROBE_RELATIVE_TOLERANCE}
 # A Gemma-convention tensor after the round trip (hf_mapping): two fp32 roundings of 1 + w (norms) or
 # of x * sqrt(hidden) (the embedding), relative to 1 + |w| and to |x|.
 GEMMA_ROUNDING = 2.0 ** -22

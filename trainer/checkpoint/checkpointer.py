@@ -33,6 +33,9 @@ from trainer.model.presets import ModelShape
 from trainer.topology import ParallelSizes, Topology, coordinates
 
 PROBE_LENGTH = 32
+# Of the largest recorded logit. The probe is an fp32 forward (_full_precision): the same weights give it
+# again within rounding (~1e-6), weights changed after saving (two same-shaped tensors swapped) do not.
+PROBE_RELATIVE_TOLERANCE = 1e-4
 DIGEST_BYTES = 32  # SHA-256
 # Test hook: "STEP:RANK" makes that rank die after writing its temporary file, before publishing it.
 CRASH_ENV = "MULOCO_CKPT_CRASH_AT"
@@ -80,6 +83,37 @@ def probe_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor |
             seq_length=tokens.shape[1], micro_batch_size=1, forward_only=True)
     model.train(was_training)
     return outputs[0]["logits"] if mps.is_pipeline_last_stage() else None
+
+
+def probe_problem(model: torch.nn.Module, reader: CheckpointReader, worker: int, seq_length: int) -> str | None:
+    """Why the weights now in `model` do not give the probe logits worker `worker` of `reader` recorded
+    when it saved (None: they do, or nothing comparable was recorded). Each last-stage rank compares its
+    vocabulary slice, whatever the checkpoint's layout. Every rank of the worker must call it (the probe
+    is a forward pass); no generator of the run moves."""
+    vocab_size = reader.meta.vocab_size
+    tokens = probe_tokens(vocab_size, min(PROBE_LENGTH, seq_length))
+    rng = rank_state.capture_rng()
+    logits = probe_logits(model, tokens)
+    rank_state.restore_rng(rng)
+    if logits is None:
+        return None
+    last = reader.meta.sizes.pipeline - 1
+    recorded = [reader.rank_state(rank).get("probe") for rank in reader.stage_ranks(worker, 0, last)]
+    if any(probe is None or not torch.equal(probe["tokens"], tokens) for probe in recorded):
+        return None  # saved without a probe, or with other tokens (another --seq-length)
+    full = torch.cat([probe["logits"] for probe in recorded], dim=-1)  # vocabulary-parallel slices, in order
+    start = mps.get_tensor_model_parallel_rank() * logits.shape[-1]
+    stop = min(start + logits.shape[-1], vocab_size, full.shape[-1])  # the padding rows are no one's vocabulary
+    if stop <= start:
+        return None
+    ours, theirs = logits[..., :stop - start].float().cpu(), full[..., start:stop].float()
+    difference = (ours - theirs).abs().max().item()
+    tolerance = PROBE_RELATIVE_TOLERANCE * max(1.0, theirs.abs().max().item())
+    if difference <= tolerance:
+        return None
+    return (f"{reader.directory}: the weights of worker {worker} give logits up to {difference:.3g} away from the "
+            f"probe recorded when they were saved (tolerance {tolerance:.3g}): tensors were changed after saving "
+            "(swapped or edited, their checksums recomputed)")
 
 
 def check_fits(meta: CheckpointMeta, sizes: ParallelSizes, model: ModelShape, padded_vocab_size: int,
@@ -151,17 +185,29 @@ def start_from_weights(config: RunConfig, model: torch.nn.Module, padded_vocab_s
     alike; everything else starts fresh. Call before the optimizer and the outer loop see the weights.
     Returns what was loaded, or None when the load is a resume (Checkpointer.resume). If any rank
     cannot load, every rank stops together."""
-    error, started = None, None
+    error, started, reader = None, None, None
     try:
-        started = _assign_weights(config, model, padded_vocab_size)
+        reader = CheckpointReader(config.load, verify_checksums=config.verify_checksums)
+        started = _assign_weights(config, reader, model, padded_vocab_size)
     except CheckpointError as err:
         error = f"checkpoint error: {err}"
     stop_together(error, "load the checkpoint's weights")
+    if started is not None:
+        _stop_unless_probe_reproduced(model, reader, config.load_worker or 0, config.model.seq_length)
     return started
 
 
-def _assign_weights(config: RunConfig, model: torch.nn.Module, padded_vocab_size: int) -> str | None:
-    reader = CheckpointReader(config.load, verify_checksums=config.verify_checksums)
+def _stop_unless_probe_reproduced(model: torch.nn.Module, reader: CheckpointReader, worker: int,
+                                  seq_length: int) -> None:
+    try:
+        problem = probe_problem(model, reader, worker, seq_length)
+    except CheckpointError as err:
+        problem = str(err)
+    stop_together(problem and f"checkpoint error: {problem}", "reproduce the checkpoint's probe")
+
+
+def _assign_weights(config: RunConfig, reader: CheckpointReader, model: torch.nn.Module,
+                    padded_vocab_size: int) -> str | None:
     meta = reader.meta
     if not (config.finetune or meta.weights_only):
         return None
@@ -355,6 +401,8 @@ class Checkpointer:
         except CheckpointError as err:
             error = f"checkpoint error: {err}"
         stop_together(error, "load the checkpoint")
+        worker = self.topology.coords.worker if self.config.load_worker is None else self.config.load_worker
+        _stop_unless_probe_reproduced(self.trainer.model, reader, worker, self.config.model.seq_length)
         if self.topology.rank == 0:
             print(f"resumed from {reader.directory} at step {self.trainer.step} ({how})", flush=True)
 
