@@ -15,9 +15,11 @@ from fake_wire import Board, FakeQuorum, FakeStatic, FakeWire, run_ranks
 from trainer.diloco.auth import JobKey
 from trainer.diloco.collectives import CollectiveError
 from trainer.diloco.config import CompressionConfig, MuLoCoConfig, StreamingConfig
-from trainer.diloco.outer_loop import OuterLoop, SyncTask
+from trainer.diloco.outer_loop import OuterLoop
+from trainer.diloco.sync import SyncTask
 from trainer.elastic.config import ElasticConfig
 from trainer.elastic.membership import DIVERGED, QuorumMembership
+from trainer.outer_host import TrainerHost, megatron_tensors
 from trainer.topology import ParallelSizes, RankCoordinates, Topology
 
 KEY = JobKey(b"k" * 32, "test-job")
@@ -35,12 +37,15 @@ class Worker:
         optimizer = torch.optim.SGD(self.params, lr=0.1)
         engine = SimpleNamespace(lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s)),
                                  optimizer=optimizer, set_step=lambda step: None)
-        self.trainer = SimpleNamespace(step=0, engine=engine)
+        self.trainer = SimpleNamespace(step=0, engine=engine, config=SimpleNamespace(schedule=SimpleNamespace(
+            train_iters=None)))
         topology = topology or Topology(ParallelSizes(workers, 1, 1, 1), rank, RankCoordinates(rank, 0, 0, 0), None, None)
         names = list(SHAPES)
-        self.loop = OuterLoop(config, list(zip(names, self.params)), {n: n for n in names}, topology, 0, NUM_LAYERS,
-                              log=lambda record, step: self.records.append(record), membership=membership)
-        self.loop.trainer = self.trainer
+        tensors = megatron_tensors(list(zip(names, self.params)), {n: n for n in names}, 0, NUM_LAYERS,
+                                   config.streaming.fragments)
+        self.loop = OuterLoop(config, tensors, topology, log=lambda record, step: self.records.append(record),
+                              membership=membership)
+        self.loop.host = TrainerHost(self.trainer)
         self.records: list[dict] = []
 
     def train(self, step: int, scale: float = 1.0) -> None:
@@ -73,7 +78,7 @@ def quorum_worker(rank: int, board: Board, config: MuLoCoConfig, wire=FakeWire, 
 
 
 def checksums(workers: list[Worker]) -> set[str]:
-    return {w.loop.weights_checksum() for w in workers}
+    return {w.loop.state.checksum() for w in workers}
 
 
 def sync_all(workers: list[Worker], step: int, scale=lambda rank: 1.0) -> None:
@@ -94,7 +99,7 @@ def nesterov_reference(before: dict, deltas: list[dict], config: MuLoCoConfig, m
 
 
 def global_by_name(worker: Worker) -> dict[str, torch.Tensor]:
-    return {worker.loop.params[i].name: w.clone() for i, w in worker.loop.global_weights.items()}
+    return {worker.loop.tensors[i].name: w.clone() for i, w in worker.loop.state.global_weights.items()}
 
 
 def test_static_sync_is_nesterov_on_the_plain_average_on_every_worker():
@@ -183,7 +188,7 @@ def test_a_restarted_worker_catches_up_at_whichever_sync_its_peers_are_at(fragme
     workers = [quorum_worker(r, board, config) for r in range(3)]
     # Worker 2 dies after step 9's sync landed, before it asks for the quorum of a sync at step 10 (a
     # member that dies after asking is in that quorum: the exchange fails and is retried, see test_elastic).
-    workers[2].loop.last_step = 9
+    workers[2].loop.host.last_step = 9
     steps(workers, 1, 9)
     workers[2].loop.close()
     restarted = quorum_worker(2, board, config)  # its outer state is the initial one: committed 0
@@ -198,7 +203,7 @@ def test_a_restarted_worker_catches_up_at_whichever_sync_its_peers_are_at(fragme
         # QuorumMembership.join without torchft: a sync of fragment 0 from the start, whichever the peers are at
         loop = restarted.loop
         loop.joining = True
-        task = SyncTask(0, 0, loop.outer_step + 1, restarted.trainer.engine.lr_scheduler.state_dict())
+        task = SyncTask(0, 0, loop.state.outer_step + 1, restarted.trainer.engine.lr_scheduler.state_dict())
         result = loop.sync(task, loop.zero_deltas(0))
         loop.apply(result, overlapped=False)
     run_ranks(3, rank)
@@ -218,7 +223,7 @@ def test_a_member_whose_weights_drifted_is_left_out_and_caught_up_at_its_next_sy
     workers = [quorum_worker(r, board, config) for r in range(3)]
     sync_all(workers, 4)
     with torch.no_grad():  # worker 1 committed a sync the others did not see
-        next(iter(workers[1].loop.global_weights.values())).add_(1e-3)
+        next(iter(workers[1].loop.state.global_weights.values())).add_(1e-3)
     sync_all(workers, 8)
     assert all(w.records[-1]["left_out"] == {"1": DIVERGED} for w in workers)
     sync_all(workers, 12)
