@@ -296,7 +296,7 @@ def stage_memory(stage_index: int, stage: list[ShardParam], inputs: PlanInputs, 
 
 
 def _owned(stage: list[ShardParam], data: int, replica: int) -> list[ShardParam]:
-    """The parameters inner-DP replica `replica` syncs (trainer.diloco.outer_loop's assignment)."""
+    """The parameters inner-DP replica `replica` syncs (trainer.diloco.plan.owned_by's assignment)."""
     owners = assign_owners([p.numel for p in stage], data)
     return [p for p, owner in zip(stage, owners) if owner == replica]
 

@@ -246,8 +246,13 @@ class MuLoCoHook:
     def outer_step(self) -> int:
         return self.loop.state.outer_step
 
-    def global_weights_checksum(self) -> str:
-        return self.loop.state.checksum()
+    def global_weights_sha256(self) -> str:
+        """sha256 over the worker's global weights (every rank's checksum of its own, in rank order):
+        equal on two workers iff they hold bit-identical global weights. Every rank of the worker calls it."""
+        mine = self.loop.state.checksum()
+        worker = [""] * self.loop.topology.sizes.data
+        dist.all_gather_object(worker, mine, group=self.loop.topology.inner_dp_group)
+        return hashlib.sha256("".join(worker).encode()).hexdigest()
 
     def state_dict(self) -> dict:
         """The outer state of this rank (its owned tensors), for `client_state` of a DeepSpeed checkpoint."""
@@ -285,14 +290,14 @@ def attach(engine, config: MuLoCoConfig | dict, workers: Workers, *, worker_id: 
     refusal = _refusal(engine)
     if refusal:
         raise ConfigError(refusal)
+    path = resolve_key_file(config.auth, Path(config_dir)) if config.talks and config.auth != "none" else None
+    key = job_key(path, config.auth.job_id if path else "", config.talks, topology.is_logging_rank)
     data_parallel = sorted(dist.get_process_group_ranks(engine.data_parallel_group))
     per_worker = topology.sizes.ranks_per_worker
     worker = list(range(topology.rank // per_worker * per_worker, (topology.rank // per_worker + 1) * per_worker))
     if data_parallel != worker:
         raise ConfigError(f"DeepSpeed's data-parallel group is ranks {data_parallel}, not this worker's {worker}: "
                           f"pass mpu=workers.mpu to deepspeed.initialize so its all-reduce stays inside one worker")
-    path = resolve_key_file(config.auth, Path(config_dir)) if config.talks and config.auth != "none" else None
-    key = job_key(path, config.auth.job_id if path else "", config.talks, topology.is_logging_rank)
     tensors, replicated = engine_tensors(engine, config.streaming.fragments)
     if config.elastic is not None:
         from trainer.elastic.membership import QuorumMembership  # only elastic runs import torchft
