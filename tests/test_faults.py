@@ -126,6 +126,16 @@ def test_keep_last_prunes_old_complete_checkpoints_but_never_latest(tmp_path):
                                                                "iter_0000010"]
 
 
+def test_keep_last_keeps_the_checkpoint_of_the_best_validation_loss(tmp_path):
+    for step in (2, 4, 6, 8):
+        (tmp_path / f"iter_{step:07d}").mkdir()
+        (tmp_path / f"iter_{step:07d}" / "complete").write_text("")
+    (tmp_path / "latest").write_text("8\n")
+    # step 6's is unknown yet (its evaluation follows its save), 10 has no checkpoint
+    assert prune(tmp_path, keep_last=1, val_losses={2: 3.1, 4: 2.9, 8: 3.0, 10: 1.0}) == [2, 6]
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000004", "iter_0000008"]
+
+
 def test_a_full_disk_on_one_rank_fails_in_one_line_and_keeps_the_previous_checkpoint(base, tmp_path):
     ckpt = tmp_path / "ckpt"
     result = launch(base, 2, tmp_path / "run", "--save", str(ckpt), "--save-interval", "2",

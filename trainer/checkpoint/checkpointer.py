@@ -27,6 +27,7 @@ from trainer.checkpoint.schema import check_rank_state, check_weight, checked_ra
 from trainer.config import RunConfig
 from trainer.durable import write_durably, write_text_durably
 from trainer.failures import stop_together
+from trainer.metrics import METRICS_FILE, validation_losses
 from trainer.model.builder import assign_full_weights, canonical_names
 from trainer.model.layout import layout_of, shard
 from trainer.model.presets import ModelShape
@@ -317,10 +318,11 @@ class Checkpointer:
             write_durably(directory / meta.tokenizer_model, lambda f: f.write(self.tokenizer_bytes))
         publish(root, step)
         remove_incomplete(root, keep=step)
-        if self.config.keep_last:
-            removed = prune(root, self.config.keep_last)
-            if removed:
-                print(f"removed checkpoints at steps {removed} (--keep-last {self.config.keep_last})", flush=True)
+        val_losses = validation_losses(Path(self.config.run_dir) / METRICS_FILE)  # the best checkpoint stays
+        removed = prune(root, self.config.keep_last, val_losses)
+        if removed:
+            print(f"removed checkpoints at steps {removed} (--keep-last {self.config.keep_last}; latest and the best "
+                  "validation loss are kept)", flush=True)
 
     def _fail(self, step: int, directory: Path, reason: str) -> None:
         """Every rank calls this together: rank 0 removes the unpublished iteration and says why in one
