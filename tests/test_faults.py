@@ -233,6 +233,8 @@ def _data_with_meta(tmp_path: Path, **meta) -> str:
 
 
 def test_data_that_does_not_fit_the_tokenizer_is_refused_before_start(shakespeare, tmp_path):
+    from tokenizer.identity import tokenizer_identity
+    from tokenizer.interface import load_tokenizer
     from tokenizer.train import TokenizerTrainingConfig, train_tokenizer
     from trainer.data import check_data
 
@@ -248,11 +250,14 @@ def test_data_that_does_not_fit_the_tokenizer_is_refused_before_start(shakespear
     with pytest.raises(ConfigError, match=rf"token id 1500, but the vocabulary of --tokenizer-model {spm} has only "
                                           r"400 ids"):
         check_data(DataConfig(data_path=[prefix], tokenizer_model=str(spm)))
-    digest = hashlib.sha256(Path(spm).read_bytes()).hexdigest()
-    check_data(DataConfig(data_path=[_data_with_meta(tmp_path, max_token_id=399, tokenizer_sha256=digest)],
+    identity = tokenizer_identity(load_tokenizer(spm))
+    check_data(DataConfig(data_path=[_data_with_meta(tmp_path, max_token_id=399, tokenizer_sha256=identity)],
+                          tokenizer_model=str(spm)))
+    file_digest = hashlib.sha256(Path(spm).read_bytes()).hexdigest()  # what data made before the identity records
+    check_data(DataConfig(data_path=[_data_with_meta(tmp_path, max_token_id=399, tokenizer_sha256=file_digest)],
                           tokenizer_model=str(spm)))
     with pytest.raises(ConfigError, match=rf"tokenized with a tokenizer whose SHA-256 is {'0' * 64}, but "
-                                          rf"--tokenizer-model {spm} has {digest}"):
+                                          rf"--tokenizer-model {spm} has {identity}"):
         check_data(DataConfig(data_path=[_data_with_meta(tmp_path, max_token_id=399)], tokenizer_model=str(spm)))
 
 

@@ -17,11 +17,12 @@ from megatron.core import parallel_state as mps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 import trainer.checkpoint.state as rank_state
-from tokenizer.interface import tokenizer_file
+from tokenizer.identity import tokenizer_identity
+from tokenizer.interface import load_tokenizer, tokenizer_file
 from trainer import comm
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.format import (COMPLETE, CheckpointMeta, CheckpointReader, iteration_dir,
-                                       latest_iteration, prune, publish, rank_file, remove_incomplete, sha256_of)
+                                       latest_iteration, prune, publish, rank_file, remove_incomplete)
 from trainer.checkpoint.rank_file import to_plain, write_rank_file
 from trainer.checkpoint.schema import check_rank_state, check_weight, checked_rank_state, own_form
 from trainer.config import RunConfig
@@ -187,12 +188,13 @@ def _assign_weights(config: RunConfig, model: torch.nn.Module, padded_vocab_size
 
 
 def _check_same_tokenizer(reader: CheckpointReader, tokenizer_model: str | None) -> None:
-    """The tokenizer saved with the weights must be the run's: the same ids must mean the same text."""
+    """The tokenizer saved with the weights must be the run's: the same ids must mean the same text
+    (the same tokenizer in another format, a SentencePiece model and its tokenizer.json, is the same)."""
     saved = reader.tokenizer_path
     if saved is None or tokenizer_model is None:
         return
     ours = tokenizer_file(tokenizer_model)
-    if sha256_of(saved) != sha256_of(ours):
+    if tokenizer_identity(load_tokenizer(saved)) != tokenizer_identity(load_tokenizer(ours)):
         raise CheckpointError(f"the checkpoint's tokenizer {saved} is not --tokenizer-model's {ours} (their SHA-256 "
                               "differ): train with the tokenizer the model was made with")
 
