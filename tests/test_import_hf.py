@@ -458,7 +458,7 @@ def test_saves_carry_the_saved_tokenizer_after_its_iteration_is_gone(t2p2_import
     shutil.rmtree(saved_tokenizer.parent)  # as --keep-last prunes the imported iteration
     directory = iteration_dir(ckpt, 5)
     directory.mkdir()
-    checkpointer._publish(5, directory, ["0" * 64] * 4)
+    checkpointer._publish(5, directory, ["0" * 64] * 4, one_model=True)
     assert (directory / CheckpointReader(ckpt).meta.tokenizer_model).read_bytes() == original
 
 

@@ -142,6 +142,10 @@ class CheckpointMeta(ConfigBlock):
     # Only `model` (and `probe`) in the rank files, as Megatron's "release" checkpoints (an import from
     # Hugging Face): a run loads it as --finetune does, at step 0 with fresh optimizer, schedule and RNG.
     weights_only: bool = False
+    # Whether every worker's weights were the outer loop's global weights when saved (right after a sync
+    # of every fragment, or no outer loop): the K workers held one model. False: K models, between syncs.
+    # None: not recorded (a checkpoint from before the field, or an import: one model by construction).
+    workers_hold_one_model: bool | None = None
 
     def problems(self) -> list[Problem]:
         problems = [(f"sizes.{k}", f"must be >= 1, got {v!r}") for k, v in asdict(self.sizes).items() if v < 1]
