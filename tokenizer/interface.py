@@ -74,5 +74,5 @@ def load_tokenizer(path: str | Path, tokenizer_type: str | None = None) -> Token
 
 
 def tokenizer_sha256(tokenizer: Tokenizer) -> str:
-    """The hash recorded beside tokenized data: of the tokenizer's model file's bytes."""
+    """Of the tokenizer's model file's bytes: what data made before tokenizer/identity.py records."""
     return hashlib.sha256(tokenizer.model_file.read_bytes()).hexdigest()

@@ -101,6 +101,8 @@ def _assemble_and_train(config: RunConfig, trainer_class: type[Trainer], device:
         Path(config.run_dir).mkdir(parents=True, exist_ok=True)
         (Path(config.run_dir) / "config.json").write_text(config.to_json())
         print(topology.describe(), flush=True)
+        if warning := config.schedule.warmup_warning():
+            print(warning, flush=True)
         if config.recipe_table:
             print(config.recipe_table, flush=True)
 
