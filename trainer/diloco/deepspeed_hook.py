@@ -249,10 +249,12 @@ class MuLoCoHook:
     def global_weights_sha256(self) -> str:
         """sha256 over the worker's global weights (every rank's checksum of its own, in rank order):
         equal on two workers iff they hold bit-identical global weights. Every rank of the worker calls it."""
-        mine = self.loop.state.checksum()
-        worker = [""] * self.loop.topology.sizes.data
-        dist.all_gather_object(worker, mine, group=self.loop.topology.inner_dp_group)
-        return hashlib.sha256("".join(worker).encode()).hexdigest()
+        mine = torch.frombuffer(bytearray(bytes.fromhex(self.loop.state.checksum())), dtype=torch.uint8)
+        group = self.loop.topology.inner_dp_group
+        worker = torch.empty(mine.numel() * self.loop.topology.sizes.data, dtype=torch.uint8,
+                             device=comm.group_device(group))
+        comm.all_gather_into_tensor(worker, mine, group=group)
+        return hashlib.sha256(worker.cpu().numpy().tobytes()).hexdigest()
 
     def state_dict(self) -> dict:
         """The outer state of this rank (its owned tensors), for `client_state` of a DeepSpeed checkpoint."""
