@@ -15,6 +15,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from trainer.diloco.auth import write_new_key
 from trainer.diloco.deepspeed_hook import attach, data_parallel_workers
 from trainer.errors import ConfigError
 
@@ -41,11 +42,13 @@ def engine_for(workers, zero: int, inner: str, vocab: int = 128):
     return engine
 
 
-def train(name: str, workers, zero: int, inner: str, muloco: dict | None, steps: int = STEPS) -> None:
+def train(name: str, workers, zero: int, inner: str, muloco: dict | None, steps: int = STEPS,
+          config_dir: Path = OUT) -> None:
     """`steps` inner steps on every rank's own token stream, with the outer loop attached when
     `muloco` is given; the rank's results to OUT."""
     engine = engine_for(workers, zero, inner)
-    outer = attach(engine, muloco, workers, last_step=steps, log=lambda record, step: None) if muloco else None
+    outer = (attach(engine, muloco, workers, last_step=steps, config_dir=config_dir, log=lambda record, step: None)
+             if muloco else None)
     batches = EXAMPLE.markov_batches(128, 16, 2, seed=dist.get_rank())
     losses, checksums = [], {}
     for _ in range(steps):
@@ -91,6 +94,13 @@ def main() -> None:
     four_bit = {**none, "compression": {"method": "statistical", "bits": 4, "error_feedback": True}}
     train("k2_4bit_ef_zero2", two, 2, "adamw", four_bit)
     train("k2_4bit_ef_zero0", two, 0, "muon", four_bit)
+    # Reduce-scatter, two streaming fragments overlapped with one inner step, tagged with a job secret.
+    if dist.get_rank() == 0:
+        write_new_key(OUT / "job.key")
+    dist.barrier()
+    streaming = {**four_bit, "collective": "reduce_scatter", "streaming": {"fragments": 2, "overlap_steps": 1},
+                 "auth": {"key_file": "job.key"}}
+    train("k2_streaming_zero1", two, 1, "adamw", streaming, config_dir=OUT)
 
     def other_model():  # worker 1 builds a model with another vocabulary
         engine = engine_for(two, 1, "adamw", vocab=128 if two.topology.coords.worker == 0 else 96)
