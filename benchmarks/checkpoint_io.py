@@ -76,6 +76,7 @@ class MeasuredTrainer(Trainer):
 
 def bench_preset(preset: str, work: Path, data_prefix: str) -> dict:
     from tools.convert_checkpoint.export import export
+    from tools.convert_checkpoint.merge import WeightSource
     from trainer.checkpoint import CheckpointReader
 
     ckpt = work / f"ckpt_{preset}"
@@ -86,7 +87,7 @@ def bench_preset(preset: str, work: Path, data_prefix: str) -> dict:
     run_trainer(flags, MeasuredTrainer)
     row = {"preset": preset, "checkpoint_mib": _dir_mib(ckpt / "iter_0000001"), **MeasuredTrainer.results}
     result, row["export_s"], row["export_peak_rss_mib"] = measured(
-        lambda: export(CheckpointReader(ckpt), work / f"hf_{preset}"))
+        lambda: export(reader := CheckpointReader(ckpt), work / f"hf_{preset}", WeightSource.of(reader, None)))
     row["export_mib"] = result.total_bytes / 2 ** 20
     return row
 

@@ -49,6 +49,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
     from trainer.diloco.config import MuLoCoConfig
     from trainer.diloco.membership import StaticMembership
     from trainer.diloco.outer_loop import OuterLoop
+    from trainer.outer_host import megatron_tensors
     from trainer.model.builder import canonical_names
 
     model, topology, shape = worker_model(args.model, args.vocab_size)
@@ -61,8 +62,9 @@ def measure(args: argparse.Namespace) -> list[dict]:
         for repeat in range(args.repeats + 1):  # the first of each kind warms up
             for with_key in (False, True):
                 records = []
-                outer = OuterLoop(config, list(model.named_parameters()), canonical_names(model), topology, 0,
-                                  shape.num_layers, log=lambda record, step: records.append(record),
+                outer = OuterLoop(config, megatron_tensors(list(model.named_parameters()), canonical_names(model), 0,
+                                                                   shape.num_layers, config.streaming.fragments),
+                                  topology, log=lambda record, step: records.append(record),
                                   membership=StaticMembership(config, topology, key if with_key else None))
                 with torch.no_grad():
                     for p in model.parameters():

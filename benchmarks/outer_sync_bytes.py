@@ -64,6 +64,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
     from trainer.diloco.config import CompressionConfig, MuLoCoConfig
     from trainer.diloco.membership import StaticMembership
     from trainer.diloco.outer_loop import OuterLoop
+    from trainer.outer_host import megatron_tensors
     from trainer.model.builder import canonical_names
 
     model, topology, shape = worker_model(args.model, args.vocab_size)
@@ -78,8 +79,9 @@ def measure(args: argparse.Namespace) -> list[dict]:
             config = MuLoCoConfig(workers=K, sync_interval=args.sync_interval, collective=collective,
                                   compression=CompressionConfig(**compression))
             records = []
-            outer = OuterLoop(config, list(model.named_parameters()), canonical_names(model), topology, 0,
-                              shape.num_layers, log=lambda record, step: records.append(record),
+            outer = OuterLoop(config, megatron_tensors(list(model.named_parameters()), canonical_names(model), 0,
+                                                               shape.num_layers, config.streaming.fragments),
+                              topology, log=lambda record, step: records.append(record),
                               membership=StaticMembership(config, topology, None))
             with torch.no_grad():  # this worker's H inner steps, as far as the sync can tell
                 for p in model.parameters():

@@ -1,8 +1,9 @@
 """`<data prefix>.meta.json`, written by preprocessing beside `<data prefix>.bin/.idx`: which tokenizer made
 the data and its largest token id, so that training can refuse data its tokenizer (embedding) cannot hold.
 
-Keys: `max_token_id` (the largest id in the .bin), `vocab_size` (the tokenizer's), `tokenizer_sha256` (of the
-tokenizer's model file: the SentencePiece .model, or the tokenizer.json), `documents`, `tokens`."""
+Keys: `max_token_id` (the largest id in the .bin), `vocab_size` (the tokenizer's), `tokenizer_sha256` (the
+tokenizer's identity, tokenizer/identity.py: the same for a SentencePiece .model and the
+tokenizer.json exported from it; data made before records its model file's SHA-256), `documents`, `tokens`."""
 from __future__ import annotations
 
 import json

@@ -44,8 +44,6 @@ if [ -f "$RUN_DIR/summary.json" ]; then
     echo "  done before, skipping (delete $RUN_DIR to train again)"
 else
     rm -rf "$RUN_DIR"  # an interrupted run: metrics.jsonl would otherwise mix two runs
-    # Two processes share the cores: more threads than cores would only slow both down.
-    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( ($(nproc) + 1) / 2 ))}"
     master_port="$(python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')"
     # The K=2 workers tag every message with the job secret (made once, kept beside the data).
     [ -f "$DATA/job.key" ] || python -m trainer.diloco.auth new-key "$DATA/job.key"

@@ -48,29 +48,27 @@ class ProbeLoop(OuterLoop):
         return super().sync(task, deltas)
 
     def _wire_flat(self, fragment: int, tensors: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-        def view(i):
-            t = tensors[i]
-            return (t.t() if self.params[i].transposed else t).reshape(self._wire_shape(i))
-        return [spec.layout.flatten([view(i) for i in spec.indices]).cpu().clone() for spec in self.buckets[fragment]]
+        return [spec.layout.flatten([self.tensors[i].to_wire(tensors[i]) for i in spec.indices]).cpu().clone()
+                for spec in self.buckets[fragment]]
 
     def apply(self, result, overlapped):
         fragment = result.fragment
         averaged, record = result.averaged, result.record
         detailed = (averaged is not None and bool(record.get("missing")) and not record.get("left_out")
                     and not ProbeLoop.detailed)
-        dump = {"record": dict(record), "sha_before": self.weights_checksum(), "time": time.time()}
+        dump = {"record": dict(record), "sha_before": self.state.checksum(), "time": time.time()}
         if detailed:
             dump.update(deltas=self._sent, averaged=[a.average.cpu().clone() for a in averaged],
-                        global_before=self._wire_flat(fragment, self.global_weights),
-                        momentum_before=self._wire_flat(fragment, self.momentum))
+                        global_before=self._wire_flat(fragment, self.state.global_weights),
+                        momentum_before=self._wire_flat(fragment, self.state.momentum))
         super().apply(result, overlapped)
-        dump["sha_after"] = self.weights_checksum()
+        dump["sha_after"] = self.state.checksum()
         if detailed:
-            dump["global_after"] = self._wire_flat(fragment, self.global_weights)
+            dump["global_after"] = self._wire_flat(fragment, self.state.global_weights)
             ProbeLoop.detailed = True
         if self.topology.is_logging_rank:
             OUT.mkdir(parents=True, exist_ok=True)
-            path = OUT / f"sync{self.outer_step + self.skipped}.pt"
+            path = OUT / f"sync{self.state.outer_step + self.state.skipped}.pt"
             torch.save(dump, path.with_suffix(".tmp"))
             os.replace(path.with_suffix(".tmp"), path)
 

@@ -65,10 +65,10 @@ def probe_trainer(case: dict, dump_path: Path) -> type[Trainer]:
                 if poison and poison["worker"] == coords.worker and poison.get("tensor_rank", coords.tensor) == \
                         coords.tensor and str(step) in poison["at"]:
                     self._corrupt(poison["at"][str(step)])
-                done = outer.outer_step + outer.skipped
+                done = outer.state.outer_step + outer.state.skipped
                 before = self.snapshot()
                 synced(step)
-                if outer.outer_step + outer.skipped != done:
+                if outer.state.outer_step + outer.state.skipped != done:
                     self.dump["snapshots"][f"pre@{step}"] = before
                     self.dump["snapshots"][f"post@{step}"] = self.snapshot()
 

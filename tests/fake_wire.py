@@ -80,13 +80,13 @@ class FakeStatic:
         self.session = _StaticSession(FakeWire(outer, rank, key), FakeWire(metrics, rank, key, "metrics"),
                                       outer.size, max_norm_ratio)
 
-    def join(self, loop, trainer) -> None:
+    def join(self, loop) -> None:
         pass
 
     def leave(self) -> None:
         pass
 
-    def run(self, loop, task, sync):
+    def run(self, task, sync):
         return sync(self.session)
 
 

@@ -10,12 +10,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from _ckpt_runs import (REPO_ROOT, TRAIN_ITERS, Launch, assert_same_state, check, launch, losses, rank_files,
                         reference_checkpoint)
 from trainer.checkpoint import CheckpointError, CheckpointMeta, CheckpointReader, latest_iteration
 from trainer.checkpoint.checkpointer import CRASH_ENV, check_fits
 from trainer.topology import ParallelSizes, coordinates
+from test_convert_checkpoint import convert
 
 # Several launches per test, each bounded by its own timeout; on a shared 2-core machine the
 # default 600 s per test is too tight for three 4-rank launches.
@@ -73,16 +75,24 @@ def test_resume_at_another_tensor_and_pipeline_size_reshards(base, tmp_path):
         assert resumed[step] == pytest.approx(reference[step], abs=1e-4)
 
 
-def test_muloco_k2_streaming_2bit_error_feedback_preempted_by_sigterm_resumes_exactly(base, tmp_path):
+@pytest.fixture(scope="module")
+def muloco_k2(base, tmp_path_factory) -> tuple[Path, Path]:
+    """A streaming MuLoCo K=2 run of TRAIN_ITERS steps (its ds_config, its folder): F=2 fragments of H=2
+    with tau=1, so a fragment's sync starts after every step and lands one step later; the workers'
+    weights at the final save are not the global ones (a sync lands after the run)."""
+    work = tmp_path_factory.mktemp("muloco_k2")
     config = json.loads((REPO_ROOT / "ds_configs" / "cpu_tiny_muloco.json").read_text())
-    # F=2 fragments of H=2 with tau=1: a fragment's sync starts after every step and lands one step
-    # later, so whatever step the preemption stops at, one sync is in flight when it saves.
     config["muloco"].update(workers=2, sync_interval=2, streaming={"fragments": 2, "overlap_steps": 1},
                             compression={"method": "statistical", "bits": 2, "error_feedback": True})
-    ds_config = tmp_path / "muloco_k2.json"
+    ds_config = work / "muloco_k2.json"
     ds_config.write_text(json.dumps(config))
-    full = tmp_path / "full"
-    check(launch(base, 2, full / "run", "--save", str(full / "ckpt"), ds_config=str(ds_config)))
+    check(launch(base, 2, work / "full" / "run", "--save", str(work / "full" / "ckpt"), ds_config=str(ds_config)))
+    return ds_config, work / "full"
+
+
+def test_muloco_k2_streaming_2bit_error_feedback_preempted_by_sigterm_resumes_exactly(base, muloco_k2, tmp_path):
+    # Whatever step the preemption stops at, one sync is in flight when it saves.
+    ds_config, full = muloco_k2
 
     # The cluster takes worker 1's node back: SIGTERM to its rank only, mid-run. Both workers finish
     # the same step, save, and exit 0.
@@ -104,6 +114,40 @@ def test_muloco_k2_streaming_2bit_error_feedback_preempted_by_sigterm_resumes_ex
     assert {s: resumed[s] for s in after} == {s: reference[s] for s in after}
     for a, b in zip(rank_files(full / "ckpt", TRAIN_ITERS), rank_files(ckpt, TRAIN_ITERS), strict=True):
         assert_same_state(a, b)  # includes the outer weights, momentum and error-feedback buffers
+
+
+def test_an_export_between_syncs_takes_the_global_weights_or_the_worker_asked_for(muloco_k2, tmp_path):
+    from safetensors.torch import load_file
+
+    _, full = muloco_k2
+    reader = CheckpointReader(full / "ckpt")
+    assert reader.meta.workers_hold_one_model is False  # saved between syncs: K=2 models
+    # The last layers' fragment synced last, after the run: its weights differ between the workers.
+    name = "output_layer.weight"  # D=1, T=1: each worker's one rank holds every global weight
+    worker_state = [reader.rank_state(r) for r in (0, 1)]
+    global_weights = worker_state[0]["extra"]["muloco"]["global_weights"][name]
+    assert torch.equal(global_weights, worker_state[1]["extra"]["muloco"]["global_weights"][name])
+    assert not torch.equal(worker_state[0]["model"][name], worker_state[1]["model"][name])
+    vocab = reader.meta.vocab_size
+
+    exported = convert(full / "ckpt", tmp_path / "global", "--verify")  # the default
+    chosen = convert(full / "ckpt", tmp_path / "worker1", "--verify", "--worker", "1")
+    for result in (exported, chosen):
+        assert result.returncode == 0 and "verify passed" in result.stdout, result.stdout + result.stderr
+        assert "the workers held different models (saved between outer syncs)" in result.stdout
+    assert "weights: the global (outer) weights" in exported.stdout and "weights: worker 1's weights" in chosen.stdout
+    # worker 1's recorded logits are its own weights': compared; the global weights have no recorded logits
+    assert "note not compared with the training model as saved" in exported.stdout
+    assert "trainer model (T=1 P=1) vs training model as saved (K=2 D=1 P=1 T=1, worker 1)" in chosen.stdout
+    for out, expected, weights in ((tmp_path / "global", "global", global_weights),
+                                   (tmp_path / "worker1", "worker 1", worker_state[1]["model"][name])):
+        assert json.loads((out / "config.json").read_text())["muloco_export"] == {
+            "weights": expected, "step": TRAIN_ITERS, "workers_hold_one_model": False}
+        assert torch.equal(load_file(out / "model.safetensors")["lm_head.weight"], weights[:vocab])
+
+    bad = convert(full / "ckpt", tmp_path / "bad", "--worker", "2")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == \
+        f"export error: --worker 2: {reader.directory} holds workers 0..1", bad.stderr
 
 
 def _meta(**changes) -> CheckpointMeta:

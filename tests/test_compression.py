@@ -9,7 +9,7 @@ import torch
 from trainer.diloco import compression
 from trainer.diloco.compression import Compressor, ErrorFeedback, compression_group, pack_bits, unpack_bits
 from trainer.diloco.config import METHODS, CompressionConfig, MuLoCoConfig
-from trainer.diloco.outer_loop import outer_sgd_direction
+from trainer.diloco.outer_state import outer_sgd_direction
 from trainer.errors import ConfigError
 from trainer.typed_json import load
 

@@ -56,6 +56,13 @@ def test_export_from_t2p2_gives_the_training_models_logits(base, good_export):
     assert (logits - recorded).abs().max() < 1e-4 * recorded.abs().max()
 
 
+def test_exported_files_are_readable_by_others(good_export):
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in good_export.iterdir()}
+    assert modes == {name: oct(0o666 & ~umask) for name in modes}  # as a plain open() makes them (0644)
+
+
 def test_verify_fails_on_a_corrupted_checkpoint_shard(base, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(reference_checkpoint(base) / "ckpt" / "iter_0000006", ckpt / "iter_0000006")

@@ -13,7 +13,8 @@ import trainer.data
 from dataprep.blend import BlendEntry, BlendFileError, write_data_args
 from dataprep.dataset_meta import DatasetMeta, write_dataset_meta
 from dataprep.indexed_writer import DocumentWriter
-from tokenizer.interface import load_tokenizer, tokenizer_sha256
+from tokenizer.identity import tokenizer_identity
+from tokenizer.interface import load_tokenizer
 from trainer.config import DataConfig, build_parser, resolve
 from trainer.data import check_data, data_blends, describe_blend
 from trainer.errors import ConfigError
@@ -103,11 +104,11 @@ def test_every_prefix_is_checked_against_the_tokenizer_hashing_it_once(
         prefixes: list[str], sentencepiece_model: Path, tmp_path: Path, monkeypatch):  # noqa: F811
     tokenizer = load_tokenizer(sentencepiece_model)
     for prefix in prefixes:
-        write_dataset_meta(prefix, DatasetMeta(9, tokenizer.vocab_size, tokenizer_sha256(tokenizer), 2, 10))
+        write_dataset_meta(prefix, DatasetMeta(9, tokenizer.vocab_size, tokenizer_identity(tokenizer), 2, 10))
     path = tmp_path / "blend.data_args"
     write_data_args(path, [BlendEntry(1, prefix) for prefix in prefixes])
     hashed = []
-    monkeypatch.setattr(trainer.data, "tokenizer_sha256", lambda tok: hashed.append(tok) or tokenizer_sha256(tok))
+    monkeypatch.setattr(trainer.data, "tokenizer_identity", lambda tok: hashed.append(tok) or tokenizer_identity(tok))
     data = DataConfig(data_args_path=str(path), tokenizer_model=str(sentencepiece_model))
     check_data(data)
     assert len(hashed) == 1  # not once per prefix: a blend may hold thousands

@@ -218,15 +218,17 @@ def test_state_bytes_round_trip_and_truncations_are_refused():
 
 
 def _loop_with_state(shape=(4, 5)):
-    """An OuterLoop's state-checking part over one owned (4, 5) parameter, in one fragment."""
+    """An OuterLoop's state-checking part over one owned (4, 5) tensor, in one fragment."""
     from trainer.diloco.outer_loop import OuterLoop
+    from trainer.diloco.outer_state import OuterState
+    from trainer.diloco.plan import synced_tensors, TensorSpec
     loop = OuterLoop.__new__(OuterLoop)
-    loop.params = [SimpleNamespace(name="w")]
-    loop.global_weights, loop.momentum = {0: torch.zeros(shape)}, {0: torch.zeros(shape)}
-    loop.outer_step, loop.skipped, loop.pending, loop.buckets = 2, 0, [], [[]]
-    loop._state_lock = threading.Lock()
+    loop.tensors = synced_tensors([torch.zeros(shape)], [TensorSpec(name="w")], 1)
+    loop.state = OuterState(loop.tensors, [0], on_device=False)
+    loop.state.outer_step = 2
+    loop.pending, loop.buckets = [], [[]]
     scheduler = SimpleNamespace(state_dict=lambda: {"last_epoch": 8, "lr_lambdas": [None]})
-    loop.trainer = SimpleNamespace(step=8, engine=SimpleNamespace(lr_scheduler=scheduler))
+    loop.host = SimpleNamespace(inner_step=lambda: 8, schedule_state=scheduler.state_dict)
     return loop
 
 
@@ -243,7 +245,7 @@ def _loop_with_state(shape=(4, 5)):
      "in-flight syncs"),
 ])
 def test_a_crafted_peer_state_is_refused_before_anything_is_loaded(change, message):
-    from trainer.diloco.outer_loop import SyncTask
+    from trainer.diloco.sync import SyncTask
     loop = _loop_with_state()
     task = SyncTask(0, 8, 3, None)
     state = state_from_bytes(state_to_bytes(loop.peer_state(task)), "x")

@@ -126,6 +126,16 @@ def test_keep_last_prunes_old_complete_checkpoints_but_never_latest(tmp_path):
                                                                "iter_0000010"]
 
 
+def test_keep_last_keeps_the_checkpoint_of_the_best_validation_loss(tmp_path):
+    for step in (2, 4, 6, 8):
+        (tmp_path / f"iter_{step:07d}").mkdir()
+        (tmp_path / f"iter_{step:07d}" / "complete").write_text("")
+    (tmp_path / "latest").write_text("8\n")
+    # step 6's is unknown yet (its evaluation follows its save), 10 has no checkpoint
+    assert prune(tmp_path, keep_last=1, val_losses={2: 3.1, 4: 2.9, 8: 3.0, 10: 1.0}) == [2, 6]
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000004", "iter_0000008"]
+
+
 def test_a_full_disk_on_one_rank_fails_in_one_line_and_keeps_the_previous_checkpoint(base, tmp_path):
     ckpt = tmp_path / "ckpt"
     result = launch(base, 2, tmp_path / "run", "--save", str(ckpt), "--save-interval", "2",
@@ -225,6 +235,8 @@ def _data_with_meta(tmp_path: Path, max_token_id: int, **meta) -> str:
 
 
 def test_data_that_does_not_fit_the_tokenizer_is_refused_before_start(shakespeare, tmp_path):
+    from tokenizer.identity import tokenizer_identity
+    from tokenizer.interface import load_tokenizer
     from tokenizer.train import TokenizerTrainingConfig, train_tokenizer
     from trainer.data import check_data
 
@@ -240,11 +252,14 @@ def test_data_that_does_not_fit_the_tokenizer_is_refused_before_start(shakespear
     with pytest.raises(ConfigError, match=rf"token id 1500, but the vocabulary of --tokenizer-model {spm} has only "
                                           r"400 ids"):
         check_data(DataConfig(data_path=[prefix], tokenizer_model=str(spm)))
-    digest = hashlib.sha256(Path(spm).read_bytes()).hexdigest()
-    check_data(DataConfig(data_path=[_data_with_meta(tmp_path, max_token_id=399, tokenizer_sha256=digest)],
+    identity = tokenizer_identity(load_tokenizer(spm))
+    check_data(DataConfig(data_path=[_data_with_meta(tmp_path, max_token_id=399, tokenizer_sha256=identity)],
+                          tokenizer_model=str(spm)))
+    file_digest = hashlib.sha256(Path(spm).read_bytes()).hexdigest()  # what data made before the identity records
+    check_data(DataConfig(data_path=[_data_with_meta(tmp_path, max_token_id=399, tokenizer_sha256=file_digest)],
                           tokenizer_model=str(spm)))
     with pytest.raises(ConfigError, match=rf"tokenized with a tokenizer whose SHA-256 is {'0' * 64}, but "
-                                          rf"--tokenizer-model {spm} has {digest}"):
+                                          rf"--tokenizer-model {spm} has {identity}"):
         check_data(DataConfig(data_path=[_data_with_meta(tmp_path, max_token_id=399)], tokenizer_model=str(spm)))
 
 

@@ -458,7 +458,7 @@ def test_saves_carry_the_saved_tokenizer_after_its_iteration_is_gone(t2p2_import
     shutil.rmtree(saved_tokenizer.parent)  # as --keep-last prunes the imported iteration
     directory = iteration_dir(ckpt, 5)
     directory.mkdir()
-    checkpointer._publish(5, directory, ["0" * 64] * 4)
+    checkpointer._publish(5, directory, ["0" * 64] * 4, one_model=True)
     assert (directory / CheckpointReader(ckpt).meta.tokenizer_model).read_bytes() == original
 
 
@@ -467,7 +467,10 @@ def test_a_weights_start_refuses_another_tokenizer(t2p2_imports, hf_models, tmp_
 
     reader = CheckpointReader(t2p2_imports["llama"][0])
     _check_same_tokenizer(reader, str(hf_models["llama"]))
-    other = tmp_path / "tokenizer.json"
-    other.write_text((hf_models["llama"] / "tokenizer.json").read_text().replace("<|end_of_text|>", "<|eot|>"))
+    other = tmp_path / "tokenizer.json"  # the same vocabulary, but its first and last merges swapped
+    spec = json.loads((hf_models["llama"] / "tokenizer.json").read_text())
+    merges = spec["model"]["merges"]
+    merges[0], merges[-1] = merges[-1], merges[0]
+    other.write_text(json.dumps(spec))
     with pytest.raises(CheckpointError, match="is not --tokenizer-model's"):
         _check_same_tokenizer(reader, str(other))

@@ -14,7 +14,7 @@ import pytest
 import torch
 from _ckpt_runs import REPO_ROOT, check, launch, losses, rank_files
 
-from trainer.checkpoint import CheckpointError, CheckpointMeta
+from trainer.checkpoint import CheckpointError, CheckpointMeta, CheckpointReader
 from trainer.checkpoint.checkpointer import check_worker_start
 from trainer.checkpoint.format import sha256_of
 from trainer.checkpoint.rank_file import read_rank_file, to_plain, write_rank_file
@@ -98,6 +98,8 @@ def test_muloco_run_starts_its_outer_loop_at_the_loaded_weights(dp_run, tmp_path
                  ds_config=str(config)))
     start = to_plain(read_rank_file(rank_files(base / "ckpt", 4)[0]))["model"]
     after = to_plain(read_rank_file(rank_files(tmp_path / "k2_ckpt", 6)[0]))
+    # Saved right after the sync at step 6: both workers hold the global weights, one model.
+    assert CheckpointReader(tmp_path / "k2_ckpt").meta.workers_hold_one_model is True
     momentum = after["extra"]["muloco"]["momentum"]
     assert set(momentum) == set(start)
     for name, theta in start.items():

@@ -15,9 +15,12 @@ from fake_wire import Board, FakeQuorum, FakeStatic, FakeWire, run_ranks
 from trainer.diloco.auth import JobKey
 from trainer.diloco.collectives import CollectiveError
 from trainer.diloco.config import CompressionConfig, MuLoCoConfig, StreamingConfig
-from trainer.diloco.outer_loop import OuterLoop, SyncTask
+from trainer.diloco.deepspeed_hook import EngineHost
+from trainer.diloco.outer_loop import OuterLoop
+from trainer.diloco.sync import SyncTask
 from trainer.elastic.config import ElasticConfig
 from trainer.elastic.membership import DIVERGED, QuorumMembership
+from trainer.outer_host import TrainerHost, megatron_tensors
 from trainer.topology import ParallelSizes, RankCoordinates, Topology
 
 KEY = JobKey(b"k" * 32, "test-job")
@@ -29,18 +32,26 @@ NUM_LAYERS = 2
 class Worker:
     """One worker's parameters, trainer stand-in and outer loop."""
 
-    def __init__(self, rank: int, workers: int, config: MuLoCoConfig, membership, topology: Topology | None = None):
+    def __init__(self, rank: int, workers: int, config: MuLoCoConfig, membership, topology: Topology | None = None,
+                 host: str = "trainer"):
         generator = torch.Generator().manual_seed(0)  # every worker starts from the same weights
         self.params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES.values()]
         optimizer = torch.optim.SGD(self.params, lr=0.1)
         engine = SimpleNamespace(lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s)),
                                  optimizer=optimizer, set_step=lambda step: None)
-        self.trainer = SimpleNamespace(step=0, engine=engine)
+        self.trainer = SimpleNamespace(step=0, engine=engine, config=SimpleNamespace(schedule=SimpleNamespace(
+            train_iters=None)))
         topology = topology or Topology(ParallelSizes(workers, 1, 1, 1), rank, RankCoordinates(rank, 0, 0, 0), None, None)
         names = list(SHAPES)
-        self.loop = OuterLoop(config, list(zip(names, self.params)), {n: n for n in names}, topology, 0, NUM_LAYERS,
-                              log=lambda record, step: self.records.append(record), membership=membership)
-        self.loop.trainer = self.trainer
+        tensors = megatron_tensors(list(zip(names, self.params)), {n: n for n in names}, 0, NUM_LAYERS,
+                                   config.streaming.fragments)
+        self.loop = OuterLoop(config, tensors, topology, log=lambda record, step: self.records.append(record),
+                              membership=membership)
+        # The host the loop is attached to: this project's trainer, or a DeepSpeed engine (its counters and
+        # lr schedule; SGD has no master partitions to refresh).
+        self.engine = SimpleNamespace(global_steps=0, lr_scheduler=engine.lr_scheduler, optimizer=optimizer,
+                                      train_batch_size=lambda: 4)
+        self.loop.host = TrainerHost(self.trainer) if host == "trainer" else EngineHost(self.engine, None)
         self.records: list[dict] = []
 
     def train(self, step: int, scale: float = 1.0) -> None:
@@ -49,7 +60,7 @@ class Worker:
         with torch.no_grad():
             for p in self.params:
                 p.add_(torch.randn(p.shape, generator=generator), alpha=0.01 * scale)
-        self.trainer.step = step
+        self.trainer.step = self.engine.global_steps = step
         self.loop.after_inner_step(step)
 
 
@@ -62,18 +73,19 @@ def elastic_config(**muloco) -> MuLoCoConfig:
     return MuLoCoConfig(**{"workers": 3, "sync_interval": 4, "elastic": ElasticConfig(lighthouse="http://x:1"), **muloco})
 
 
-def quorum_worker(rank: int, board: Board, config: MuLoCoConfig, wire=FakeWire, quorum=FakeQuorum) -> Worker:
+def quorum_worker(rank: int, board: Board, config: MuLoCoConfig, wire=FakeWire, quorum=FakeQuorum,
+                  host: str = "trainer") -> Worker:
     """An elastic worker: a world of one rank (it logs), worker id `rank`, on a fake torchft quorum."""
     topology = Topology(ParallelSizes(1, 1, 1, 1), 0, RankCoordinates(rank, 0, 0, 0), None, None)
     membership = QuorumMembership(config, topology, KEY, worker=rank)
     membership.quorum = quorum(board, rank, KEY, wire=wire)
-    worker = Worker(rank, config.workers, config, membership, topology)
+    worker = Worker(rank, config.workers, config, membership, topology, host)
     membership.loop = worker.loop
     return worker
 
 
 def checksums(workers: list[Worker]) -> set[str]:
-    return {w.loop.weights_checksum() for w in workers}
+    return {w.loop.state.checksum() for w in workers}
 
 
 def sync_all(workers: list[Worker], step: int, scale=lambda rank: 1.0) -> None:
@@ -94,7 +106,7 @@ def nesterov_reference(before: dict, deltas: list[dict], config: MuLoCoConfig, m
 
 
 def global_by_name(worker: Worker) -> dict[str, torch.Tensor]:
-    return {worker.loop.params[i].name: w.clone() for i, w in worker.loop.global_weights.items()}
+    return {worker.loop.tensors[i].name: w.clone() for i, w in worker.loop.state.global_weights.items()}
 
 
 def test_static_sync_is_nesterov_on_the_plain_average_on_every_worker():
@@ -172,21 +184,21 @@ def steps(workers: list[Worker], first: int, last: int) -> None:
         w.loop.flush_metrics()
 
 
-@pytest.mark.parametrize("fragments, tau", [(1, 0), (2, 1)])
-def test_a_restarted_worker_catches_up_at_whichever_sync_its_peers_are_at(fragments, tau):
+@pytest.mark.parametrize("fragments, tau, host", [(1, 0, "trainer"), (2, 1, "trainer"), (2, 1, "deepspeed")])
+def test_a_restarted_worker_catches_up_at_whichever_sync_its_peers_are_at(fragments, tau, host):
     """Worker 2 restarts (fresh weights, no committed syncs) while its peers are at a sync of some
     fragment, possibly with another fragment's sync still in flight: it receives their state first,
     takes part in that sync without contributing, and from then on every member's global weights are
-    bit-identical."""
+    bit-identical. The same through the DeepSpeed hook's host: the engine's step and lr schedule move."""
     config = elastic_config(streaming=StreamingConfig(fragments=fragments, overlap_steps=tau))
     board = Board(3)
-    workers = [quorum_worker(r, board, config) for r in range(3)]
+    workers = [quorum_worker(r, board, config, host=host) for r in range(3)]
     # Worker 2 dies after step 9's sync landed, before it asks for the quorum of a sync at step 10 (a
     # member that dies after asking is in that quorum: the exchange fails and is retried, see test_elastic).
-    workers[2].loop.last_step = 9
+    workers[2].loop.host.last_step = 9
     steps(workers, 1, 9)
     workers[2].loop.close()
-    restarted = quorum_worker(2, board, config)  # its outer state is the initial one: committed 0
+    restarted = quorum_worker(2, board, config, host=host)  # its outer state is the initial one: committed 0
     syncing = next(s for s in range(10, 20) if any(s % 4 == o for o in restarted.loop.offsets))
     steps(workers[:2], 10, syncing - 1) if syncing > 10 else None
     workers[2] = restarted
@@ -198,11 +210,12 @@ def test_a_restarted_worker_catches_up_at_whichever_sync_its_peers_are_at(fragme
         # QuorumMembership.join without torchft: a sync of fragment 0 from the start, whichever the peers are at
         loop = restarted.loop
         loop.joining = True
-        task = SyncTask(0, 0, loop.outer_step + 1, restarted.trainer.engine.lr_scheduler.state_dict())
+        task = SyncTask(0, 0, loop.state.outer_step + 1, restarted.trainer.engine.lr_scheduler.state_dict())
         result = loop.sync(task, loop.zero_deltas(0))
         loop.apply(result, overlapped=False)
     run_ranks(3, rank)
-    assert restarted.trainer.step == syncing
+    assert restarted.loop.host.inner_step() == syncing
+    assert restarted.engine.lr_scheduler.last_epoch == workers[0].engine.lr_scheduler.last_epoch
     steps(workers, syncing + 1, syncing + 12)
     assert not any(w.loop.pending for w in workers) or tau
     joined = next(r for r in restarted.records if r.get("rejoined"))
@@ -218,7 +231,7 @@ def test_a_member_whose_weights_drifted_is_left_out_and_caught_up_at_its_next_sy
     workers = [quorum_worker(r, board, config) for r in range(3)]
     sync_all(workers, 4)
     with torch.no_grad():  # worker 1 committed a sync the others did not see
-        next(iter(workers[1].loop.global_weights.values())).add_(1e-3)
+        next(iter(workers[1].loop.state.global_weights.values())).add_(1e-3)
     sync_all(workers, 8)
     assert all(w.records[-1]["left_out"] == {"1": DIVERGED} for w in workers)
     sync_all(workers, 12)

@@ -2,7 +2,6 @@
 pass, resume after a kill, the .meta.json, Megatron's flag spellings; tools/build_demo_corpus.py: its shards
 feed the preprocessor."""
 import gzip
-import hashlib
 import importlib
 import json
 import os
@@ -20,6 +19,7 @@ from test_tokenizer import sentencepiece_model  # noqa: F401 - shared session fi
 
 from dataprep.dataset_meta import read_dataset_meta
 from dataprep.shards import read_documents, resolve_inputs
+from tokenizer.identity import tokenizer_identity
 from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
 from tools import preprocess_data
 from tools.build_demo_corpus import DemoCorpusConfig, build_demo_corpus, module_document
@@ -312,7 +312,7 @@ def test_meta_json_records_the_largest_token_id(shakespeare_dataset: str, senten
     assert meta == {
         "max_token_id": int(tokens.max()),
         "vocab_size": SentencePieceTokenizer(sentencepiece_model).vocab_size,
-        "tokenizer_sha256": hashlib.sha256(sentencepiece_model.read_bytes()).hexdigest(),
+        "tokenizer_sha256": tokenizer_identity(SentencePieceTokenizer(sentencepiece_model)),
         "documents": len(IndexedDataset(shakespeare_dataset)),
         "tokens": len(tokens),
     }

@@ -2,6 +2,7 @@
 message (no hang), and a short T=2 run writes config.json, metrics.jsonl and TensorBoard events
 while the loss goes down."""
 import json
+import re
 
 import pytest
 
@@ -20,8 +21,12 @@ def data(tmp_path_factory):
 
 def test_impossible_size_exits_with_a_clear_message(data, tmp_path):
     result = deepspeed_launch(PRETRAIN, 2, tiny_flags(data, tmp_path / "run", "muon",
-                                                      "--tensor-model-parallel-size", "4"), timeout_s=FAIL_FAST_S)
+                                                      "--tensor-model-parallel-size", "4"), timeout_s=FAIL_FAST_S,
+                              omp_threads=None)
     assert result.returncode not in (0, 124), result.output[-4000:]
+    # OMP_NUM_THREADS unset: the host's first rank says what share of the cores each of the 2 ranks took.
+    assert len(re.findall(r"threads: \d+ intra-op threads per rank \(\d+ cores available / 2 ranks on this host",
+                          result.output)) == 1, result.output[-4000:]
     assert ("configuration error: world size 2 is not divisible by workers x pipeline x tensor "
             "= 1 x 1 x 4 = 4") in result.output
     assert not (tmp_path / "run").exists(), "nothing may be written before the configuration is known good"

@@ -9,6 +9,7 @@ import pytest
 
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.diloco.outer_loop import OuterLoop
+from trainer.outer_host import attached_to_trainer
 from trainer.training import Trainer
 
 
@@ -34,13 +35,13 @@ def test_outer_loop_and_checkpointer_detach_when_the_block_ends_or_raises():
     outer = OuterLoop.__new__(OuterLoop)
     outer.after_inner_step = synced.append
     left = []
-    outer.membership = SimpleNamespace(join=lambda loop, trainer: None, leave=lambda: left.append(True))
+    outer.membership = SimpleNamespace(join=lambda loop: None, leave=lambda: left.append(True))
     outer._background = ThreadPoolExecutor(max_workers=1)
     outer._background.submit(lambda: None).result()  # its thread is running
     saver = Checkpointer.__new__(Checkpointer)
     saver._after_step = lambda step: {"checkpoint_seconds": 0.5}
     with pytest.raises(RuntimeError):
-        with outer.attached_to(trainer), saver.attached_to(trainer):
+        with attached_to_trainer(outer, trainer), saver.attached_to(trainer):
             assert trainer._run_step_hooks() == {"checkpoint_seconds": 0.5}
             raise RuntimeError("training failed")
     assert synced == [3] and not trainer._step_hooks and left == [True]  # it left its membership too

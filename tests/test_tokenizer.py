@@ -1,15 +1,24 @@
 """Tokenizer: training on the sample corpus, the SentencePiece and Hugging Face `tokenizers` kinds behind one
 interface, and the Hugging Face export of both."""
+import json
 from itertools import islice
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
+from dataprep.dataset_meta import DatasetMeta, write_dataset_meta
 from dataprep.shards import read_documents, resolve_inputs
 from tokenizer.hf_export import export_hf_tokenizer
+from tokenizer.identity import tokenizer_identity
 from tokenizer.interface import HUGGINGFACE, SENTENCEPIECE, load_tokenizer
 from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
 from tokenizer.train import TokenizerTrainingConfig, train_tokenizer, training_sentences
+from trainer.config import DataConfig
+from trainer.data import check_data
+from trainer.errors import ConfigError
 
 VOCAB_SIZE = 4096
 
@@ -176,3 +185,35 @@ def test_hf_export_of_a_tokenizer_json_matches_training_ids(hf_tokenizer_dir: Pa
     assert (hf_tokenizer.bos_token_id, hf_tokenizer.eos_token_id) == (tokenizer.bos_id, tokenizer.eod_id)
     for text in sample_texts(shakespeare, 20) + EDGE_CASES + ["quoting <|end_of_text|> here"]:
         assert hf_tokenizer.encode(text, add_special_tokens=False) == tokenizer.encode(text), text[:80]
+
+
+def test_a_sentencepiece_model_and_its_exported_tokenizer_json_are_one_tokenizer(
+        sentencepiece_model: Path, hf_tokenizer_dir: Path, shakespeare: Path, tmp_path: Path):
+    """Data made with one trains with the other (the Hugging Face round trip); a tokenizer that encodes
+    differently is still refused with the data check's line."""
+    exported = export_hf_tokenizer(sentencepiece_model, tmp_path / "hf")
+    spm, hf = load_tokenizer(sentencepiece_model), load_tokenizer(exported)
+    assert tokenizer_identity(spm) == tokenizer_identity(hf)
+    other = train_tokenizer(TokenizerTrainingConfig(inputs=(str(shakespeare / "train"),), output_prefix=tmp_path / "other",
+                                                    vocab_size=VOCAB_SIZE, max_chars=200_000, num_threads=1)).model_path
+    assert tokenizer_identity(load_tokenizer(other)) != tokenizer_identity(spm)  # same size, other merges
+    assert tokenizer_identity(load_tokenizer(hf_tokenizer_dir)) != tokenizer_identity(spm)
+
+    # One changed merge rank in the exported tokenizer.json: the same vocabulary, another tokenizer.
+    swapped = json.loads((exported / "tokenizer.json").read_text())
+    merges = swapped["model"]["merges"]
+    merges[0], merges[-1] = merges[-1], merges[0]
+    (tmp_path / "swapped").mkdir()
+    (tmp_path / "swapped" / "tokenizer.json").write_text(json.dumps(swapped))
+    assert tokenizer_identity(load_tokenizer(tmp_path / "swapped")) != tokenizer_identity(spm)
+
+    prefix = tmp_path / "data_text_document"
+    ids = spm.encode("Shall I compare thee") + [spm.eod_id]
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    builder.add_document(torch.tensor(ids), [len(ids)])
+    builder.finalize(f"{prefix}.idx")
+    write_dataset_meta(prefix, DatasetMeta(max(ids), spm.vocab_size, tokenizer_identity(spm), 1, len(ids)))
+    check_data(DataConfig(data_path=[str(prefix)], tokenizer_model=str(exported)))
+    with pytest.raises(ConfigError, match=rf"^{prefix}.meta.json: the data was tokenized with a tokenizer whose "
+                                          rf"SHA-256 is {tokenizer_identity(spm)}, but --tokenizer-model {other} has"):
+        check_data(DataConfig(data_path=[str(prefix)], tokenizer_model=str(other)))

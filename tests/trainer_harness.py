@@ -66,14 +66,17 @@ class LaunchResult:
 
 
 def deepspeed_launch(script: str | Path, num_ranks: int, args: list[str],
-                     timeout_s: float = LAUNCH_TIMEOUT_S) -> LaunchResult:
-    """`deepspeed --num_gpus N script args` (N gloo processes on CPU). A hang fails within the
-    timeout: the launcher and its ranks share a new session, which is killed as a whole."""
+                     timeout_s: float = LAUNCH_TIMEOUT_S, omp_threads: str | None = "1") -> LaunchResult:
+    """`deepspeed --num_gpus N script args` (N gloo processes on CPU) with OMP_NUM_THREADS=omp_threads
+    (None: unset, the trainer's own default). A hang fails within the timeout: the launcher and its
+    ranks share a new session, which is killed as a whole."""
     port = launch_port()
     command = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(num_ranks),
                "--master_port", str(port), str(script), *args]
-    env = {**os.environ, **EXTENSIONS_ENV, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, **EXTENSIONS_ENV, "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("OMP_NUM_THREADS", None)
+    if omp_threads is not None:
+        env["OMP_NUM_THREADS"] = omp_threads
     proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:

@@ -85,5 +85,5 @@ class UnreadableTokenizerError(ValueError):
 
 
 def tokenizer_sha256(tokenizer: Tokenizer) -> str:
-    """The hash recorded beside tokenized data: of the tokenizer's model file's bytes."""
+    """Of the tokenizer's model file's bytes: what data made before tokenizer/identity.py records."""
     return hashlib.sha256(tokenizer.model_file.read_bytes()).hexdigest()

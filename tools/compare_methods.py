@@ -22,6 +22,7 @@ writing the report from the records of every corpus under --out (tools/compare/r
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from dataclasses import replace
@@ -37,6 +38,7 @@ from tools.compare.sweep import Budget, Context, Progress, run_protocol
 
 RUNS, ALIGNMENTS = "runs.jsonl", "alignment.jsonl"
 DEFAULT_OUT = REPO / "results" / "compare"
+PERFORMANCE_DOC = REPO / "docs" / "performance.md"
 
 
 def _config_hashes() -> dict[str, str]:
@@ -90,8 +92,9 @@ def report(out: Path, current: str | None, settings: Settings | None, failures: 
     for name in ("summary.csv", "settings.json"):  # the default corpus's, at the top
         shutil.copyfile(out / reports[0].corpus / name, out / name)
     write_readme(out, reports)
-    if out.resolve() == DEFAULT_OUT.resolve():  # the committed results: the project README shows the verdicts
-        write_verdict_summary(REPO / "README.md", out, reports, details=str(DEFAULT_OUT.relative_to(REPO) / "README.md"))
+    if out.resolve() == DEFAULT_OUT.resolve():  # the committed results: docs/performance.md shows the verdicts
+        write_verdict_summary(PERFORMANCE_DOC, out, reports,
+                              details=os.path.relpath(DEFAULT_OUT / "README.md", PERFORMANCE_DOC.parent))
 
 
 def main(argv: list[str] | None = None) -> int:

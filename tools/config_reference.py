@@ -1,11 +1,11 @@
-"""The README's ds_config reference, rendered from the config dataclasses (trainer/ds_config.py and
+"""The ds_config reference of docs/configuration.md, rendered from the config dataclasses (trainer/ds_config.py and
 the blocks it holds): every key with its default, what it accepts and its one-line doc, so the
 reference cannot drift from what the loader checks.
 
     python tools/config_reference.py          # print it
-    python tools/config_reference.py --write  # rewrite it in README.md, between its markers
+    python tools/config_reference.py --write  # rewrite it in docs/configuration.md, between its markers
 
-tests/test_config_reference.py checks that README.md holds exactly this.
+tests/test_config_reference.py checks that docs/configuration.md holds exactly this.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer.ds_config import DsConfig  # noqa: E402
 from trainer.typed_json import ConfigBlock, describe, spec_of  # noqa: E402
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 BEGIN = "<!-- config-reference:begin (python tools/config_reference.py --write rewrites this section) -->"
 END = "<!-- config-reference:end -->"
 
@@ -95,20 +95,20 @@ def render() -> str:
     return "\n\n".join("\n".join(section) for section in _sections(DsConfig, ""))
 
 
-def with_reference(readme: str) -> str:
-    before, begin, rest = readme.partition(BEGIN)
+def with_reference(text: str) -> str:
+    before, begin, rest = text.partition(BEGIN)
     _, end, after = rest.partition(END)
     if not begin or not end:
-        raise SystemExit(f"README.md has no {BEGIN} ... {END} section")
+        raise SystemExit(f"{REFERENCE} has no {BEGIN} ... {END} section")
     return f"{before}{BEGIN}\n\n{render()}\n\n{END}{after}"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--write", action="store_true", help="rewrite the section in README.md")
+    p.add_argument("--write", action="store_true", help="rewrite the section in docs/configuration.md")
     args = p.parse_args(argv)
     if args.write:
-        README.write_text(with_reference(README.read_text()))
+        REFERENCE.write_text(with_reference(REFERENCE.read_text()))
     else:
         print(render())
     return 0

@@ -49,7 +49,7 @@ The K datacenters are joined by links of `--bandwidth-gbit` each; with `--bandwi
   busiest rank's E owned elements: all_gather encodes E and decodes K payloads of E; reduce_scatter
   encodes E, decodes K chunks of E/K, re-encodes E/K and decodes the K averaged chunks.
 Latency, the intra-datacenter collectives and Newton-Schulz time are ignored. Same tokens for every
-method: MuLoCo at K > 1 reaches a somewhat higher loss at equal tokens (the paper's final-loss table, see README), which this
+method: MuLoCo at K > 1 reaches a somewhat higher loss at equal tokens (the paper's final-loss table, see docs/performance.md), which this
 model does not price in.
 """
 from __future__ import annotations
@@ -296,7 +296,7 @@ def stage_memory(stage_index: int, stage: list[ShardParam], inputs: PlanInputs, 
 
 
 def _owned(stage: list[ShardParam], data: int, replica: int) -> list[ShardParam]:
-    """The parameters inner-DP replica `replica` syncs (trainer.diloco.outer_loop's assignment)."""
+    """The parameters inner-DP replica `replica` syncs (trainer.diloco.plan.owned_by's assignment)."""
     owners = assign_owners([p.numel for p in stage], data)
     return [p for p, owner in zip(stage, owners) if owner == replica]
 

@@ -89,7 +89,8 @@ from dataprep.manifest import (
 from dataprep.partition import Partition, PartitionError, ShardGroup, assign_groups, plan_groups
 from dataprep.progress import ProgressLine
 from dataprep.shards import DEFAULT_MAX_DOCUMENT_BYTES, BadRecord, NoInputMatchedError, resolve_inputs
-from tokenizer.interface import TOKENIZER_TYPES, load_tokenizer, tokenizer_sha256
+from tokenizer.identity import tokenizer_identity
+from tokenizer.interface import TOKENIZER_TYPES, load_tokenizer
 from trainer.durable import fsync_dir, write_text_durably
 
 # Bump when the part file contents would change for the same inputs, to invalidate old parts.
@@ -426,7 +427,7 @@ class _Preprocess:
         self.listing = Listing.of(resolve_inputs(config.inputs))
         tokenizer = load_tokenizer(config.tokenizer_model, config.tokenizer_type)
         self.vocab_size, self.dtype = tokenizer.vocab_size, token_dtype(tokenizer.vocab_size)
-        self.tokenizer_hash = tokenizer_sha256(tokenizer)
+        self.tokenizer_hash = tokenizer_identity(tokenizer)
         self.part_identity = {"version": PART_FORMAT_VERSION, "tokenizer_sha256": self.tokenizer_hash,
                               "json_key": config.json_key, "append_eod": config.append_eod,
                               "dtype": np.dtype(self.dtype).name, "max_document_bytes": config.max_document_bytes}

@@ -89,7 +89,8 @@ class RunConfig(ConfigBlock):
     model_vocab_size: int | None = setting(None, ge=1, doc="the model's vocabulary before padding, from the checkpoint "
                                                            "(--use-checkpoint-args); None: the tokenizer's")
     save_interval: int | None = setting(None, ge=1, flag="--save-interval")
-    keep_last: int | None = setting(None, ge=1, flag="--keep-last", doc="None: keep every checkpoint")
+    keep_last: int = setting(3, ge=1, flag="--keep-last",
+                             doc="the newest N checkpoints stay, and always latest and the best validation loss")
     verify_checksums: bool = True
     hang_timeout_s: float = setting(1800.0, ge=0, flag="--hang-timeout-s", doc="0: no hang watchdog")
     startup_timeout_s: float = setting(3600.0, gt=0, flag="--startup-timeout-s",
@@ -174,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--deterministic-mode", action="store_true",
                    help="deterministic kernels (torch.use_deterministic_algorithms), for bit-exact resumes on GPUs")
     g = p.add_argument_group("logging and checkpoints")
-    g.add_argument("--run-dir", default=None)
+    g.add_argument("--run-dir", default=None, help="config.json, metrics.jsonl, tensorboard/ (default: --save, "
+                   "else runs/<ds_config name>)")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--log-interval", type=int, default=field_default(RunConfig, "log_interval"))
     g.add_argument("--eval-interval", type=int, default=field_default(RunConfig, "eval_interval"))
@@ -202,7 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokenizer saved with it, from the --load checkpoint (model flags given still win, e.g. "
                         "--seq-length), so a run from an imported model needs no shape or tokenizer flags")
     g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--keep-last", type=int, default=None, help="keep only the newest N checkpoints (default: all)")
+    g.add_argument("--keep-last", type=int, default=field_default(RunConfig, "keep_last"),
+                   help="keep the newest N checkpoints, latest and the one of the best validation loss "
+                        f"(default {field_default(RunConfig, 'keep_last')})")
     g.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
                    help="skip checking rank files against meta.json's SHA-256 on --load (saves a read at scale)")
     g = p.add_argument_group("faults and preemption")
@@ -281,7 +285,8 @@ def resolve(args: argparse.Namespace, world_size: int, checkpoint: CheckpointArg
             raise ConfigError(f"--recipe {args.recipe} has rules for the presets only, and the model is {run_model}")
         recipe_table = fill_ds_config(raw, ds, preset, batch.global_batch, set(origins))
         ds = load_ds_config(raw, origins)
-    run_dir = args.run_dir or str(Path("runs") / Path(args.ds_config).stem)
+    # Without --run-dir the logs go beside the checkpoints they describe (else runs/<ds_config name>).
+    run_dir = args.run_dir or args.save or str(Path("runs") / Path(args.ds_config).stem)
     return RunConfig(
         model_preset=args.model if checkpoint is None else f"of {args.load}", model=shape,
         tensor_parallel=sizes.tensor, pipeline_parallel=sizes.pipeline,

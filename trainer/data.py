@@ -22,6 +22,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from dataprep.blend import read_data_args, read_per_split_data_args
 from dataprep.dataset_meta import meta_path, read_dataset_meta
+from tokenizer.identity import tokenizer_identity
 from tokenizer.interface import load_tokenizer, tokenizer_sha256
 from trainer.comm import barrier
 from trainer.config import BatchConfig, DataConfig
@@ -160,7 +161,9 @@ def _check_token_ids_fit(data: DataConfig, prefixes: list[str]) -> None:
     scan, which runs at memory speed)."""
     tokenizer = load_tokenizer(data.tokenizer_model) if data.tokenizer_model else None
     vocab_size = tokenizer.vocab_size if tokenizer else data.vocab_size
-    tokenizer_hash = None  # computed once, when a meta.json needs it: a blend may have thousands of files
+    # The tokenizer's identity and, for data made before it existed, its file's SHA-256: computed once,
+    # when a meta.json needs them (a blend may have thousands of files).
+    accepted: tuple[str, str] | None = None
     flag = f"--tokenizer-model {data.tokenizer_model}" if tokenizer else "--vocab-size"
     for prefix in prefixes:
         files = read_indexed_files(prefix)
@@ -181,10 +184,10 @@ def _check_token_ids_fit(data: DataConfig, prefixes: list[str]) -> None:
                               f"has only {vocab_size} ids (0..{vocab_size - 1}): tokenize with this tokenizer, or use "
                               "the one the data was made with")
         if tokenizer is not None and meta is not None:
-            tokenizer_hash = tokenizer_hash or tokenizer_sha256(tokenizer)
-            if meta.tokenizer_sha256 != tokenizer_hash:
+            accepted = accepted or (tokenizer_identity(tokenizer), tokenizer_sha256(tokenizer))
+            if meta.tokenizer_sha256 not in accepted:
                 raise ConfigError(f"{path}: the data was tokenized with a tokenizer whose SHA-256 is "
-                                  f"{meta.tokenizer_sha256}, but {flag} has {tokenizer_hash}: use the "
+                                  f"{meta.tokenizer_sha256}, but {flag} has {accepted[0]}: use the "
                                   "tokenizer the data was made with")
 
 

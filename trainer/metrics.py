@@ -32,6 +32,19 @@ def records_up_to(text: str, step: int) -> tuple[list[str], int]:
     return kept, dropped
 
 
+def validation_losses(path: Path) -> dict[int, float]:
+    """step -> val_loss of the records of a metrics.jsonl (none when there is no file yet)."""
+    if not path.is_file():
+        return {}
+    records = [json.loads(line) for line in records_up_to(path.read_text(errors="replace"), step=2**62)[0]]
+    return {r["step"]: r["val_loss"] for r in records if isinstance(r.get("val_loss"), (int, float))}
+
+
+def tensorboard_tag(prefix: str, key: str) -> str:
+    """A record field's TensorBoard tag: validation fields under valid/, the others under `prefix`."""
+    return f"valid/{key.removeprefix('val_')}" if key.startswith("val_") else f"{prefix}/{key}"
+
+
 class MetricsLogger:
     def __init__(self, run_dir: str, tensorboard_dir: str | None, total_steps: int, enabled: bool):
         self.enabled = enabled
@@ -61,14 +74,15 @@ class MetricsLogger:
             self._tb = SummaryWriter(self.tensorboard_dir, purge_step=step + 1)
 
     def log(self, record: dict, step: int, prefix: str = "train") -> None:
-        """Write one record; every numeric field also goes to TensorBoard as prefix/field."""
+        """Write one record; every numeric field also goes to TensorBoard as prefix/field, a validation
+        field (val_X) as valid/X."""
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
         if self._tb is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":
-                    self._tb.add_scalar(f"{prefix}/{key}", value, step)
+                    self._tb.add_scalar(tensorboard_tag(prefix, key), value, step)
 
     def progress(self, step: int, text: str) -> None:
         if not self.enabled:

@@ -25,6 +25,7 @@ from trainer.errors import ConfigError, TopologyError  # noqa: E402
 from trainer.failures import stop_together  # noqa: E402
 from trainer.folder_lock import JobLocks  # noqa: E402
 from trainer.parent_watch import ParentWatch, launched  # noqa: E402
+from trainer.threads import apply_thread_default  # noqa: E402
 
 # What a bad setting, size, file or folder raises while the config is checked.
 STARTUP_ERRORS = (ConfigError, TopologyError, FileNotFoundError, ValueError)
@@ -58,6 +59,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _main(args) -> dict:
+    threads = apply_thread_default()  # before any work: the ranks on a host share its cores
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(threads.line, flush=True)
     if args.deterministic_mode:  # cuBLAS reads this when it starts
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # The device first: NCCL binds each process to the accelerator current when it starts.

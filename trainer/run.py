@@ -21,7 +21,7 @@ from trainer import comm
 from trainer.checkpoint.checkpointer import Checkpointer, start_from_weights
 from trainer.config import RunConfig
 from trainer.data import StreamPosition, build_datasets, index_cache_dir, tokenizer_info
-from trainer.diloco.auth import JobKey, read_job_key
+from trainer.diloco.auth import JobKey, job_key
 from trainer.diloco.membership import StaticMembership
 from trainer.diloco.outer_loop import OuterLoop
 from trainer.engine import Engine
@@ -29,6 +29,7 @@ from trainer.metrics import MetricsLogger
 from trainer.model.builder import (build_model, canonical_names, count_parameters, initialize_weights,
                                    padded_vocab_size)
 from trainer.optim.inner import InnerOptimizer
+from trainer.outer_host import attached_to_trainer, megatron_tensors
 from trainer.optim.routing import route_parameters
 from trainer.preemption import Preemption
 from trainer.progress_board import ProgressBoard
@@ -48,13 +49,8 @@ def _membership(config: RunConfig, topology, key: JobKey | None):
 
 def _job_key(config: RunConfig, is_logger: bool) -> JobKey | None:
     """The job secret that tags the outer messages (None: the workers do not talk, or auth is off)."""
-    muloco = config.muloco
-    if config.auth_key_file is None:
-        if muloco.talks and is_logger:
-            print('WARNING: muloco.auth is "none": messages between workers are not authenticated, so anyone who '
-                  "reaches the outer link can change the weights", flush=True)
-        return None
-    return read_job_key(Path(config.auth_key_file), muloco.auth.job_id)  # checked private at start-up
+    path = Path(config.auth_key_file) if config.auth_key_file is not None else None
+    return job_key(path, config.muloco.auth.job_id if path else "", config.muloco.talks, is_logger)
 
 
 def _seed_everything(seed: int) -> None:
@@ -105,6 +101,8 @@ def _assemble_and_train(config: RunConfig, trainer_class: type[Trainer], device:
         Path(config.run_dir).mkdir(parents=True, exist_ok=True)
         (Path(config.run_dir) / "config.json").write_text(config.to_json())
         print(topology.describe(), flush=True)
+        if warning := config.schedule.warmup_warning():
+            print(warning, flush=True)
         if config.recipe_table:
             print(config.recipe_table, flush=True)
 
@@ -153,8 +151,9 @@ def _assemble_and_train(config: RunConfig, trainer_class: type[Trainer], device:
         resume()
     outer = None
     if config.muloco is not None:
-        outer = OuterLoop(config.muloco, list(model.named_parameters()), canonical, topology,
-                          mps.get_tensor_model_parallel_rank(), config.model.num_layers,
+        tensors = megatron_tensors(list(model.named_parameters()), canonical, mps.get_tensor_model_parallel_rank(),
+                                   config.model.num_layers, config.muloco.streaming.fragments)
+        outer = OuterLoop(config.muloco, tensors, topology,
                           log=lambda record, step: logger.log(record, step, prefix="outer"),
                           membership=_membership(config, topology, _job_key(config, is_logger)))
         trainer.extra_state["muloco"] = outer
@@ -172,7 +171,7 @@ def _assemble_and_train(config: RunConfig, trainer_class: type[Trainer], device:
     with ExitStack() as hooks:
         hooks.callback(logger.close)  # last out, on every path: TensorBoard's writer thread is joined
         if outer is not None:
-            hooks.enter_context(outer.attached_to(trainer))
+            hooks.enter_context(attached_to_trainer(outer, trainer))
         if config.save:
             hooks.enter_context(checkpointer.attached_to(trainer))
         hooks.enter_context(Preemption(config, checkpointer, is_logger).attached_to(trainer))

@@ -16,6 +16,15 @@ class ScheduleConfig(ConfigBlock):
     min_lr_ratio: float = setting(0.1, ge=0, le=1, doc="the cosine decays to this fraction of the peak "
                                                        "(`--min-lr-ratio`; 0.1, the paper's)")
 
+    def warmup_warning(self) -> str | None:
+        """A line for a warm-up longer than the run: the lr never reaches its peak (allowed: short test
+        runs of a config made for a long one)."""
+        if self.warmup_iters <= self.train_iters:
+            return None
+        return (f"warning: the warm-up ({self.warmup_iters} steps, --lr-warmup-iters) is longer than the run "
+                f"({self.train_iters} steps, --train-iters): the lr ends at {self.train_iters / self.warmup_iters:.0%} "
+                "of its peak")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig(ConfigBlock):

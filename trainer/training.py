@@ -101,12 +101,13 @@ class Trainer:
         self.model.eval()
         batches = list(validation_batches(self.valid_dataset, self.position, self.config.eval_iters))
         loss = self._run_schedule(batches, len(batches), forward_only=True)
-        return self._mean_over_loss_ranks(loss, group=self.topology.worker_group)
+        return self._mean_over_loss_ranks(loss, 1, group=self.topology.worker_group)
 
-    def _mean_over_loss_ranks(self, loss: float | None, group) -> float:
-        """Mean of the losses held by last-stage ranks in `group` (the logging rank is on stage 0)."""
-        holds = loss is not None and mps.get_tensor_model_parallel_rank() == 0
-        t = torch.tensor([loss if holds else 0.0, 1.0 if holds else 0.0], dtype=torch.float64,
+    def _mean_over_loss_ranks(self, loss_sum: float | None, steps: int, group) -> float:
+        """Mean over `steps` steps of the losses summed on last-stage ranks in `group` (the logging rank
+        is on stage 0)."""
+        holds = loss_sum is not None and mps.get_tensor_model_parallel_rank() == 0
+        t = torch.tensor([loss_sum if holds else 0.0, steps if holds else 0.0], dtype=torch.float64,
                          device=comm.group_device(group))
         comm.all_reduce(t, group=group)
         return float(t[0] / t[1])
@@ -115,19 +116,23 @@ class Trainer:
         cfg = self.config
         tokens_per_step = cfg.batch.global_batch * cfg.model.seq_length
         last_val = None
-        window_start, window_steps = time.time(), 0
+        window_start, window_steps, window_loss = time.time(), 0, None
         while self.step < cfg.schedule.train_iters and not self.stop_requested:
             result = self.train_step()
             window_steps += 1
+            if result.loss is not None:
+                window_loss = (window_loss or 0.0) + result.loss
             record = None
             if self.step % cfg.log_interval == 0 or self.step == cfg.schedule.train_iters:
-                # Worker 0's loss: logging must not add a cross-datacenter collective per step.
-                loss = self._mean_over_loss_ranks(result.loss, group=self.topology.worker_group)
+                # The logging worker's mean over the interval: logging must not add a cross-datacenter
+                # collective, so the loss is worker-local (each worker's own data).
+                loss = self._mean_over_loss_ranks(window_loss, window_steps, group=self.topology.worker_group)
                 elapsed = time.time() - window_start
                 record = {"step": self.step, "tokens": self.step * tokens_per_step, "loss": loss,
+                          "loss_steps": window_steps,
                           "lr": self.engine.optimizer.param_groups[-1]["lr"], "grad_norm": result.grad_norm,
                           "tokens_per_s": window_steps * tokens_per_step / max(elapsed, 1e-9), **result.hook_values}
-                window_start, window_steps = time.time(), 0
+                window_start, window_steps, window_loss = time.time(), 0, None
             if cfg.eval_interval and (self.step % cfg.eval_interval == 0 or self.step == cfg.schedule.train_iters):
                 last_val = self.evaluate()
                 record = record or {"step": self.step, "tokens": self.step * tokens_per_step}

@@ -2,7 +2,7 @@
 
 A block is a frozen dataclass deriving from `ConfigBlock`; its fields say everything the loader
 checks: the annotation (nested blocks, `Literal` choices, `X | None`, tuples, `dict[str, X]`) and,
-through `setting(...)`, the allowed range, the one-line doc (the README's configuration reference
+through `setting(...)`, the allowed range, the one-line doc (docs/configuration.md's reference
 is generated from them: tools/config_reference.py) and, for a block whose keys depend on a sibling
 (an optimizer's params on its type), the block each sibling value selects.
 
@@ -342,7 +342,7 @@ def _fits(annotation: Any, raw: Any) -> bool:
 
 
 def describe(annotation: Any) -> str:
-    """What a value of `annotation` looks like in JSON, for problems and the README's reference."""
+    """What a value of `annotation` looks like in JSON, for problems and docs/configuration.md's reference."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in args)

@@ -46,8 +46,10 @@ def start_steps(settings: Settings) -> tuple[int, ...]:
 
 
 def start_state_flags(settings: Settings, root: Path) -> list[str]:
-    """What a DP run adds to save every H steps (all but the start steps are removed after it)."""
-    return ["--save", str(root), "--save-interval", str(settings.sync_interval)]
+    """What a DP run adds to save every H steps, keeping them all (all but the start steps are removed
+    after it)."""
+    return ["--save", str(root), "--save-interval", str(settings.sync_interval),
+            "--keep-last", str(settings.steps // settings.sync_interval)]
 
 
 def keep_only(root: Path, steps: tuple[int, ...]) -> None:

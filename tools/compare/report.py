@@ -1,6 +1,6 @@
 """The report from the records alone: per corpus summary.csv, alignment.csv, settings.json, plots and
 a results section with the claims' verdicts (tools/compare/claims.py) and the numbers behind them;
-the README's results section and the project README's verdict table are regenerated between their
+the README's results section and docs/performance.md's verdict table are regenerated between their
 markers, beside the first protocol's verdicts (PROTOCOL1_VERDICTS, frozen with its records)."""
 from __future__ import annotations
 
@@ -314,7 +314,7 @@ def write_readme(out: Path, reports: list[CorpusReport]) -> None:
 
 
 def write_verdict_summary(readme: Path, out: Path, reports: list[CorpusReport], details: str) -> None:
-    """The project README's short form: the verdicts alone, where the evidence is, and the first
+    """The project documentation's short form (docs/performance.md): the verdicts alone, where the evidence is, and the first
     protocol's verdicts beside them."""
     done = ", ".join(f"{r.runs} runs and {r.measurements} alignment measurements on {r.corpus}" for r in reports)
     body = "\n\n".join([f"Verdicts of the paper's claims at its recipe ({done or 'no runs yet'}; numbers, plots and "

@@ -1,4 +1,4 @@
-"""python -m tools.convert_checkpoint --load CKPT --save HF_DIR [--iteration N] [--verify]          (export)
+"""python -m tools.convert_checkpoint --load CKPT --save HF_DIR [--iteration N] [--worker K] [--verify]  (export)
 python -m tools.convert_checkpoint --from-hf HF_DIR --save CKPT [--tensor-model-parallel-size T]
     [--pipeline-model-parallel-size P] [--untie-embeddings] [--verify]                           (import)"""
 from __future__ import annotations
@@ -10,6 +10,7 @@ import time
 from tools.convert_checkpoint.export import DEFAULT_MAX_SHARD_BYTES, export
 from tools.convert_checkpoint.hf_folder import HfFolderError
 from tools.convert_checkpoint.import_hf import import_hf
+from tools.convert_checkpoint.merge import WeightSource
 from tools.convert_checkpoint.verify import VerifyReport, verify, verify_import
 from trainer.checkpoint import CheckpointError, CheckpointReader
 from trainer.errors import ConfigError
@@ -25,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
                              "Qwen3 or Gemma3 (the form --arch paper exports) model")
     p.add_argument("--save", required=True, help="export: the Hugging Face folder; import: the checkpoint directory")
     p.add_argument("--iteration", type=int, default=None, help="export: step to export (default: latest)")
+    p.add_argument("--worker", type=int, default=None,
+                   help="export: worker K's own weights (default: the outer loop's global weights, which every "
+                        "worker shares; a data-parallel checkpoint holds one model)")
     p.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
     p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="import: T of the checkpoint's shards")
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="import: P of the checkpoint's shards")
@@ -41,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = _import(args) if args.from_hf else _export(args)
     except (HfFolderError, ConfigError) as err:
-        print(f"import error: {err}", file=sys.stderr)
+        print(f"{'import' if args.from_hf else 'export'} error: {err}", file=sys.stderr)
         return 2
     except CheckpointError as err:  # a rank file is read (and checked) when first used
         print(f"checkpoint error: {err}", file=sys.stderr)
@@ -60,13 +64,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _export(args: argparse.Namespace) -> VerifyReport | None:
     reader = CheckpointReader(args.load, args.iteration, verify_checksums=args.verify_checksums)
+    source = WeightSource.of(reader, args.worker)
     if not args.verify_only:
         start = time.perf_counter()
-        result = export(reader, args.save, args.max_shard_bytes)
+        result = export(reader, args.save, source, args.max_shard_bytes)
         print(f"exported {reader.directory} ({reader.meta.describe_layout()}) as {result.architecture} to "
               f"{result.out_dir}: {len(result.files)} safetensors file(s), {result.total_bytes / 2 ** 20:.1f} MiB"
               f"{', tokenizer' if result.tokenizer else ''} in {time.perf_counter() - start:.1f}s")
-    return verify(reader, args.save) if args.verify or args.verify_only else None
+        print(f"weights: {source.describe()}")
+    return verify(reader, args.save, source) if args.verify or args.verify_only else None
 
 
 def _import(args: argparse.Namespace) -> VerifyReport | None:

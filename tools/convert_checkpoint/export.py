@@ -1,5 +1,6 @@
-"""Writes the Hugging Face directory: config.json, generation_config.json, sharded safetensors and,
-when the run used one, the tokenizer."""
+"""Writes the Hugging Face directory: config.json (which records the weights it holds: the global ones
+or one worker's, and the step), generation_config.json, sharded safetensors and, when the run used one,
+the tokenizer."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from transformers import GenerationConfig
 from tokenizer.hf_export import export_hf_tokenizer
 from tokenizer.interface import load_tokenizer
 from tools.convert_checkpoint.hf_mapping import hf_config, hf_tensors
-from tools.convert_checkpoint.merge import full_weights
+from tools.convert_checkpoint.merge import WeightSource, full_weights
 from tools.convert_checkpoint.safetensors_writer import ShardedSafetensorsWriter
 from trainer.checkpoint import CheckpointReader
 
@@ -34,15 +35,17 @@ def _special_ids(reader: CheckpointReader) -> dict[str, int]:
     return {k: v for k, v in ids.items() if v is not None and v >= 0}
 
 
-def export(reader: CheckpointReader, out_dir: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> ExportResult:
+def export(reader: CheckpointReader, out_dir: str | Path, source: WeightSource,
+           max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> ExportResult:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     special = _special_ids(reader)
     config = hf_config(reader.meta.model, reader.meta.vocab_size, special)
+    config.muloco_export = source.metadata(reader.meta.step)  # transformers keeps unknown keys
     config.save_pretrained(out)
     GenerationConfig(**special).save_pretrained(out)
     writer = ShardedSafetensorsWriter(out, max_shard_bytes)
-    for name, full in full_weights(reader):
+    for name, full in full_weights(reader, source):
         for hf_name, tensor in hf_tensors(name, full, reader.meta.model, reader.meta.vocab_size).items():
             writer.add(hf_name, tensor)
     files = writer.close()

@@ -4,6 +4,7 @@ limit, so memory holds at most one shard. Names follow transformers' convention
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -11,6 +12,14 @@ from safetensors.torch import save_file
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+
+
+def readable_by_all(path: Path) -> None:
+    """The mode a plain open() gives (0644 under the usual umask): safetensors writes its files 0600,
+    and an exported model is for others to read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 class ShardedSafetensorsWriter:
@@ -41,6 +50,7 @@ class ShardedSafetensorsWriter:
         names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         for i, final in enumerate(names):
             (self.out_dir / f"part-{i:05d}.tmp").replace(self.out_dir / final)
+            readable_by_all(self.out_dir / final)
         if n > 1:
             weight_map = {t: final for final, tensors in zip(names, self._shards) for t in tensors}
             (self.out_dir / INDEX).write_text(json.dumps(

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from tools.convert_checkpoint.export import export
 from tools.convert_checkpoint.hf_folder import HfWeights
 from tools.convert_checkpoint.hf_mapping import EMBEDDING
-from tools.convert_checkpoint.merge import full_weights, recorded_probe
+from tools.convert_checkpoint.merge import WeightSource, full_weights, recorded_probe
 from trainer.checkpoint import CheckpointReader
 from trainer.checkpoint.checkpointer import PROBE_RELATIVE_TOLERANCE
 from trainer.model.presets import ModelShape
@@ -86,13 +86,15 @@ class RoundTrip:
 class VerifyReport:
     comparisons: list[Comparison | RoundTrip] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what was not compared, and why
 
     @property
     def ok(self) -> bool:
         return not self.problems and all(c.ok for c in self.comparisons)
 
     def __str__(self) -> str:
-        return "\n".join([str(c) for c in self.comparisons] + [f"FAIL {p}" for p in self.problems])
+        return "\n".join([str(c) for c in self.comparisons] + [f"note {n}" for n in self.notes]
+                         + [f"FAIL {p}" for p in self.problems])
 
 
 def _compare(what: str, got: torch.Tensor, reference: torch.Tensor) -> Comparison:
@@ -104,7 +106,7 @@ def _compare(what: str, got: torch.Tensor, reference: torch.Tensor) -> Compariso
                       reference.dtype)
 
 
-def _megatron_model_at_t1(reader: CheckpointReader) -> torch.nn.Module:
+def _megatron_model_at_t1(reader: CheckpointReader, source: WeightSource) -> torch.nn.Module:
     """The trainer's model in a single-process gloo world, holding the merged weights."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -117,7 +119,7 @@ def _megatron_model_at_t1(reader: CheckpointReader) -> torch.nn.Module:
     timeout = timedelta(minutes=5)
     initialize_megatron_groups(build_topology(ParallelSizes(1, 1, 1, 1), timeout), timeout)
     model_parallel_cuda_manual_seed(0)
-    return trainer_model(reader.meta.model, reader.meta.padded_vocab_size, full_weights(reader))
+    return trainer_model(reader.meta.model, reader.meta.padded_vocab_size, full_weights(reader, source))
 
 
 def trainer_model(shape: ModelShape, padded_vocab_size: int,
@@ -148,24 +150,28 @@ def trainer_logits(model: torch.nn.Module, ids: torch.Tensor, vocab_size: int) -
 
 
 @torch.no_grad()
-def verify(reader: CheckpointReader, hf_dir: str | Path) -> VerifyReport:
+def verify(reader: CheckpointReader, hf_dir: str | Path, source: WeightSource) -> VerifyReport:
     from transformers import AutoModelForCausalLM
 
     report = VerifyReport()
-    probe_tokens, recorded = recorded_probe(reader)
+    probe_tokens, recorded = recorded_probe(reader, source.probe_worker or 0)
     sample = probe_tokens
     if reader.tokenizer_path is not None:
         sample = _check_tokenizer(reader, hf_dir, report, fallback=probe_tokens)
-    megatron = _megatron_model_at_t1(reader)
+    megatron = _megatron_model_at_t1(reader, source)
     device = next(megatron.parameters()).device
     vocab = reader.meta.vocab_size
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
     report.comparisons.append(_compare("transformers export vs trainer model (T=1 P=1)",
                                        hf(input_ids=sample.to(device)).logits, trainer_logits(megatron, sample, vocab)))
+    if source.probe_worker is None:  # the probe is of a worker's own weights, which these are not
+        report.notes.append("not compared with the training model as saved: its recorded logits are worker 0's "
+                            "own weights, and the export holds the global ones")
+        return report
     report.comparisons.append(_compare(
-        f"trainer model (T=1 P=1) vs training model as saved ({reader.meta.describe_layout()})",
-        trainer_logits(megatron, probe_tokens, vocab), recorded))
+        f"trainer model (T=1 P=1) vs training model as saved ({reader.meta.describe_layout()}, worker "
+        f"{source.probe_worker})", trainer_logits(megatron, probe_tokens, vocab), recorded))
     return report
 
 
@@ -194,7 +200,7 @@ def verify_import(reader: CheckpointReader, hf_dir: str | Path, untied: bool) ->
     report.comparisons.append(_compare(f"imported model ({reader.meta.describe_layout()}) vs transformers",
                                        recorded, hf(input_ids=tokens).logits))
     with tempfile.TemporaryDirectory() as exported:
-        export(reader, exported)
+        export(reader, exported, WeightSource.of(reader, None))
         report.comparisons.append(_round_trip(HfWeights(Path(hf_dir), untied), HfWeights(Path(exported), False),
                                               gemma=reader.meta.model.arch == "paper"))
     return report

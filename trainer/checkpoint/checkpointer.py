@@ -17,16 +17,18 @@ from megatron.core import parallel_state as mps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 import trainer.checkpoint.state as rank_state
-from tokenizer.interface import tokenizer_file
+from tokenizer.identity import tokenizer_identity
+from tokenizer.interface import load_tokenizer, tokenizer_file
 from trainer import comm
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.format import (COMPLETE, CheckpointMeta, CheckpointReader, iteration_dir,
-                                       latest_iteration, prune, publish, rank_file, remove_incomplete, sha256_of)
+                                       latest_iteration, prune, publish, rank_file, remove_incomplete)
 from trainer.checkpoint.rank_file import to_plain, write_rank_file
 from trainer.checkpoint.schema import check_rank_state, check_weight, checked_rank_state, own_form
 from trainer.config import RunConfig
 from trainer.durable import write_durably, write_text_durably
 from trainer.failures import stop_together
+from trainer.metrics import METRICS_FILE, validation_losses
 from trainer.model.builder import assign_full_weights, canonical_names
 from trainer.model.layout import layout_of, shard
 from trainer.model.presets import ModelShape
@@ -232,12 +234,13 @@ def _assign_weights(config: RunConfig, reader: CheckpointReader, model: torch.nn
 
 
 def _check_same_tokenizer(reader: CheckpointReader, tokenizer_model: str | None) -> None:
-    """The tokenizer saved with the weights must be the run's: the same ids must mean the same text."""
+    """The tokenizer saved with the weights must be the run's: the same ids must mean the same text
+    (the same tokenizer in another format, a SentencePiece model and its tokenizer.json, is the same)."""
     saved = reader.tokenizer_path
     if saved is None or tokenizer_model is None:
         return
     ours = tokenizer_file(tokenizer_model)
-    if sha256_of(saved) != sha256_of(ours):
+    if tokenizer_identity(load_tokenizer(saved)) != tokenizer_identity(load_tokenizer(ours)):
         raise CheckpointError(f"the checkpoint's tokenizer {saved} is not --tokenizer-model's {ours} (their SHA-256 "
                               "differ): train with the tokenizer the model was made with")
 
@@ -277,7 +280,7 @@ class Checkpointer:
         if self.last_saved != step:
             self.save(step)
 
-    def _meta(self, step: int, checksums: list[str]) -> CheckpointMeta:
+    def _meta(self, step: int, checksums: list[str], one_model: bool) -> CheckpointMeta:
         sizes = self.topology.sizes
         tokenizer = self.config.data.tokenizer_model
         return CheckpointMeta(
@@ -285,7 +288,8 @@ class Checkpointer:
             padded_vocab_size=self.padded_vocab_size, ranks=[coordinates(r, sizes) for r in range(sizes.world)],
             tokenizer_model="tokenizer.model" if tokenizer else None, extra_state=sorted(self.trainer.extra_state),
             config=json.loads(self.config.to_json()),
-            rank_files={rank_file(Path(), r).name: digest for r, digest in enumerate(checksums)})
+            rank_files={rank_file(Path(), r).name: digest for r, digest in enumerate(checksums)},
+            workers_hold_one_model=one_model)
 
     def save(self, step: int) -> float:
         """Every rank writes its file; rank 0 then writes meta.json (with every file's SHA-256) and
@@ -300,6 +304,7 @@ class Checkpointer:
         rank_state.restore_rng(rng)
         probe = None if logits is None else {"tokens": tokens, "logits": logits}
         saved = rank_state.capture(self.trainer, self.name_of, probe)
+        one_model = rank_state.holds_global_weights(saved)
 
         digest, error = "", None
         try:
@@ -309,13 +314,13 @@ class Checkpointer:
         except OSError as err:  # its temporary file is already gone (write_durably)
             error = err
         del saved
-        outcome = self._agree_on_files(error, digest)  # also: every rank's file is durable
+        outcome = self._agree_on_files(error, digest, one_model)  # also: every rank's file is durable
         if isinstance(outcome, str):
             self._fail(step, directory, outcome)
         error = None
         if self.topology.rank == 0:
             try:
-                self._publish(step, directory, outcome)
+                self._publish(step, directory, *outcome)
             except OSError as err:
                 error = err
         failed = comm.broadcast(torch.tensor([_errno(error) if error else 0]), src=0)
@@ -336,37 +341,40 @@ class Checkpointer:
         write_durably(path, write, before_publish=lambda: self._crash_if_requested(step))
         return digest[0]
 
-    def _agree_on_files(self, error: OSError | None, digest: str) -> list[str] | str:
-        """Every rank's SHA-256 when all ranks wrote their file, else a description of the first failure."""
-        mine = torch.zeros(1 + DIGEST_BYTES, dtype=torch.int64)
+    def _agree_on_files(self, error: OSError | None, digest: str, one_model: bool) -> tuple[list[str], bool] | str:
+        """Every rank's SHA-256 and whether every rank held the global weights, when all ranks wrote
+        their file; else a description of the first failure."""
+        mine = torch.zeros(2 + DIGEST_BYTES, dtype=torch.int64)
+        mine[1] = int(one_model)
         if error is not None:
             mine[0] = _errno(error)
         else:
-            mine[1:] = torch.tensor(list(bytes.fromhex(digest)))
-        everyone = torch.zeros(self.topology.sizes.world, 1 + DIGEST_BYTES, dtype=torch.int64)
+            mine[2:] = torch.tensor(list(bytes.fromhex(digest)))
+        everyone = torch.zeros(self.topology.sizes.world, 2 + DIGEST_BYTES, dtype=torch.int64)
         comm.all_gather_into_tensor(everyone.view(-1), mine)
         failed = [r for r in range(len(everyone)) if everyone[r, 0]]
         if not failed:
-            return [bytes(everyone[r, 1:].tolist()).hex() for r in range(len(everyone))]
+            return [bytes(everyone[r, 2:].tolist()).hex() for r in range(len(everyone))], bool(everyone[:, 1].all())
         first = failed[0]
         code = int(everyone[first, 0])
         reason = str(error) if first == self.topology.rank else f"[Errno {code}] {os.strerror(code)}"
         return f"rank {first}: {reason} ({len(failed)} of {len(everyone)} ranks failed)"
 
-    def _publish(self, step: int, directory: Path, checksums: list[str]) -> None:
+    def _publish(self, step: int, directory: Path, checksums: list[str], one_model: bool) -> None:
         """Rank 0, after every rank's file is durable: meta.json and the tokenizer, then `complete` and
         `latest`; then the leftovers of crashed saves and checkpoints beyond --keep-last go."""
         root = directory.parent
-        meta = self._meta(step, checksums)
+        meta = self._meta(step, checksums, one_model)
         write_text_durably(directory / "meta.json", meta.to_json())
         if meta.tokenizer_model:
             write_durably(directory / meta.tokenizer_model, lambda f: f.write(self.tokenizer_bytes))
         publish(root, step)
         remove_incomplete(root, keep=step)
-        if self.config.keep_last:
-            removed = prune(root, self.config.keep_last)
-            if removed:
-                print(f"removed checkpoints at steps {removed} (--keep-last {self.config.keep_last})", flush=True)
+        val_losses = validation_losses(Path(self.config.run_dir) / METRICS_FILE)  # the best checkpoint stays
+        removed = prune(root, self.config.keep_last, val_losses)
+        if removed:
+            print(f"removed checkpoints at steps {removed} (--keep-last {self.config.keep_last}; latest and the best "
+                  "validation loss are kept)", flush=True)
 
     def _fail(self, step: int, directory: Path, reason: str) -> None:
         """Every rank calls this together: rank 0 removes the unpublished iteration and says why in one

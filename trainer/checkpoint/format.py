@@ -106,11 +106,14 @@ def complete_iterations(root: Path) -> list[int]:
     return sorted(int(d.name.removeprefix("iter_")) for d in root.glob("iter_*") if (d / COMPLETE).is_file())
 
 
-def prune(root: Path, keep_last: int) -> list[int]:
-    """Delete all but the newest `keep_last` complete checkpoints (never the one `latest` names).
-    The marker goes first, so a crash mid-delete leaves an incomplete iteration the next save removes."""
-    latest = latest_iteration(root)
-    doomed = [s for s in complete_iterations(root)[:-keep_last] if s != latest]
+def prune(root: Path, keep_last: int, val_losses: Mapping[int, float] | None = None) -> list[int]:
+    """Delete all but the newest `keep_last` complete checkpoints, never the one `latest` names nor the
+    best (the lowest of `val_losses`, step -> validation loss, among them). The marker goes first, so a
+    crash mid-delete leaves an incomplete iteration the next save removes."""
+    steps = complete_iterations(root)
+    rated = [s for s in steps if s in (val_losses or {})]
+    keep = {latest_iteration(root), *([min(rated, key=val_losses.__getitem__)] if rated else [])}
+    doomed = [s for s in steps[:-keep_last] if s not in keep]
     for step in doomed:
         directory = iteration_dir(root, step)
         (directory / COMPLETE).unlink()
@@ -139,6 +142,10 @@ class CheckpointMeta(ConfigBlock):
     # Only `model` (and `probe`) in the rank files, as Megatron's "release" checkpoints (an import from
     # Hugging Face): a run loads it as --finetune does, at step 0 with fresh optimizer, schedule and RNG.
     weights_only: bool = False
+    # Whether every worker's weights were the outer loop's global weights when saved (right after a sync
+    # of every fragment, or no outer loop): the K workers held one model. False: K models, between syncs.
+    # None: not recorded (a checkpoint from before the field, or an import: one model by construction).
+    workers_hold_one_model: bool | None = None
 
     def problems(self) -> list[Problem]:
         problems = [(f"sizes.{k}", f"must be >= 1, got {v!r}") for k, v in asdict(self.sizes).items() if v < 1]

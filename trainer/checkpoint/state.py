@@ -77,6 +77,15 @@ def with_run_hyperparameters(state: dict, optimizer: torch.optim.Optimizer, sche
     return {**state, "optimizer": {**state["optimizer"], "param_groups": groups}, "scheduler": schedule}
 
 
+def holds_global_weights(saved: dict) -> bool:
+    """Whether a captured rank state's weights are its outer loop's global weights (the shards this rank
+    owns of them; the other replicas of its worker check theirs). True without an outer loop."""
+    outer = saved["extra"].get("muloco")
+    if outer is None:
+        return True
+    return all(torch.equal(saved["model"][name], weight) for name, weight in outer["global_weights"].items())
+
+
 def capture(trainer, name_of: dict[torch.Tensor, str], probe: dict | None) -> dict:
     """This rank's whole state at the end of step `trainer.step` (RNG first: nothing may draw before)."""
     engine = trainer.engine

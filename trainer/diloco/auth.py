@@ -143,6 +143,19 @@ def read_job_key(path: Path, job_id: str) -> JobKey:
     return JobKey(secret, job_id)
 
 
+def job_key(path: Path | None, job_id: str, talks: bool, warn: bool) -> JobKey | None:
+    """The job secret that tags the outer messages, from its resolved file (None: the workers do not
+    talk, or auth is off, which `warn` says once)."""
+    if path is None:
+        if talks and warn:
+            print('WARNING: muloco.auth is "none": messages between workers are not authenticated, so anyone who '
+                  "reaches the outer link can change the weights", flush=True)
+        return None
+    if warn and not key_file_is_private(path):
+        print(f"WARNING: the job secret {path} is readable by other users (chmod 600 it)", flush=True)
+    return read_job_key(path, job_id)
+
+
 def key_file_is_private(path: Path) -> bool:
     """Whether only its owner can read the key file (the run warns otherwise)."""
     return not path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO)

@@ -1,5 +1,5 @@
 """Who takes part in an outer sync: the one seam between the outer loop's sync body
-(trainer/diloco/outer_loop.py) and the groups it runs on.
+(trainer/diloco/sync.py) and the groups it runs on.
 
 A membership runs each sync as one or more attempts; each attempt is a `Session`, which gives the
 sync body the wire to exchange on, the header this rank sends with its payload (it rides in the
@@ -65,7 +65,8 @@ class Membership(Protocol):
     ballot_group: object  # the in-worker group the ballots and statistics are summed on (None: one rank)
     records_checksum: bool  # whether each sync's record carries the global weights' checksum
 
-    def join(self, loop, trainer) -> None: ...
+    def join(self, loop) -> None:
+        """Enter the outer group before the first inner step (`loop.host` is set)."""
 
     def leave(self) -> None: ...
 
@@ -74,7 +75,7 @@ class Membership(Protocol):
         needs from the other workers now. Work goes to `background`, the loop's thread that runs one
         task at a time in submission order, so it runs after every earlier sync has finished."""
 
-    def run(self, loop, task, sync: Callable[[Session], object]) -> object:
+    def run(self, task, sync: Callable[[Session], object]) -> object:
         """sync(session) for each attempt of the sync `task`, until one commits; returns its result."""
 
 
@@ -122,7 +123,7 @@ class StaticMembership:
                                        GroupWire(every_rank, config.link, key, "metrics"), sizes.workers,
                                        config.max_norm_ratio)
 
-    def join(self, loop, trainer) -> None:
+    def join(self, loop) -> None:
         pass
 
     def leave(self) -> None:
@@ -133,5 +134,13 @@ class StaticMembership:
 
     replays_pending = True  # a checkpoint's in-flight syncs are replayed on load (every worker resumes together)
 
-    def run(self, loop, task, sync):
+    def differing_workers(self, signature: bytes) -> list[int]:
+        """The workers whose `signature` (the same size on every rank: a digest) differs from this
+        rank's, or fails its tag: one all-gather over this rank's outer group, before any sync."""
+        wire = self._session.wire
+        mine = torch.frombuffer(bytearray(signature), dtype=torch.uint8)
+        parts = wire.all_gather(mine, "the outer groups' first exchange")
+        return [k for k, part in enumerate(parts) if part is None or not torch.equal(part.cpu(), mine)]
+
+    def run(self, task, sync):
         return sync(self._session)

@@ -1,5 +1,5 @@
 """The elastic membership: one job per worker (datacenter), meeting at each outer sync in a torchft
-quorum (trainer/elastic/quorum.py). The outer loop's sync body (trainer/diloco/outer_loop.py) runs
+quorum (trainer/elastic/quorum.py). The outer loop's sync body (trainer/diloco/sync.py) runs
 once per attempt:
 
 1. quorum: the workers that are alive and at the sync (torchft lighthouse, through the tunnel); the
@@ -48,6 +48,7 @@ from trainer.diloco.auth import JobKey
 from trainer.diloco.collectives import CollectiveError, Exchanged, Wire
 from trainer.diloco.config import MuLoCoConfig
 from trainer.diloco.membership import Decision
+from trainer.diloco.sync import SyncTask
 from trainer.elastic.quorum import QuorumGroup
 from trainer.topology import Topology, worker_ranks
 
@@ -199,13 +200,11 @@ class QuorumMembership:
 
     # -- joining and leaving ---------------------------------------------------------------------
 
-    def join(self, loop, trainer) -> None:
+    def join(self, loop) -> None:
         """Enter the outer group before the first inner step. A fresh run waits (up to
         quorum_timeout_s) until all K workers are in the first quorum; a restarted worker waits for
         its peers' next sync, catches up, takes that sync's outer step with them and goes on from
         their inner step."""
-        from trainer.diloco.outer_loop import SyncTask
-
         self.loop = loop
         sizes = self.topology.sizes
         self.quorum = QuorumGroup(
@@ -214,7 +213,7 @@ class QuorumMembership:
             timedelta(seconds=self.config.sync_timeout_s), timedelta(seconds=self.elastic.quorum_timeout_s))
         loop.joining = True
         self.start_deadline = time.monotonic() + self.elastic.quorum_timeout_s
-        task = SyncTask(0, trainer.step, loop.outer_step + 1, trainer.engine.lr_scheduler.state_dict())
+        task = SyncTask(0, loop.host.inner_step(), loop.state.outer_step + 1, loop.host.schedule_state())
         result = loop.sync(task, loop.zero_deltas(0))
         if not result.record.get("start"):  # a fresh run has nothing to average: every worker holds the seed's weights
             loop.apply(result, overlapped=False)
@@ -231,7 +230,7 @@ class QuorumMembership:
         A member that dies in it fails the exchange, which is retried with a fresh quorum."""
         self._prepared[step] = background.submit(self.quorum.start)
 
-    def run(self, loop, task, sync):
+    def run(self, task, sync):
         prepared = self._prepared.pop(task.step, None)
         attempt = 0
         while True:
@@ -249,7 +248,7 @@ class QuorumMembership:
                 error = exc
                 self.quorum.report_error(exc)
             if self.quorum.commit():
-                loop.joining = self.rejoined = False
+                self.loop.joining = self.rejoined = False
                 self.start_deadline = 0.0
                 return result
             if isinstance(error, _WaitingForPeers):
@@ -284,7 +283,7 @@ class QuorumMembership:
         if me not in behind:
             wire.all_to_all(blocks, [0] * wire.size, context)
             return
-        own = sum(t.numel() * t.element_size() for t in (*loop.global_weights.values(), *loop.momentum.values()))
+        own = sum(t.numel() * t.element_size() for t in (*loop.state.global_weights.values(), *loop.state.momentum.values()))
         limit = 2 * own + _STATE_SLACK_BYTES  # the weights and momentum, and at most as much in flight
         if sizes[source] is None or not 0 < sizes[source][0] <= limit:
             raise RankFileError(f"the state size announced by quorum member {source} "

@@ -1,0 +1,187 @@
+"""The outer loop on real DeepSpeed engines (trainer/diloco/deepspeed_hook.py).
+
+One 4-rank launch (tests/_deepspeed_hook_probe.py) trains K=2 workers x D=2 ranks of the example's
+Hugging Face Llama (examples/deepspeed_muloco.py) under ZeRO 0, 1 and 2, with torch's AdamW and with
+DeepSpeed's own Muon, plus the K=1 identity, 4-bit + EF runs and the setups that must be refused.
+The reference is plain: K model copies in this process, each worker's gradient the mean of its D
+ranks' micro-batch gradients, the inner optimizer classes DeepSpeed builds, and torch.optim.SGD
+(Nesterov momentum) on the average pseudogradient as the outer step. The bad inputs that need no second worker are checked in
+process, with stand-in engines.
+"""
+from __future__ import annotations
+
+import importlib.util
+from functools import cache
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trainer.diloco.deepspeed_hook import Workers, attach
+from trainer.errors import ConfigError
+from trainer.topology import ParallelSizes, RankCoordinates, Topology
+from trainer_harness import REPO_ROOT, deepspeed_launch, shared_memory_files
+
+PROBE = REPO_ROOT / "tests" / "_deepspeed_hook_probe.py"
+K, D, H, STEPS, VOCAB, SEQ, MICRO = 2, 2, 3, 9, 128, 16, 2
+OUTER = {"outer_lr": 0.7, "outer_momentum": 0.6}
+# Per parameter, ||hooked - reference|| <= RTOL ||reference||. The runs differ only in fp32 reduction
+# order (DeepSpeed's all-reduce or reduce-scatter of the D gradients against a sum here) and in where
+# ZeRO cuts the flat master weights; a wrong outer step moves weights by ~1e-2 of their norm.
+RTOL = {"adamw": 1e-6, "muon": 1e-6}
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("deepspeed_muloco", REPO_ROOT / "examples" / "deepspeed_muloco.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@cache
+def probe_results(tmp: str) -> Path:
+    out = Path(tmp) / "out"
+    result = deepspeed_launch(PROBE, 4, [str(out)], timeout_s=900)
+    leftovers = shared_memory_files(result.master_port)
+    for path in leftovers:
+        path.unlink(missing_ok=True)
+    result.check("the DeepSpeed hook probe")
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    return probe_results(str(tmp_path_factory.mktemp("deepspeed_hook")))
+
+
+def load(out: Path, case: str, rank: int) -> dict:
+    return torch.load(out / f"{case}.rank{rank}.pt", weights_only=False)
+
+
+def inner_optimizer(model: torch.nn.Module, inner: str, example) -> torch.optim.Optimizer:
+    """The optimizer DeepSpeed builds from the example's config, built here without DeepSpeed's engine."""
+    params = example.ds_config(SimpleNamespace(inner=inner, lr=None, micro_batch=MICRO, zero_stage=0,
+                                               bf16=False))["optimizer"]["params"]
+    if inner == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=params["betas"],
+                                 weight_decay=params["weight_decay"])
+    from deepspeed.ops.adam import FusedAdam
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    groups = DeepSpeedEngine._muon_param_groups(list(model.parameters()), dict(params))
+    # As the engine builds it (deepspeed/runtime/engine.py): Muon's own step, FusedAdam for the Adam half.
+    return MuonWithAuxAdam(groups, adam_optimizer=FusedAdam, adam_optimizer_kwargs={"adam_w_mode": True})
+
+
+def reference(inner: str, workers: int = K, ranks: int = D, steps: int = STEPS, outer_lr: float = 0.7,
+              momentum: float = 0.6, nesterov: bool = True) -> tuple[dict[str, torch.Tensor], list[list[float]]]:
+    """The final weights (the same on every worker after the last sync) and every rank's losses."""
+    example = _example()
+    models = [example.llama(VOCAB, SEQ) for _ in range(workers)]
+    optimizers = [inner_optimizer(m, inner, example) for m in models]
+    streams = [example.markov_batches(VOCAB, SEQ, MICRO, seed=rank) for rank in range(workers * ranks)]
+    global_weights = {n: p.detach().clone() for n, p in models[0].named_parameters()}
+    # DiLoCo's outer step is SGD with (Nesterov) momentum on the average pseudogradient: torch's own.
+    outer_sgd = torch.optim.SGD(list(global_weights.values()), lr=outer_lr, momentum=momentum, nesterov=nesterov)
+    losses = [[] for _ in range(workers * ranks)]
+    for step in range(1, steps + 1):
+        for k, (model, optimizer) in enumerate(zip(models, optimizers)):
+            grads = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+            for d in range(ranks):
+                tokens = next(streams[k * ranks + d])
+                model.zero_grad(set_to_none=True)
+                loss = model(input_ids=tokens, labels=tokens).loss
+                loss.backward()
+                losses[k * ranks + d].append(float(loss))
+                for n, p in model.named_parameters():
+                    grads[n] += p.grad
+            for n, p in model.named_parameters():
+                p.grad = grads[n] / ranks
+            optimizer.step()
+        if step % H == 0:
+            with torch.no_grad():
+                for n, g in global_weights.items():
+                    g.grad = sum(g - dict(m.named_parameters())[n] for m in models) / workers
+                outer_sgd.step()
+                for model in models:
+                    for n, p in model.named_parameters():
+                        p.copy_(global_weights[n])
+    return {n: w.clone() for n, w in global_weights.items()}, losses
+
+
+@cache
+def cached_reference(inner: str) -> dict[str, torch.Tensor]:
+    return reference(inner)[0]
+
+
+def relative_errors(weights: dict, expected: dict) -> dict[str, float]:
+    return {n: float((weights[n] - expected[n]).norm() / expected[n].norm()) for n in expected}
+
+
+@pytest.mark.parametrize("inner", ["adamw", "muon"])
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_the_hook_on_a_deepspeed_engine_is_diloco_computed_by_hand(results, zero, inner):
+    expected = cached_reference(inner)
+    for rank in range(K * D):
+        got = load(results, f"k2_zero{zero}_{inner}", rank)
+        errors = relative_errors(got["weights"], expected)
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= RTOL[inner], (zero, inner, rank, worst, errors[worst])
+        assert len(got["checksums"]) == STEPS // H + 1  # outer steps 0..3 were seen
+
+
+def test_one_worker_with_outer_lr_one_and_no_momentum_is_plain_deepspeed_training(results):
+    for rank in range(4):
+        plain, hooked = load(results, "k1_plain", rank), load(results, "k1_identity", rank)
+        assert hooked["losses"] == pytest.approx(plain["losses"], rel=1e-6, abs=0)
+        assert hooked["checksums"].keys() == {0, 1, 2}
+
+
+@pytest.mark.parametrize("case, syncs", [("k2_4bit_ef_zero2", STEPS // H), ("k2_4bit_ef_zero0", STEPS // H),
+                                         # F=2 fragments every H: 6 launched, the last lands after the run
+                                         ("k2_streaming_zero1", 2 * STEPS // H - 1)])
+def test_compressed_syncs_leave_every_worker_with_bit_identical_global_weights(results, case, syncs):
+    runs = [load(results, case, rank) for rank in range(K * D)]
+    for d in range(D):  # the same shard in both workers, after every sync
+        assert runs[d]["checksums"] == runs[D + d]["checksums"]
+        assert sorted(runs[d]["checksums"]) == list(range(syncs + 1))
+    assert len({run["worker_sha256"] for run in runs}) == 1
+
+
+@pytest.mark.parametrize("case, message", [
+    ("different_models", r"workers \[1\] hold other parameters|workers \[0\] hold other parameters"),
+    ("no_mpu", r"data-parallel group is ranks \[0, 1, 2, 3\], not this worker's .*pass mpu=workers.mpu"),
+    ("attached_twice", "already attached to this engine"),
+])
+def test_a_bad_setup_is_one_line_on_every_rank(results, case, message):
+    import re
+    for rank in range(K * D):
+        error = load(results, case, rank)["error"]
+        assert error is not None and re.search(message, error), (rank, error)
+
+
+# -- bad input that needs no second worker: stand-in engines, in process ---------------------------
+
+def stand_in_engine(stage: int = 1, offload: bool = False, fp16: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(zero_optimization_stage=lambda: stage, zero_offload_optimizer=lambda: {} if offload else None,
+                           zero_offload_param=lambda: None, fp16_enabled=lambda: fp16)
+
+
+def two_workers() -> Workers:
+    sizes = ParallelSizes(2, 1, 1, 1)
+    return Workers(Topology(sizes, 0, RankCoordinates(0, 0, 0, 0), None, None), mpu=None)
+
+
+@pytest.mark.parametrize("engine, block, message", [
+    (stand_in_engine(stage=3), {"workers": 2}, "ZeRO stage 3 is not supported"),
+    (stand_in_engine(offload=True), {"workers": 2}, "ZeRO offload is not supported"),
+    (stand_in_engine(fp16=True), {"workers": 2}, "fp16 with loss scaling is not supported"),
+    (stand_in_engine(), {"workers": 2, "sync_interval": 0}, "sync_interval"),
+    (stand_in_engine(), {"workers": 3}, "split into 2 workers"),
+    (stand_in_engine(), {"workers": 2}, "the job needs a secret"),
+])
+def test_bad_input_is_one_config_error_before_any_collective(engine, block, message, monkeypatch):
+    monkeypatch.delenv("MULOCO_AUTH_KEY_FILE", raising=False)
+    with pytest.raises(ConfigError, match=message):
+        attach(engine, block, two_workers())

@@ -1,0 +1,157 @@
+"""The body of one outer sync of one fragment, the same for every host and every membership:
+
+1. (the caller) delta = theta_global - theta_local (fp32), per owned tensor of the fragment, flattened
+   into one buffer per bucket (plan.py);
+2. this rank's ballot (non-finite count, squared norm), summed over its worker's ranks (inside the
+   datacenter);
+3. compressed average of each bucket over the outer group (collectives.py: all-gather, or
+   reduce-scatter + re-quantize + all-gather), bit-identical on every worker, the membership's header
+   (the ballot; in the elastic mode the member's whole row) riding in its first collective: the
+   membership (membership.py) decides from the headers who contributes and whether the sync is
+   applied, so with the all-gather collective the whole decision costs one cross-datacenter round
+   trip. The encoder's residual is the new error-feedback buffer;
+4. the result (applied by the outer loop) and its metrics (sync_metrics.py), reduced by a function
+   the loop runs in its background thread after the result is applied, so their round trip is off
+   the critical path. It also checks that every worker rejected the same payloads (a skipped sync
+   runs it too).
+
+It may run in the background thread: it reads the plan and the error feedback's past residuals and
+changes nothing (the caller applies the result).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import astuple, dataclass
+from typing import Callable
+
+import torch
+
+from trainer import comm
+from trainer.diloco import vote
+from trainer.diloco.collectives import Averaged, Bucket, BucketLayout, average_buckets, squared_norm
+from trainer.diloco.config import MuLoCoConfig
+from trainer.diloco.membership import Membership, Session
+from trainer.diloco.plan import BucketSpec
+from trainer.diloco.sync_metrics import LocalSums, sync_record, verdict_digest
+
+
+@dataclass(frozen=True)
+class SyncTask:
+    """One sync as every member agrees on it: what is synced, and the run's position when it started
+    (what a member that is behind receives along with the state)."""
+    fragment: int
+    step: int  # the inner step it was launched after
+    outer_step: int
+    scheduler: dict | None  # the lr schedule's state at `step` (None: a replay from a checkpoint, or no schedule)
+
+
+@dataclass
+class SyncResult:
+    fragment: int
+    averaged: list[Averaged] | None  # one per bucket; None when nothing is applied
+    record: dict  # what the sync logs
+    statistics: Callable[[], dict] | None = None  # the rest of the record, reduced off the critical path
+    caught_up: SyncTask | None = None  # the peers' sync this member received their state for
+
+
+def _relayout(flat: torch.Tensor, source: BucketLayout, target: BucketLayout) -> torch.Tensor:
+    return flat if source == target else target.flatten(source.unflatten(flat))
+
+
+def _recut(bucket: Bucket, parts: int) -> Bucket:
+    """The bucket in `parts` row chunks (the reduce-scatter's), when its layout has another count."""
+    if bucket.layout.parts in (1, parts):
+        return bucket
+    layout = BucketLayout(bucket.layout.shapes, parts)
+    return Bucket(bucket.compressor, layout, _relayout(bucket.flat, bucket.layout, layout))
+
+
+class SyncBody:
+    def __init__(self, config: MuLoCoConfig, buckets: list[list[BucketSpec]], device: torch.device,
+                 membership: Membership, ranks_per_worker: int, context: Callable[[int], str]):
+        self.config, self.buckets, self.device, self.membership = config, buckets, device, membership
+        self.ranks_per_worker, self.context = ranks_per_worker, context
+
+    def zero_deltas(self, fragment: int) -> list[torch.Tensor]:
+        """A fragment's buckets of zeros: what a member with nothing to contribute sends."""
+        return [torch.zeros(spec.numel, device=self.device) for spec in self.buckets[fragment]]
+
+    @torch.no_grad()
+    def sync(self, task: SyncTask, deltas: list[torch.Tensor]) -> SyncResult:
+        """One sync through the membership."""
+        start = time.perf_counter(), time.thread_time()
+        ballot = vote.ballot(*_vote_share(self.buckets[task.fragment], deltas))
+        if self.membership.ballot_group is not None:
+            comm.all_reduce(ballot, group=self.membership.ballot_group)  # the worker's totals, inside the datacenter
+        return self.membership.run(task, lambda session: self._exchange(session, task, deltas, ballot, start))
+
+    def _exchange(self, session: Session, task: SyncTask, deltas: list[torch.Tensor], ballot: torch.Tensor,
+                  start: tuple[float, float]) -> SyncResult:
+        caught_up = getattr(session, "caught_up", None)  # this member just received a peer's state and sync
+        if caught_up is not None:
+            task, deltas, ballot = caught_up, self.zero_deltas(caught_up.fragment), torch.zeros_like(ballot)
+        specs, context = self.buckets[task.fragment], self.context(task.outer_step)
+        contributing = not session.joining
+        if not contributing:  # zeros nobody decodes; its error feedback restarts from zero
+            deltas = [torch.zeros_like(d) for d in deltas]
+        buckets = [Bucket(spec.compressor, spec.layout,
+                          spec.error_feedback.accumulate(d) if spec.error_feedback and contributing else d)
+                   for spec, d in zip(specs, deltas)]
+        session.wire.begin(task.outer_step, task.fragment, epoch=getattr(session, "epoch", 0))
+        # Reduce-scatter cuts each bucket into one chunk per member: a quorum of fewer than K members
+        # (elastic) exchanges the buckets re-cut for its size, and the results come back in K chunks.
+        cut = [_recut(b, session.wire.size) for b in buckets]
+        exchanged = average_buckets(cut, session.wire, self.config.collective, context,
+                                    header=session.header(ballot, task.step, task.fragment), choose=session.choose,
+                                    max_norm_ratio=self.config.max_norm_ratio, leave_out=session.leave_out)
+        exchanged.averaged = [Averaged(_relayout(a.average, c.layout, b.layout), _relayout(a.residual, c.layout, b.layout))
+                              for a, c, b in zip(exchanged.averaged, cut, buckets)]
+        exchange = session.wire.take_stats()
+        decision = session.decide(exchanged)
+        record = {"outer_step": task.outer_step, "fragment": task.fragment, "step": task.step, **decision.record,
+                  "pseudograd_norm": statistics.fmean(decision.norms) if decision.skipped is None else None,
+                  "round_trips": exchange.round_trips, "sync_seconds": time.perf_counter() - start[0],
+                  # what the sync's time went to: the (emulated) link, and this thread's own work
+                  "link_seconds": exchange.link_seconds, "sync_cpu_seconds": time.thread_time() - start[1]}
+        averaged = None
+        if decision.skipped is not None:
+            record["skipped"] = decision.skipped
+        else:
+            averaged = exchanged.averaged
+            if session.wire.rank not in decision.contributors:  # its error feedback restarts from zero
+                averaged = [Averaged(a.average, torch.zeros_like(a.average)) for a in averaged]
+        verdict = verdict_digest(exchanged.rejected, decision.skipped)
+        per_worker = self.ranks_per_worker
+
+        def reduce_metrics() -> dict:  # reads the sync's buffers, which nothing changes after the exchange
+            local = (LocalSums(verdict=verdict) if averaged is None else
+                     _local_sums(specs, deltas, buckets, averaged, exchange.bytes_sent, verdict))
+            rows = session.sums(list(astuple(local)), task.outer_step, task.fragment, context)
+            background = {"background_round_trips": session.metrics_wire.take_stats().round_trips}
+            if rows is None:
+                return {**record, "metrics_lost": True, **background}
+            reduced = sync_record(rows, decision.contributors, per_worker,
+                                  decision.norms if averaged is not None else [], context)
+            return {**record, **reduced, **background}
+        # A skipped sync's metrics round runs too: it checks that every worker skipped it.
+        return SyncResult(task.fragment, averaged, record, reduce_metrics, caught_up)
+
+
+def _vote_share(specs: list[BucketSpec], deltas: list[torch.Tensor]) -> tuple[bool, float]:
+    """(any non-finite entry, squared norm) of this rank's share of a fragment's pseudogradient."""
+    sq = sum(squared_norm(d) for spec, d in zip(specs, deltas) if spec.counts_once)
+    return any(not bool(torch.isfinite(d).all()) for d in deltas), sq
+
+
+def _local_sums(specs: list[BucketSpec], deltas: list[torch.Tensor], buckets: list[Bucket],
+                averaged: list[Averaged], bytes_sent: int, verdict: float) -> LocalSums:
+    local = LocalSums(bytes_sent=bytes_sent, verdict=verdict)
+    for spec, delta, bucket, result in zip(specs, deltas, buckets, averaged):
+        if spec.counts_once:
+            local.dot += float((delta * result.average).sum(dtype=torch.float64))
+            local.average_sq += squared_norm(result.average)
+            if spec.compressed:
+                local.residual_sq += squared_norm(result.residual)
+                local.sent_sq += squared_norm(bucket.flat)
+    return local
