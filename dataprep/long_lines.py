@@ -23,6 +23,15 @@ class LineLimit:
         self._cutting = False  # that line is over the limit (reported): its bytes are dropped
 
     def feed(self, data: bytes) -> bytes:
+        if not self._cutting and len(self._held) + len(data) <= self.max_bytes:
+            # No line that ends here can be over the limit: the usual case, without a scan.
+            end = data.rfind(b"\n") + 1
+            whole = bytes(self._held) + data[:end] if end else b""
+            if end:
+                self._held.clear()
+                self.line += data.count(b"\n", 0, end)
+            self._held += data[end:]
+            return whole
         ends = np.flatnonzero(np.frombuffer(data, np.uint8) == _NEWLINE) + 1  # where each finished line stops
         starts = np.concatenate([[0], ends[:-1]])
         lengths = ends - starts - 1
