@@ -26,9 +26,10 @@ array's variables) processes only the I-th of N shares of the groups and records
 P_partition-IIIII-of-NNNNN.json (dataprep.manifest); a rerun skips its finished groups. --merge-manifests
 checks that the partitions covered every shard exactly once and writes the blend (dataprep.blend).
 
-Bad records (malformed JSON, missing key, invalid UTF-8, lone surrogates, ...) are dropped, counted and
-reported with file and line; a shard that cannot be read is reported and skipped. --strict stops at the
-first. Writing no document at all is an error.
+Bad records (malformed JSON, missing key, invalid UTF-8, lone surrogates, a record longer than
+--max-document-bytes, ...) are dropped, counted and reported with file and line; a shard that cannot be read
+is reported and skipped. --strict stops at the first. Writing no document at all is an error. No input is
+held whole: compressed shards inflate a piece at a time and an over-long line streams past unread.
 """
 from __future__ import annotations
 
