@@ -11,6 +11,7 @@ since a long-lived one slowed down run after run): K = 2 workers of one rank eac
   sync+link         over an emulated 1 Gbit/s, 50 ms link
   sync+link, tau=1  over that link, the sync running in the background during the next inner step
   sync+link, tau=2  the same, with two inner steps to hide it in
+  sync+link, tau=auto  the same, each sync's tau picked from the previous one's wall time
   elastic nosync    the elastic mode (each worker its own job, a torchft lighthouse with the job
                     secret, trainer/elastic/), the outer loop never syncing after the first quorum
   elastic sync+link, tau=1   the elastic mode syncing over the link, tau = 1
@@ -29,7 +30,9 @@ drifts hit all of them alike. Throughput is the job's over the windows of H step
 run them. Every rank times its own steps; a job goes at its slowest worker's pace, and taking rank
 0's clock alone would let the free-running nosync baseline skip the waits for a slower peer that any
 synchronous step (this sync, or DP's all-reduce) pays. Per case the median over the repeats;
-overhead_vs_nosync = nosync tokens/s / case tokens/s. Also reported: cross-datacenter round
+overhead_vs_nosync = nosync tokens/s / case tokens/s, with a 95% bootstrap interval of the median of
+the per-repeat ratios (each case against its baseline of the same repeat), and the baseline's own
+spread (its fastest over its slowest run: how noisy the machine was during the command). Also reported: cross-datacenter round
 trips per sync, on its critical path (metrics.jsonl's `round_trips`: the exchange, which carries the
 skip vote) and in the background after the result is applied (`background_round_trips`: the
 metrics), and the mean sync wall time. Last line: JSON.
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -68,9 +72,17 @@ def cases(sync_interval: int, steps: int) -> dict[str, dict]:
         "sync+link": {**muloco, "link": SLOW_LINK},
         "sync+link, tau=1": {**muloco, **tau1},
         "sync+link, tau=2": {**muloco, "link": SLOW_LINK, "streaming": {"overlap_steps": 2}},
+        "sync+link, tau=auto": {**muloco, "link": SLOW_LINK, "streaming": {"overlap_steps": "auto"}},
         "elastic nosync": {**muloco, "sync_interval": steps + 1, "elastic": ELASTIC},
         "elastic sync+link, tau=1": {**muloco, **tau1, "elastic": ELASTIC},
     }
+
+
+def bootstrap_interval(ratios: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% interval of the median of `ratios` over resamples with replacement."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 def baseline_of(case: str) -> str:
@@ -238,18 +250,23 @@ def main() -> None:
     names = case_names(args)
     tokens = {name: [results[i][0] for i, (n, _) in enumerate(order) if n == name] for name in names}
     syncs = {name: [s for i, (n, _) in enumerate(order) if n == name for s in results[i][1]] for name in names}
-    baselines = {name: statistics.median(tokens[baseline_of(name)]) for name in names}
+    # Per repeat, each case against its baseline of the same repeat (the runs are interleaved).
+    ratios = {name: [b / t for b, t in zip(tokens[baseline_of(name)], tokens[name])] for name in names}
+    spread = max(tokens["nosync"]) / min(tokens["nosync"]) if "nosync" in tokens else None
     print(f"model {args.model}, K = 2 workers x 4 sequences x {args.seq_length} tokens per step, H = {args.sync_interval}, "
           f"4-bit statistical + EF, link {SLOW_LINK['bandwidth_gbit_s']} Gbit/s + {SLOW_LINK['latency_ms']} ms; "
-          f"medians of {args.repeats} interleaved runs; ranks {'not pinned' if args.no_pin else 'pinned to cores'}")
-    print(f"{'case':<26} {'tokens/s':>9} {'overhead_vs_nosync':>19} {'runs (tokens/s)':>26} {'round trips':>12} "
-          f"{'background':>11} {'sync s':>7} {'link s':>7} {'sync CPU s':>11} {'apply wait s':>13} {'MB/rank/sync':>13}")
+          f"medians of {args.repeats} interleaved runs; ranks {'not pinned' if args.no_pin else 'pinned to cores'}; "
+          f"nosync spread {spread or float('nan'):.3f} (fastest / slowest run), {time.strftime('%Y-%m-%d')}")
+    print(f"{'case':<26} {'tokens/s':>9} {'overhead_vs_nosync':>19} {'95% interval':>16} {'tau':>5} "
+          f"{'runs (tokens/s)':>26} {'round trips':>12} {'background':>11} {'sync s':>7} {'link s':>7} "
+          f"{'sync CPU s':>11} {'apply wait s':>13} {'MB/rank/sync':>13}")
     rows = []
     for name in names:
         median = statistics.median(tokens[name])
         records = syncs[name]
         mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in records) if records else 0.0  # noqa: E731
-        row = {"case": name, "tokens_per_s": median, "overhead_vs_nosync": baselines[name] / median,
+        row = {"case": name, "tokens_per_s": median, "overhead_vs_nosync": statistics.median(ratios[name]),
+               "interval": bootstrap_interval(ratios[name]), "overlap_steps": mean("overlap_steps"),
                "runs_tokens_per_s": tokens[name],
                "round_trips_per_sync": statistics.fmean(r["round_trips"] for r in records) if records else 0,
                "background_round_trips_per_sync":
@@ -260,12 +277,14 @@ def main() -> None:
                "apply_wait_seconds": mean("apply_wait_seconds")}
         rows.append(row)
         runs = " ".join(f"{t:.0f}" for t in tokens[name])
-        print(f"{name:<26} {median:>9.0f} {row['overhead_vs_nosync']:>19.3f} {runs:>26} "
+        interval = f"[{row['interval'][0]:.3f}, {row['interval'][1]:.3f}]"
+        print(f"{name:<26} {median:>9.0f} {row['overhead_vs_nosync']:>19.3f} {interval:>16} {row['overlap_steps']:>5.2f} "
+              f"{runs:>26} "
               f"{row['round_trips_per_sync']:>12.1f} {row['background_round_trips_per_sync']:>11.1f} "
               f"{row['sync_seconds']:>7.3f} {row['link_seconds']:>7.3f} {row['sync_cpu_seconds']:>11.3f} "
               f"{row['apply_wait_seconds']:>13.3f} {row['bytes_per_rank_per_sync'] / 1e6:>13.3f}")
     print(json.dumps({"model": args.model, "sync_interval": args.sync_interval, "repeats": args.repeats,
-                      "pinned": not args.no_pin,
+                      "pinned": not args.no_pin, "nosync_spread": spread, "date": time.strftime("%Y-%m-%d"),
                       "load_average": os.getloadavg(), "rows": rows}))
 
 

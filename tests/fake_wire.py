@@ -86,6 +86,9 @@ class FakeStatic:
     def leave(self) -> None:
         pass
 
+    def prepare(self, background, step: int) -> None:
+        pass
+
     def run(self, task, sync):
         return sync(self.session)
 

@@ -118,11 +118,21 @@ def test_no_import_cycles_between_project_modules():
     assert cycles(graph) == []
 
 
+def test_the_outer_loop_knows_nothing_of_the_megatron_model():
+    """trainer/diloco is the outer loop any host attaches (this trainer, a DeepSpeed engine): the
+    Megatron description of the parameters lives with the trainer (trainer/outer_host.py)."""
+    graph = import_graph()
+    outer = {m: imports for m, imports in graph.items() if m.startswith("trainer.diloco")}
+    assert "trainer.diloco.deepspeed_hook" in outer
+    assert {m: sorted(i for i in imports if i.startswith("trainer.model"))
+            for m, imports in outer.items() if any(i.startswith("trainer.model") for i in imports)} == {}
+
+
 def test_ruff_finds_nothing():
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     if not Path(ruff).exists():
         pytest.fail("ruff is not installed (it is in the test extras)")
-    result = subprocess.run([ruff, "check", "--no-cache", *PACKAGES, "tests", "scripts"], cwd=ROOT,
+    result = subprocess.run([ruff, "check", "--no-cache", *PACKAGES, "tests", "scripts", "examples"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
 

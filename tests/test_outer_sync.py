@@ -6,6 +6,8 @@ member's global weights bit-identical after every sync."""
 from __future__ import annotations
 
 import math
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -33,7 +35,7 @@ class Worker:
     """One worker's parameters, trainer stand-in and outer loop."""
 
     def __init__(self, rank: int, workers: int, config: MuLoCoConfig, membership, topology: Topology | None = None,
-                 host: str = "trainer"):
+                 host: str = "trainer", clock=time.perf_counter):
         generator = torch.Generator().manual_seed(0)  # every worker starts from the same weights
         self.params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES.values()]
         optimizer = torch.optim.SGD(self.params, lr=0.1)
@@ -46,7 +48,7 @@ class Worker:
         tensors = megatron_tensors(list(zip(names, self.params)), {n: n for n in names}, 0, NUM_LAYERS,
                                    config.streaming.fragments)
         self.loop = OuterLoop(config, tensors, topology, log=lambda record, step: self.records.append(record),
-                              membership=membership)
+                              membership=membership, clock=clock)
         # The host the loop is attached to: this project's trainer, or a DeepSpeed engine (its counters and
         # lr schedule; SGD has no master partitions to refresh).
         self.engine = SimpleNamespace(global_steps=0, lr_scheduler=engine.lr_scheduler, optimizer=optimizer,
@@ -356,3 +358,76 @@ def test_a_quorum_asked_for_ahead_that_failed_is_asked_for_again_at_the_sync():
         assert [(r["outer_step"], r["attempts"]) for r in w.records] == [(1, 2), (2, 1)]
         assert w.loop.membership.quorum.asked == 3
     assert len(checksums(workers)) == 1
+
+
+class FakeClock:
+    """A worker's clock that moves only when told (inner steps, and the sync's exchange)."""
+
+    def __init__(self):
+        self.now, self.lock = 0.0, threading.Lock()
+
+    def __call__(self) -> float:
+        with self.lock:
+            return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self.lock:
+            self.now += seconds
+
+
+class SlowStatic(FakeStatic):
+    """A sync that takes `seconds` on the worker's clock."""
+
+    def __init__(self, boards, rank, clock: FakeClock, seconds: float):
+        super().__init__(boards, rank, KEY)
+        self.clock, self.seconds = clock, seconds
+
+    def run(self, task, sync):
+        self.clock.advance(self.seconds)
+        return super().run(task, sync)
+
+
+def test_auto_overlap_picks_the_same_tau_on_every_worker_from_the_slowest_workers_last_sync():
+    """Three workers whose inner steps take 1, 2 and 4 s and whose syncs take 5 s (their own clocks):
+    every sync's tau is the same on every worker (the same apply step, so their global weights stay
+    bit-identical), the first is 1, and each later one is the smallest that covers the fragment's
+    previous sync on its slowest worker (in that worker's steps), with the margin, up to the maximum."""
+    from trainer.diloco.outer_loop import AUTO_MARGIN
+    config = MuLoCoConfig(workers=3, sync_interval=8, streaming=StreamingConfig(fragments=2, overlap_steps="auto",
+                                                                                max_overlap_steps=6))
+    boards = (Board(3), Board(3))
+    clocks = [FakeClock() for _ in range(3)]
+    step_seconds = [1.0, 2.0, 4.0]
+    workers = [Worker(r, 3, config, SlowStatic(boards, r, clocks[r], 5.0), clock=clocks[r]) for r in range(3)]
+    records: list[list[dict]] = [[] for _ in workers]
+    for w, mine in zip(workers, records):
+        w.loop._log = mine.append  # every worker's records (only worker 0 logs)
+
+    def step(r: int, n: int) -> None:
+        clocks[r].advance(step_seconds[r])
+        workers[r].train(n)
+    for n in range(1, 41):
+        run_ranks(3, lambda r: step(r, n))
+        assert len({tuple((e.apply_at, e.task.fragment) for e in w.loop.pending) for w in workers}) == 1, n
+    for w in workers:
+        w.loop.finish()
+    assert len(checksums(workers)) == 1
+    by_sync = [{r["step"]: r for r in mine} for mine in records]  # by launch step (two in flight share an outer step)
+    synced = sorted(by_sync[0])
+    assert len(synced) >= 6 and all(set(b) == set(synced) for b in by_sync)
+    last_needed: dict[int, float] = {}
+    for n in synced:
+        same = {b[n]["overlap_steps"] for b in by_sync}
+        assert len(same) == 1, (n, same)
+        fragment = by_sync[0][n]["fragment"]
+        expected = 1 if fragment not in last_needed else min(6, math.ceil(AUTO_MARGIN * last_needed[fragment]))
+        assert same == {max(1, expected)}, (n, same, last_needed)
+        # What the next one is decided from: every worker reduced the slowest's sync in its own steps.
+        needed = {b[n]["overlap_needed"] for b in by_sync}
+        assert needed == {max(b[n]["sync_seconds"] / b[n]["step_seconds"] for b in by_sync)}
+        last_needed[fragment] = needed.pop()
+    assert max(last_needed.values()) >= 5.0  # the fast worker's sync spans five of its steps
+    # A checkpoint carries what the next taus are decided from: a resumed loop picks the same ones.
+    resumed = Worker(0, 3, config, SlowStatic((Board(3), Board(3)), 0, FakeClock(), 5.0))
+    resumed.loop.load_state_dict(workers[0].loop.state_dict())
+    assert [resumed.loop._overlap(f) for f in range(2)] == [workers[0].loop._overlap(f) for f in range(2)] != [1, 1]

@@ -409,7 +409,7 @@ def wall_clock(params: int, stages: list[list[ShardParam]], sync: SyncBytes, inp
     sync_s = _link_seconds(sync.per_rank_max, sync.per_worker, inputs)
     if inputs.codec is not None:
         sync_s += inputs.codec.sync_seconds(shard / inputs.sizes.data, K, inputs.muloco.collective)
-    exposed = max(0.0, sync_s - inputs.muloco.streaming.overlap_steps * compute)
+    exposed = max(0.0, sync_s - inputs.muloco.streaming.largest_overlap * compute)  # `auto` covers up to its max
     name = f"{'MuLoCo' if inputs.muon else 'DiLoCo'} K={K}"
     syncs = steps // inputs.muloco.sync_interval
     times.append(MethodTime(name, steps, compute, sync_s / inputs.muloco.sync_interval,

@@ -53,7 +53,8 @@ class Range:
 
     def problem(self, value: Any, raw: Any) -> str | None:
         """Why `value` (converted from the config's `raw`) is out of range, or None."""
-        numbers = value if isinstance(value, tuple) else (value,)
+        # Only the numbers: a field may also take a word (`int | Literal["auto"]`).
+        numbers = [x for x in (value if isinstance(value, tuple) else (value,)) if isinstance(x, (int, float))]
         ok = all((self.ge is None or x >= self.ge) and (self.gt is None or x > self.gt)
                  and (self.le is None or x <= self.le) and (self.lt is None or x < self.lt) for x in numbers)
         return None if ok else f"must be {self}, got {_show(raw)}"

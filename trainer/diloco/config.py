@@ -69,10 +69,19 @@ class CompressionConfig(ConfigBlock):
 @dataclass(frozen=True)
 class StreamingConfig(ConfigBlock):
     fragments: int = setting(1, ge=1, doc="F fragments of contiguous layers, synced at staggered offsets")
-    overlap_steps: int = setting(0, ge=0, doc="tau: a sync runs in the background while this many inner steps go "
-                                              "on, and its result is applied after them")
+    overlap_steps: int | Literal["auto"] = setting(
+        0, ge=0, doc="tau: a sync runs in the background while this many inner steps go on, and its result is "
+                     "applied after them; `auto`: the smallest tau whose inner steps cover the sync's measured wall "
+                     "time (the slowest worker's, from the fragment's previous sync, with a 25% margin; 1 for a "
+                     "fragment's first sync), the same on every worker, recorded per sync")
+    max_overlap_steps: int = setting(4, ge=1, doc="the largest tau `auto` picks")
     mix_alpha: float = setting(0.0, ge=0, lt=1, doc="local weight kept when an overlapped result lands: "
                                                     "a local + (1 - a) global")
+
+    @property
+    def largest_overlap(self) -> int:
+        """The largest tau a sync can take."""
+        return self.max_overlap_steps if self.overlap_steps == "auto" else self.overlap_steps
 
 
 @dataclass(frozen=True)
@@ -114,7 +123,11 @@ class MuLoCoConfig(ConfigBlock):
         if self.streaming.fragments > self.sync_interval:
             problems.append(("streaming.fragments", f"({self.streaming.fragments}) cannot exceed sync_interval "
                                                     f"({self.sync_interval})"))
-        if self.streaming.overlap_steps >= self.sync_interval:
-            problems.append(("streaming.overlap_steps", f"({self.streaming.overlap_steps}) must be below "
-                                                        f"sync_interval ({self.sync_interval})"))
+        if self.streaming.largest_overlap >= self.sync_interval:
+            key = "max_overlap_steps" if self.streaming.overlap_steps == "auto" else "overlap_steps"
+            problems.append((f"streaming.{key}", f"({self.streaming.largest_overlap}) must be below "
+                                                 f"sync_interval ({self.sync_interval})"))
+        if self.streaming.overlap_steps == "auto" and self.elastic is not None:
+            problems.append(("streaming.overlap_steps", "'auto' is not supported with an elastic block yet (a worker "
+                                                        "that catches up has not seen its peers' timings): set a number"))
         return problems

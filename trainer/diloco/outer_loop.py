@@ -14,7 +14,8 @@ inside its worker. Sharded tensors (ZeRO's partitions) are each rank's own: noth
 A sync applies Nesterov SGD to the global weights, and every worker restarts from them (or, when the
 sync overlapped tau inner steps, mixes them into its local weights with weight alpha); inner optimizer
 state is kept. With `streaming.overlap_steps` > 0 a sync runs in a background thread while the inner
-steps go on, and its result is applied tau steps after it started. The background thread runs one
+steps go on, and its result is applied tau steps after it started; `"auto"` picks each sync's tau
+from the fragment's previous sync (`_overlap`). The background thread runs one
 task at a time (syncs and metrics in the order every rank submits them), on the outer loop's own
 groups, so it never interleaves with the training loop's collectives. One inner step before a sync
 launches, the membership is told (`prepare`): the elastic one asks for its quorum then.
@@ -26,9 +27,12 @@ lr schedule).
 from __future__ import annotations
 
 import contextlib
+import math
+import statistics
+import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-import time
 from typing import Callable, Protocol
 
 import torch
@@ -61,6 +65,10 @@ class Host(Protocol):
         whatever the host derives from them (DeepSpeed's bf16 copies of its fp32 master partitions)."""
 
 
+AUTO_FIRST_OVERLAP = 1  # `overlap_steps: "auto"`: a fragment's first sync, before any timing is known
+AUTO_MARGIN = 1.25  # ... later ones cover the slowest worker's last sync of the fragment with this margin
+
+
 @dataclass
 class _Pending:
     apply_at: int
@@ -77,9 +85,10 @@ def _done(result) -> Future:
 
 class OuterLoop:
     def __init__(self, config: MuLoCoConfig, tensors: list[SyncedTensor], topology: Topology,
-                 log: Callable[[dict, int], None], membership: Membership, replicated: bool = True):
+                 log: Callable[[dict, int], None], membership: Membership, replicated: bool = True,
+                 clock: Callable[[], float] = time.perf_counter):
         """`tensors` (plan.synced_tensors) are replicated over the worker's inner-DP replicas
-        (`replicated`), or each rank's own shard."""
+        (`replicated`), or each rank's own shard. `clock` times the inner steps and the syncs."""
         self.config, self.topology, self.log, self.membership = config, topology, log, membership
         self.tensors, self.replicated = tensors, replicated
         F = config.streaming.fragments
@@ -88,8 +97,14 @@ class OuterLoop:
         self.buckets = [plan_buckets(tensors, owned, fragment, config) for fragment in range(F)]
         self.offsets = sync_offsets(config.sync_interval, F)
         device = tensors[0].tensor.device if tensors else comm.compute_device()
-        self.body = SyncBody(config, self.buckets, device, membership, topology.sizes.ranks_per_worker, self._context)
+        self.clock = clock
+        self.body = SyncBody(config, self.buckets, device, membership, topology.sizes.ranks_per_worker, self._context,
+                             clock)
         self.pending: list[_Pending] = []
+        self.auto_overlap = config.streaming.overlap_steps == "auto"
+        self._step_seconds: deque[float] = deque(maxlen=config.sync_interval)  # recent inner steps' wall time
+        self._step_started: float | None = None
+        self._timings: dict[int, Future] = {}  # fragment -> the metrics of its last applied sync (auto overlap)
         self.joining = False  # no pseudogradient of its own to contribute (an elastic start, or a state just loaded)
         self.host: Host | None = None
         self._background = ThreadPoolExecutor(max_workers=1)  # overlapped syncs and every sync's metrics
@@ -123,14 +138,16 @@ class OuterLoop:
         for future in landing:
             future.result()
         if landing and self.topology.is_logging_rank:
-            print(f"outer loop: {len(landing)} sync(s) launched in the last {self.config.streaming.overlap_steps} "
-                  f"step(s) land after the run and are not applied", flush=True)
+            print(f"outer loop: {len(landing)} sync(s) still in flight at the last step land after the run and "
+                  f"are not applied", flush=True)
         self.pending = []
         self.flush_metrics()
 
     # -- the step hook -----------------------------------------------------------------------------
 
     def after_inner_step(self, step: int) -> None:
+        if self._step_started is not None:  # the inner step's own time, without the outer loop's
+            self._step_seconds.append(self.clock() - self._step_started)
         self._log_statistics(wait=False)
         with self.state.lock:
             due = [e for e in self.pending if e.apply_at == step]
@@ -139,17 +156,19 @@ class OuterLoop:
             waited = time.perf_counter()
             result = entry.future.result()
             result.record["apply_wait_seconds"] = time.perf_counter() - waited  # what overlap did not hide
+            if self.auto_overlap:
+                result.record["overlap_steps"] = entry.apply_at - entry.task.step
             self.apply(result, overlapped=True)
         for fragment, offset in enumerate(self.offsets):
             if step % self.config.sync_interval == offset and not self._moved_from(step):
                 self._launch(fragment, step)
-        if self._moved_from(step):  # it caught up: its next syncs are its peers' next ones, from their step
-            return
-        last = self.host.last_step if self.host is not None else None
-        if last is None or step < last:
-            for offset in self.offsets:
-                if (step + 1) % self.config.sync_interval == offset:
-                    self.membership.prepare(self._background, step + 1)
+        if not self._moved_from(step):  # (one that caught up: its next syncs are its peers' next ones)
+            last = self.host.last_step if self.host is not None else None
+            if last is None or step < last:
+                for offset in self.offsets:
+                    if (step + 1) % self.config.sync_interval == offset:
+                        self.membership.prepare(self._background, step + 1)
+        self._step_started = self.clock()
 
     def _moved_from(self, step: int) -> bool:
         """Whether applying a caught-up sync moved this member to its peers' step."""
@@ -178,13 +197,27 @@ class OuterLoop:
     def _launch(self, fragment: int, step: int) -> None:
         deltas = [spec.layout.flatten([self.state.delta(i) for i in spec.indices]) for spec in self.buckets[fragment]]
         schedule = self.host.schedule_state() if self.host is not None else None
-        task = SyncTask(fragment, step, self.state.outer_step + 1, schedule)
-        tau = self.config.streaming.overlap_steps
+        step_seconds = statistics.median(self._step_seconds) if self._step_seconds else 0.0
+        task = SyncTask(fragment, step, self.state.outer_step + 1, schedule, step_seconds)
+        tau = self._overlap(fragment)
         if tau == 0:
             self.flush_metrics()  # their reduction shares the wires with this sync
             self.apply(self.sync(task, deltas), overlapped=False)
         else:
             self.pending.append(_Pending(step + tau, task, deltas, self._background.submit(self.sync, task, deltas)))
+
+    def _overlap(self, fragment: int) -> int:
+        """tau for the fragment's next sync. `auto`: the smallest number of inner steps that covers its
+        last sync's wall time on the slowest worker (with a margin), from the metrics every worker
+        reduced alike, so every worker picks the same tau (and applies the result at the same step)."""
+        streaming = self.config.streaming
+        if not self.auto_overlap:
+            return streaming.overlap_steps
+        timing = self._timings.get(fragment)
+        needed = timing.result().get("overlap_needed") if timing is not None else None
+        if needed is None:  # its first sync (or its metrics were lost: an elastic member left)
+            return AUTO_FIRST_OVERLAP
+        return max(1, min(streaming.max_overlap_steps, math.ceil(AUTO_MARGIN * needed)))
 
     def sync(self, task: SyncTask, deltas: list[torch.Tensor]) -> SyncResult:
         """One sync through the membership (sync.py); may run in the background thread."""
@@ -218,6 +251,7 @@ class OuterLoop:
             self._log(result.record)
         else:
             self._statistics.append(self._background.submit(result.statistics))
+            self._timings[result.fragment] = self._statistics[-1]
 
     def _go_on_from(self, task: SyncTask) -> None:
         """After a sync it caught up to, a member goes on as its peers do: every fragment's local weights
@@ -360,7 +394,7 @@ class OuterLoop:
         return state
 
     def state_dict(self) -> dict:
-        return {
+        state = {
             "outer_step": self.state.outer_step, "skipped": self.state.skipped,
             **self.state.tensors_by_name(),
             "error_feedback": self._error_feedback_state(),
@@ -369,6 +403,12 @@ class OuterLoop:
             "pending": [{"apply_at": e.apply_at, "fragment": e.task.fragment, "outer_step": e.task.outer_step,
                          "deltas": e.deltas} for e in self.pending],
         }
+        if self.auto_overlap:  # each sync's own tau, and what the next ones are decided from (an exact resume)
+            for entry, saved in zip(self.pending, state["pending"]):
+                saved["step"] = entry.task.step
+            state["overlap_needed"] = {str(f): float(t.result().get("overlap_needed") or 0.0)
+                                       for f, t in sorted(self._timings.items())}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         owned = self.state.names()
@@ -386,7 +426,11 @@ class OuterLoop:
                     spec.error_feedback.keep(
                         spec.layout.flatten([feedback[self.tensors[i].name].to(device) for i in spec.indices]))
         tau = self.config.streaming.overlap_steps
-        tasks = [SyncTask(e["fragment"], e["apply_at"] - tau, e["outer_step"], None) for e in state["pending"]]
+        tasks = [SyncTask(e["fragment"], e["step"] if self.auto_overlap else e["apply_at"] - tau, e["outer_step"], None)
+                 for e in state["pending"]]
+        if self.auto_overlap:
+            self._timings = {int(f): _done({"overlap_needed": needed or None})
+                             for f, needed in state["overlap_needed"].items()}
         if tasks and not self.membership.replays_pending:
             if self.topology.is_logging_rank:
                 print(f"outer loop: {len(tasks)} syncs in flight in the checkpoint are dropped: this worker catches up "

@@ -44,6 +44,7 @@ class SyncTask:
     step: int  # the inner step it was launched after
     outer_step: int
     scheduler: dict | None  # the lr schedule's state at `step` (None: a replay from a checkpoint, or no schedule)
+    step_seconds: float = 0.0  # this rank's recent inner step time (0: not measured)
 
 
 @dataclass
@@ -69,9 +70,10 @@ def _recut(bucket: Bucket, parts: int) -> Bucket:
 
 class SyncBody:
     def __init__(self, config: MuLoCoConfig, buckets: list[list[BucketSpec]], device: torch.device,
-                 membership: Membership, ranks_per_worker: int, context: Callable[[int], str]):
+                 membership: Membership, ranks_per_worker: int, context: Callable[[int], str],
+                 clock: Callable[[], float] = time.perf_counter):
         self.config, self.buckets, self.device, self.membership = config, buckets, device, membership
-        self.ranks_per_worker, self.context = ranks_per_worker, context
+        self.ranks_per_worker, self.context, self.clock = ranks_per_worker, context, clock
 
     def zero_deltas(self, fragment: int) -> list[torch.Tensor]:
         """A fragment's buckets of zeros: what a member with nothing to contribute sends."""
@@ -80,7 +82,7 @@ class SyncBody:
     @torch.no_grad()
     def sync(self, task: SyncTask, deltas: list[torch.Tensor]) -> SyncResult:
         """One sync through the membership."""
-        start = time.perf_counter(), time.thread_time()
+        start = self.clock(), time.thread_time()
         ballot = vote.ballot(*_vote_share(self.buckets[task.fragment], deltas))
         if self.membership.ballot_group is not None:
             comm.all_reduce(ballot, group=self.membership.ballot_group)  # the worker's totals, inside the datacenter
@@ -111,7 +113,7 @@ class SyncBody:
         decision = session.decide(exchanged)
         record = {"outer_step": task.outer_step, "fragment": task.fragment, "step": task.step, **decision.record,
                   "pseudograd_norm": statistics.fmean(decision.norms) if decision.skipped is None else None,
-                  "round_trips": exchange.round_trips, "sync_seconds": time.perf_counter() - start[0],
+                  "round_trips": exchange.round_trips, "sync_seconds": self.clock() - start[0],
                   # what the sync's time went to: the (emulated) link, and this thread's own work
                   "link_seconds": exchange.link_seconds, "sync_cpu_seconds": time.thread_time() - start[1]}
         averaged = None
@@ -123,10 +125,14 @@ class SyncBody:
                 averaged = [Averaged(a.average, torch.zeros_like(a.average)) for a in averaged]
         verdict = verdict_digest(exchanged.rejected, decision.skipped)
         per_worker = self.ranks_per_worker
+        if task.step_seconds > 0:
+            record["step_seconds"] = task.step_seconds
+        needed = record["sync_seconds"] / task.step_seconds / per_worker if task.step_seconds > 0 else 0.0
 
         def reduce_metrics() -> dict:  # reads the sync's buffers, which nothing changes after the exchange
             local = (LocalSums(verdict=verdict) if averaged is None else
                      _local_sums(specs, deltas, buckets, averaged, exchange.bytes_sent, verdict))
+            local.overlap_needed = needed
             rows = session.sums(list(astuple(local)), task.outer_step, task.fragment, context)
             background = {"background_round_trips": session.metrics_wire.take_stats().round_trips}
             if rows is None:

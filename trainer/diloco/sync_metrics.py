@@ -5,6 +5,8 @@ every worker rejected the same payloads.
     pseudograd_cosine    mean over workers of cos(delta_k, average): the paper's alignment mechanism
     averaged_norm        ||average||
     bytes_sent_per_rank  payload bytes of the exchange, mean over every rank
+    overlap_needed       the sync's wall time in inner steps (sync_seconds / step_seconds), mean over a
+                         worker's ranks, max over the workers
     compression_error    ||residual|| / ||sent||: what the payloads did not carry, relative to what
                          they were asked to (the error-feedback residual, computed anyway)
 """
@@ -28,6 +30,7 @@ class LocalSums:
     residual_sq: float = 0.0  # over compressed buckets
     sent_sq: float = 0.0  # over compressed buckets
     verdict: float = 0.0  # verdict_digest of the payloads this rank's outer group rejected
+    overlap_needed: float = 0.0  # this sync's wall time in this rank's inner steps, divided by the ranks per worker
 
 
 def verdict_digest(rejected: dict[int, str], skipped: str | None) -> float:
@@ -51,8 +54,11 @@ def sync_record(rows: list[list[float]], contributors: list[int], ranks_per_work
         raise CollectiveError(f"the workers disagree on which outer payloads to reject in {context} (a message was "
                               f"altered on its way to some of them): their weights now differ; restart from the last "
                               f"checkpoint")
+    # The slowest worker's sync, in its own inner steps: what `overlap_steps: "auto"` covers (every
+    # member reduces the same rows, so every member finds the same value).
+    timing = {"overlap_needed": max(row[6] for row in rows)}
     if not norms:
-        return {}
+        return timing
     sums = [rows[i] for i in contributors]
     dots, average_sq = [s[0] for s in sums], sums[0][1]  # every worker holds the same average
     residual_sq, sent_sq = sum(s[3] for s in sums), sum(s[4] for s in sums)
@@ -62,4 +68,5 @@ def sync_record(rows: list[list[float]], contributors: list[int], ranks_per_work
         "averaged_norm": math.sqrt(average_sq),
         "bytes_sent_per_rank": sum(row[2] for row in rows) / (len(rows) * ranks_per_worker),
         "compression_error": math.sqrt(residual_sq / sent_sq) if sent_sq > 0 else 0.0,
+        **timing,
     }
