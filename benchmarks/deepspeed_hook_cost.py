@@ -122,7 +122,9 @@ def launch(args: argparse.Namespace, zero: int, out: Path) -> list[dict]:
                "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     out.mkdir(parents=True)
-    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=1200)
+    done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200)
+    if done.returncode != 0:
+        sys.exit(f"the ZeRO {zero} launch failed (exit {done.returncode}):\n{done.stdout[-4000:]}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(K * D)]
 
 

@@ -185,3 +185,11 @@ def test_bad_input_is_one_config_error_before_any_collective(engine, block, mess
     monkeypatch.delenv("MULOCO_AUTH_KEY_FILE", raising=False)
     with pytest.raises(ConfigError, match=message):
         attach(engine, block, two_workers())
+
+
+def test_a_job_secret_others_can_read_is_refused_by_the_hook_too(tmp_path):
+    from trainer.diloco.auth import write_new_key
+    write_new_key(tmp_path / "job.key")
+    (tmp_path / "job.key").chmod(0o644)
+    with pytest.raises(ConfigError, match="has mode 0644, so other users may read it"):
+        attach(stand_in_engine(), {"workers": 2, "auth": {"key_file": "job.key"}}, two_workers(), config_dir=tmp_path)

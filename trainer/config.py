@@ -20,12 +20,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from trainer.diloco.auth import resolve_key_file
+from trainer.diloco.auth import read_private_job_key, resolve_key_file
 from trainer.diloco.config import MuLoCoConfig
 from trainer.ds_config import DsConfig, load_ds_config, read_json_object
 from trainer.elastic.config import check_worker_id
 from trainer.errors import ConfigError
-from trainer.job_secret import read_private_job_key
 from trainer.model.presets import ARCHITECTURES, PRESET_SIZES, PRESETS, ModelShape, preset_of
 from trainer.model.stages import stage_layers
 from trainer.optim.config import OptimizerConfig, OptimizerName, retyped

@@ -143,6 +143,17 @@ def read_job_key(path: Path, job_id: str) -> JobKey:
     return JobKey(secret, job_id)
 
 
+def read_private_job_key(path: Path, job_id: str) -> JobKey:
+    """The secret in `path`; one ConfigError line for a bad one, or one that group or others may access
+    (a secret others on the machine can read is no secret: anyone who copies it can join the quorum
+    and send weights, so the run and the lighthouse refuse it rather than warn)."""
+    key = read_job_key(path, job_id)
+    if not key_file_is_private(path):
+        mode = stat.S_IMODE(path.stat().st_mode)
+        raise ConfigError(f"the job secret {path} has mode {mode:04o}, so other users may read it: chmod 600 {path}")
+    return key
+
+
 def job_key(path: Path | None, job_id: str, talks: bool, warn: bool) -> JobKey | None:
     """The job secret that tags the outer messages, from its resolved file (None: the workers do not
     talk, or auth is off, which `warn` says once)."""
@@ -151,9 +162,7 @@ def job_key(path: Path | None, job_id: str, talks: bool, warn: bool) -> JobKey |
             print('WARNING: muloco.auth is "none": messages between workers are not authenticated, so anyone who '
                   "reaches the outer link can change the weights", flush=True)
         return None
-    if warn and not key_file_is_private(path):
-        print(f"WARNING: the job secret {path} is readable by other users (chmod 600 it)", flush=True)
-    return read_job_key(path, job_id)
+    return read_private_job_key(path, job_id)
 
 
 def key_file_is_private(path: Path) -> bool:

@@ -26,10 +26,9 @@ from pathlib import Path
 
 from torchft.coordination import LighthouseServer
 
-from trainer.diloco.auth import KEY_FILE_ENV, AuthConfig
+from trainer.diloco.auth import KEY_FILE_ENV, AuthConfig, read_private_job_key
 from trainer.elastic.tunnel import Gateway, host_port
 from trainer.errors import ConfigError
-from trainer.job_secret import read_private_job_key
 
 
 def main(argv: list[str] | None = None) -> None:
