@@ -18,49 +18,5 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # The check's time budget counts from here: the install step is part of the command's time.
 export MULOCO_CHECK_STARTED="${MULOCO_CHECK_STARTED:-$(date +%s)}"
 
-args=() with_wheels=0 cpu=0
-for arg in "$@"; do
-    case "$arg" in
-        --with-wheels) with_wheels=1 ;;
-        --cpu) cpu=1; args+=("$arg") ;;
-        *) args+=("$arg") ;;
-    esac
-done
-if [ $cpu -eq 1 ] && [ $with_wheels -eq 0 ]; then
-    exec python scripts/gpu_check.py "${args[@]}"
-fi
-
-shopt -s nullglob
-wheels=(.gpu_wheels/*.whl)
-if [ ${#wheels[@]} -eq 0 ]; then
-    echo "no wheels in .gpu_wheels/: run 'bash scripts/gpu_wheels.sh' on a machine with network first" >&2
-    exit 2
-fi
-PYTHON="$(command -v python3 || command -v python)"
-# The wheels go to a folder put first on PYTHONPATH (the machine's own packages stay as they are).
-# pip installs them without an index; where pip is missing, a wheel is a zip archive to unpack.
-SITE="${TMPDIR:-/tmp}/muloco_gpu_check_site"
-rm -rf "$SITE" && mkdir -p "$SITE"
-# Only what the machine lacks: a carried wheel must not shadow a package the machine already has.
-mapfile -t wheels < <("$PYTHON" - "${wheels[@]}" <<'PY'
-import importlib.metadata, sys
-for wheel in sys.argv[1:]:
-    name = wheel.rsplit("/", 1)[-1].split("-")[0]
-    try:
-        importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        print(wheel)
-PY
-)
-echo "[check] installing ${#wheels[@]} carried wheels: ${wheels[*]}"
-install_start=$(date +%s%N)
-if [ ${#wheels[@]} -eq 0 ]; then
-    :
-elif "$PYTHON" -m pip --version >/dev/null 2>&1; then
-    "$PYTHON" -m pip install --quiet --no-index --no-deps --disable-pip-version-check --target "$SITE" "${wheels[@]}"
-else
-    for wheel in "${wheels[@]}"; do "$PYTHON" -m zipfile -e "$wheel" "$SITE"; done
-fi
-echo "[check] install step: $(( ($(date +%s%N) - install_start) / 1000000 )) ms"
-export PYTHONPATH="$SITE:$PYTHONPATH"
-exec "$PYTHON" scripts/gpu_check.py "${args[@]}"
+source scripts/carried_wheels.sh
+run_device_script scripts/gpu_check.py "$@"

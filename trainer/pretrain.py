@@ -52,13 +52,15 @@ def _stop(line: str, rank: int) -> None:
     raise SystemExit(2)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, trainer_class=None) -> dict:
+    """`trainer_class`: a trainer.training.Trainer subclass whose loop replaces the usual one, in a run
+    assembled and checked exactly as here (tools/compare/simulated_workers.py)."""
     args = build_parser().parse_args(argv)
     with ParentWatch() if launched() else nullcontext():
-        return _main(args)
+        return _main(args, trainer_class)
 
 
-def _main(args) -> dict:
+def _main(args, trainer_class) -> dict:
     threads = apply_thread_default()  # before any work: the ranks on a host share its cores
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(threads.line, flush=True)
@@ -79,8 +81,9 @@ def _main(args) -> dict:
     stop_together(f"configuration error: {problem}" if problem else None, "lock the run's folders")
     try:
         from trainer.run import run  # heavy imports only after the config is known to be good
+        from trainer.training import Trainer
 
-        summary = run(config)
+        summary = run(config, trainer_class or Trainer)
     finally:
         locks.release()
     comm.close_distributed()
