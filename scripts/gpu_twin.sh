@@ -7,7 +7,8 @@
 # 3.12 environment holding the GPU image's own packages at its versions (/work/.library/device/KINDS.md
 # on the machines that lend one: torch 2.11.0, transformers 5.17.0, numpy 2.5.2, triton 3.6.0, ...),
 # and none of what the check carries; then runs gpu_check.sh's own install step with no index (only
-# the wheels in .gpu_wheels/, filled by scripts/gpu_wheels.sh if empty) and the CPU check on that stack.
+# the wheels in .gpu_wheels/, filled by scripts/gpu_wheels.sh if empty) and the CPU check on that stack,
+# then the same for scripts/gpu_evidence.sh.
 # torch comes from PyPI: the same cu130 build the GPU image has (it runs on CPU; CUDA's libraries come
 # with it, about 3 GB). MULOCO_TWIN_TORCH_INDEX=https://download.pytorch.org/whl/cpu takes the CPU build
 # instead (about 0.2 GB) where that index is reachable. Not part of CI (it downloads).
@@ -52,7 +53,12 @@ print(f"[twin] python {sys.version.split()[0]}, torch {torch.__version__}, trans
       f"numpy {numpy.__version__}", flush=True)
 PY
 OUT="${MULOCO_TWIN_OUT:-$(mktemp -d -t muloco_twin_XXXXXX)}"
-# The check's own install step (no index) and the CPU stages, with the twin's python first on PATH;
-# no PYTHONPATH from here, so nothing but the image's packages and the carried wheels is importable.
-env -u PYTHONPATH PATH="$TWIN/bin:$PATH" TORCH_EXTENSIONS_DIR="$TWIN/torch_extensions" \
-    bash scripts/gpu_check.sh --cpu --with-wheels --out "$OUT"
+# Each device run's own install step (no index) and its CPU stages, with the twin's python first on
+# PATH; no PYTHONPATH from here, so nothing but the image's packages and the carried wheels is
+# importable. Both run, whatever the first gives; their reports share $OUT (gpu_check.*, gpu_evidence.*).
+failed=0
+for run in gpu_check gpu_evidence; do
+    env -u PYTHONPATH PATH="$TWIN/bin:$PATH" TORCH_EXTENSIONS_DIR="$TWIN/torch_extensions" \
+        bash "scripts/$run.sh" --cpu --with-wheels --out "$OUT" || failed=1
+done
+exit $failed
