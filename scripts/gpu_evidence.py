@@ -86,14 +86,12 @@ class Evidence:
         return max(1.0, self._deadline - time.monotonic())
 
     def data(self) -> str:
-        from trainer.model.presets import PRESETS
-
         prefix = self.work / "data" / "markov"
         if not Path(str(prefix) + ".idx").exists():
             prefix.parent.mkdir(parents=True, exist_ok=True)
             m = self.mode
             samples = (m.max_warm_steps + SYNC_INTERVAL) * m.global_batch
-            gpu_check.write_markov_data(prefix, m.vocab, tokens=max(200_000, samples * (PRESETS[m.preset].seq_length + 1)))
+            gpu_check.write_markov_data(prefix, m.vocab, tokens=max(200_000, samples * (_seq_length(m.preset) + 1)))
         return str(prefix)
 
     def stage_a(self) -> dict:
@@ -106,28 +104,35 @@ class Evidence:
                                                         self.results["adamw"]["alignment"])
         return results
 
-    def _measure(self, optimizer: str) -> dict:
-        from tools.compare.simulated_workers import BranchPlan
-        from trainer.ds_config import load_ds_config, read_json_object
+    def branches(self, optimizer: str, run: Path, plan) -> dict:
+        """One trainer process: `optimizer`'s warm start and branches by `plan`; its summary."""
+        from trainer.ds_config import load_ds_config
 
-        m, name = self.mode, self.mode.configs[optimizer]
-        ds = gpu_check.data_parallel_ds_config(self.work / f"{optimizer}.json", name)
+        m = self.mode
+        ds = gpu_check.data_parallel_ds_config(self.work / f"{optimizer}.json", m.configs[optimizer])
         schedule_steps = m.schedule_steps or load_ds_config(json.loads(ds.read_text())).scheduler.params.train_iters
-        run = self.work / optimizer
         flags = ["--ds_config", str(ds), "--model", m.preset, "--arch", "paper", "--num-query-groups",
                  str(_heads(m.preset)), "--data-path", self.data(), "--vocab-size", str(m.vocab), "--run-dir", str(run),
                  "--train-iters", str(schedule_steps), "--lr-warmup-iters", str(m.warmup),
                  "--micro-batch-size", str(m.micro), "--global-batch-size", str(m.global_batch),
                  "--eval-interval", "0", "--eval-iters", "1", "--seed", "1234",
                  *(["--distributed-backend", "gloo"] if m.cpu else [])]
-        # The second warm start as long as the first, so both methods branch at the same step.
-        warm_steps = next(iter(r["warm_start"]["steps"] for r in self.results.values()), m.max_warm_steps)
-        plan = BranchPlan(WORKERS, SYNC_INTERVAL, warm_steps, deadline=time.time() + self.left() - CHILD_EXIT_RESERVE_S)
         spec = self.work / f"{optimizer}_spec.json"
         spec.write_text(json.dumps({"flags": flags, "plan": dataclasses.asdict(plan)}))
         gpu_check.launch([str(Path(__file__).resolve()), "--branches", str(spec)], 1, self.work / f"{optimizer}.log",
                          self.left(), self.threads)
-        summary = json.loads((run / "summary.json").read_text())
+        return json.loads((run / "summary.json").read_text())
+
+    def _measure(self, optimizer: str) -> dict:
+        from tools.compare.simulated_workers import BranchPlan
+        from trainer.ds_config import load_ds_config, read_json_object
+
+        m, name = self.mode, self.mode.configs[optimizer]
+        run = self.work / optimizer
+        # The second warm start as long as the first, so both methods branch at the same step.
+        warm_steps = next(iter(r["warm_start"]["steps"] for r in self.results.values()), m.max_warm_steps)
+        plan = BranchPlan(WORKERS, SYNC_INTERVAL, warm_steps, deadline=time.time() + self.left() - CHILD_EXIT_RESERVE_S)
+        summary = self.branches(optimizer, run, plan)
         warm = summary["warm_start"]
         tokens_per_s = warm["steps"] * m.global_batch * _seq_length(m.preset) / warm["seconds"]
         tflops = tokens_per_s * gpu_check.flops_per_token(m.preset, m.vocab) / 1e12
@@ -176,11 +181,12 @@ def difference(muloco: dict, diloco: dict) -> dict:
             "per_matrix": per_matrix}
 
 
+# Muon's step costs more than AdamW's: (b) gets more of the 6 minutes for a warm start as long as (a)'s.
 STAGES = [
     Stage("a", f"DiLoCo: DP AdamW warm start, then K=1 and K={WORKERS} branches of H={SYNC_INTERVAL} (AdamW inner): "
-               f"alignment cosines", "stage_a", {"gpu": 170, "cpu": 240}),
+               f"alignment cosines", "stage_a", {"gpu": 160, "cpu": 240}),
     Stage("b", f"MuLoCo: DP Muon warm start as long as (a)'s, then K=1 and K={WORKERS} branches of H={SYNC_INTERVAL} "
-               f"(Muon inner): alignment cosines, MuLoCo minus DiLoCo", "stage_b", {"gpu": 170, "cpu": 240}),
+               f"(Muon inner): alignment cosines, MuLoCo minus DiLoCo", "stage_b", {"gpu": 180, "cpu": 240}),
 ]
 
 
