@@ -18,7 +18,7 @@ as many steps as its stage's time leaves after the branches' predicted time (tim
 GPU: the 150m preset with the paper's architecture and its Llama-3 vocabulary (150M parameters), bf16,
 B = 64 sequences of 2048 tokens (a K=8 worker's batch: 8 sequences, 16,384 tokens), the shipped
 ds_configs/gpu_150m_dp_{adamw,muon}.json (their lrs, weight decay and schedule length; a warm-up of
-WARMUP steps so the branches run near the peak lr). --cpu: the same stages on gloo in fp32 with the tiny
+40 steps, not 500, so the branches run near the peak lr). --cpu: the same stages on gloo in fp32 with the tiny
 preset (paper architecture) on CPU, B = 16 sequences of 128, the tiny CPU configs, so the script cannot
 rot. The data are gpu_check's synthetic Markov tokens (the GPU machine has no network).
 """
@@ -57,17 +57,19 @@ class Mode:
     schedule_steps: int | None  # the lr schedule's length; None: the config's own
     configs: dict  # inner optimizer -> shipped ds_config
     budget_s: float
+    margin: float  # on the branches' predicted time: the GPU is the run's alone, the CPU machine is shared
 
     @property
     def name(self) -> str:
         return "cpu" if self.cpu else "gpu"
 
 
-GPU = Mode(cpu=False, preset="150m", vocab=128_256, global_batch=64, micro=8, max_warm_steps=200, warmup=40,
+GPU = Mode(cpu=False, preset="150m", vocab=128_256, global_batch=64, micro=8, max_warm_steps=120, warmup=40,
            schedule_steps=None, configs={"adamw": "gpu_150m_dp_adamw.json", "muon": "gpu_150m_dp_muon.json"},
-           budget_s=360.0)
+           budget_s=360.0, margin=1.25)
 CPU = Mode(cpu=True, preset="tiny", vocab=1000, global_batch=16, micro=2, max_warm_steps=30, warmup=10,
-           schedule_steps=300, configs={"adamw": "cpu_tiny_adamw.json", "muon": "cpu_tiny_muon.json"}, budget_s=600.0)
+           schedule_steps=300, configs={"adamw": "cpu_tiny_adamw.json", "muon": "cpu_tiny_muon.json"}, budget_s=600.0,
+           margin=1.5)
 
 
 class Evidence:
@@ -131,7 +133,8 @@ class Evidence:
         run = self.work / optimizer
         # The second warm start as long as the first, so both methods branch at the same step.
         warm_steps = next(iter(r["warm_start"]["steps"] for r in self.results.values()), m.max_warm_steps)
-        plan = BranchPlan(WORKERS, SYNC_INTERVAL, warm_steps, deadline=time.time() + self.left() - CHILD_EXIT_RESERVE_S)
+        plan = BranchPlan(WORKERS, SYNC_INTERVAL, warm_steps, deadline=time.time() + self.left() - CHILD_EXIT_RESERVE_S,
+                          margin=m.margin)
         summary = self.branches(optimizer, run, plan)
         warm = summary["warm_start"]
         tokens_per_s = warm["steps"] * m.global_batch * _seq_length(m.preset) / warm["seconds"]

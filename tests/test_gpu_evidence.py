@@ -45,7 +45,7 @@ def test_one_simulated_worker_retraces_the_reference_exactly(tmp_path):
     mode = dataclasses.replace(gpu_evidence.CPU, global_batch=4, micro=2, max_warm_steps=2)
     evidence = gpu_evidence.Evidence(mode, tmp_path)
     evidence.start_stage(200.0)  # a few seconds' work, on a 2-core machine that others may share
-    plan = BranchPlan(workers=1, sync_interval=2, max_warm_steps=2, deadline=time.time() + 180.0)
+    plan = BranchPlan(workers=1, sync_interval=2, max_warm_steps=2, deadline=time.time() + 180.0, margin=1.5)
     summary = evidence.branches("muon", tmp_path / "run", plan)
     alignment = summary["alignment"]
     assert summary["warm_start"]["steps"] == 2 and summary["steps"] == 4

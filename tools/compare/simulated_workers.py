@@ -44,7 +44,7 @@ class BranchPlan:
     sync_interval: int  # H
     max_warm_steps: int
     deadline: float  # time.time() by which the branches must be done
-    margin: float = 1.5  # on the branches' predicted seconds (a shared machine drifts; a kill loses the stage)
+    margin: float  # on the branches' predicted seconds (a kill at the deadline loses the measurement)
 
 
 @dataclass(frozen=True)
