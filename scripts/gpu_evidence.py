@@ -187,9 +187,9 @@ def difference(muloco: dict, diloco: dict) -> dict:
 # Muon's step costs more than AdamW's: (b) gets more of the 6 minutes for a warm start as long as (a)'s.
 STAGES = [
     Stage("a", f"DiLoCo: DP AdamW warm start, then K=1 and K={WORKERS} branches of H={SYNC_INTERVAL} (AdamW inner): "
-               f"alignment cosines", "stage_a", {"gpu": 160, "cpu": 240}),
+               f"alignment cosines", "stage_a", {"gpu": 160, "cpu": 280}),
     Stage("b", f"MuLoCo: DP Muon warm start as long as (a)'s, then K=1 and K={WORKERS} branches of H={SYNC_INTERVAL} "
-               f"(Muon inner): alignment cosines, MuLoCo minus DiLoCo", "stage_b", {"gpu": 180, "cpu": 240}),
+               f"(Muon inner): alignment cosines, MuLoCo minus DiLoCo", "stage_b", {"gpu": 180, "cpu": 280}),
 ]
 
 
