@@ -90,7 +90,8 @@ def measure(args: argparse.Namespace) -> dict:
         engine.backward(engine(input_ids=tokens, labels=tokens).loss)
         engine.step()
     outer.detach()
-    result = {"hook_sync_s": [r["sync_seconds"] for r in records], "peak_mib": _peak_mib() - before,
+    result = {"hook_sync_s": [r["sync_seconds"] for r in records], "hook_cpu_s": [r["sync_cpu_seconds"] for r in records],
+              "peak_mib": _peak_mib() - before,
               "parameters": sum(p.numel() for p in model.parameters())}
     if args.zero_stage == 0:  # the trainer's path: whole tensors, replicated, 1/D owned per rank
         trainer_records = []
@@ -106,6 +107,7 @@ def measure(args: argparse.Namespace) -> dict:
             loop.after_inner_step(sync * args.sync_interval)
         loop.finish()
         result["trainer_sync_s"] = [r["sync_seconds"] for r in trainer_records]
+        result["trainer_cpu_s"] = [r["sync_cpu_seconds"] for r in trainer_records]
     return result
 
 
@@ -138,13 +140,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         runs = {zero: launch(args, zero, Path(tmp, f"zero{zero}")) for zero in (0, 1)}
     n = runs[0][0]["parameters"]
-    hook = statistics.median(s for rank in runs[0] for s in rank["hook_sync_s"][1:])  # the first warms up
-    trainer = statistics.median(s for rank in runs[0] for s in rank["trainer_sync_s"][1:])
-    hook_zero1 = statistics.median(s for rank in runs[1] for s in rank["hook_sync_s"][1:])
     print(f"Llama hidden {args.hidden}, {args.layers} layers: {n:,} parameters; K={K} x D={D}, 4-bit + EF, "
-          f"{args.syncs} syncs of H={args.sync_interval}")
-    print(f"sync seconds (median over ranks and syncs): trainer path {trainer:.4f}, hook at ZeRO 0 {hook:.4f} "
-          f"(ratio {hook / trainer:.2f}), hook at ZeRO 1 {hook_zero1:.4f} (ratio {hook_zero1 / trainer:.2f})")
+          f"{args.syncs} syncs of H={args.sync_interval}; load average {os.getloadavg()[0]:.1f}")
+    # Wall time includes waiting in the collective for the slowest worker to arrive (after a training
+    # step, the workers arrive apart); the sync thread's CPU time is the sync's own work.
+    for kind, label in (("sync", "wall"), ("cpu", "CPU")):
+        def median(zero: int, path: str) -> float:  # over ranks and syncs, the first one a warm-up
+            return statistics.median(s for rank in runs[zero] for s in rank[f"{path}_{kind}_s"][1:])
+        trainer, hook, hook_zero1 = median(0, "trainer"), median(0, "hook"), median(1, "hook")
+        print(f"sync {label} seconds: trainer path {trainer:.4f}, hook at ZeRO 0 {hook:.4f} (ratio "
+              f"{hook / trainer:.2f}), hook at ZeRO 1 {hook_zero1:.4f} (ratio {hook_zero1 / trainer:.2f})")
     peak = {zero: max(rank["peak_mib"] for rank in runs[zero]) for zero in (0, 1)}
     for zero in (0, 1):
         print(f"ZeRO {zero}: peak RSS growth per rank {peak[zero]:.0f} MiB; planner's model {planned_mib(n, zero):.0f} MiB")
