@@ -62,7 +62,7 @@ class RecordingTrainer(Trainer):
         record = {"initial": full_weights(self.model), "steps": []}
         while self.step < self.config.schedule.train_iters:
             result = self.train_step()
-            loss = self._mean_over_loss_ranks(result.loss, group=None)  # as Trainer.train logs it
+            loss = self._mean_over_loss_ranks(result.loss, 1, group=None)  # as Trainer.train logs it
             record["steps"].append({"loss": loss, "grad_norm": result.grad_norm, "model": full_weights(self.model)})
         if dist.get_rank() == 0:
             torch.save(record, Path(self.config.run_dir) / "probe.pt")

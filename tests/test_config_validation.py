@@ -237,6 +237,14 @@ def test_explicit_flags_win_over_the_ds_config(tmp_path):
     assert (config.batch.micro_batch_size, config.schedule.train_iters, config.clip_grad) == (2, 7, 0.5)
 
 
+def test_no_final_sync_sets_the_muloco_block_and_needs_one(tmp_path):
+    assert _resolve(tmp_path, GOOD).muloco.final_sync is True
+    assert _resolve(tmp_path, GOOD, "--no-final-sync").muloco.final_sync is False
+    data_parallel = {k: v for k, v in GOOD.items() if k != "muloco"}
+    with pytest.raises(ConfigError, match="--no-final-sync: the ds_config has no muloco block"):
+        _resolve(tmp_path, data_parallel, "--no-final-sync")
+
+
 @pytest.mark.parametrize("ds, flags, line", [
     (_with("muloco.workers", "2"), [], "configuration error: muloco.workers must be an integer, got '2'"),
     (GOOD, ["--distributed-backend", "nccl"],  # refused before the process group is made

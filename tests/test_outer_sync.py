@@ -192,7 +192,8 @@ def test_a_restarted_worker_catches_up_at_whichever_sync_its_peers_are_at(fragme
     fragment, possibly with another fragment's sync still in flight: it receives their state first,
     takes part in that sync without contributing, and from then on every member's global weights are
     bit-identical. The same through the DeepSpeed hook's host: the engine's step and lr schedule move."""
-    config = elastic_config(streaming=StreamingConfig(fragments=fragments, overlap_steps=tau))
+    # (No final sync: worker 2's last step below is where it dies, not the run's end.)
+    config = elastic_config(streaming=StreamingConfig(fragments=fragments, overlap_steps=tau), final_sync=False)
     board = Board(3)
     workers = [quorum_worker(r, board, config, host=host) for r in range(3)]
     # Worker 2 dies after step 9's sync landed, before it asks for the quorum of a sync at step 10 (a
@@ -225,6 +226,38 @@ def test_a_restarted_worker_catches_up_at_whichever_sync_its_peers_are_at(fragme
     assert joined["fragment"] == restarted.loop.offsets.index(syncing % 4)
     assert len(checksums(workers)) == 1
     assert workers[0].records[-1]["workers_in_sync"] == 3 and not workers[0].records[-1]["left_out"]
+
+
+@pytest.mark.parametrize("final_sync", [True, False])
+def test_a_run_ends_with_one_model_on_every_worker_unless_told_not_to(final_sync):
+    """K=2, two fragments overlapped by one step, a last step (10) where fragment 0's sync launches: that
+    sync is applied at once and fragment 1, not holding its global weights, syncs once more, so every
+    worker's weights are its global ones, bit-identical across workers. Without it the run ends with K
+    models and the sync in flight lands unapplied."""
+    config = MuLoCoConfig(workers=2, sync_interval=4, streaming=StreamingConfig(fragments=2, overlap_steps=1),
+                          final_sync=final_sync)
+    workers = static_workers(2, config)
+    for w in workers:
+        w.loop.host.last_step = 10
+    launched_by_10 = sum(1 for step in range(1, 11) for offset in workers[0].loop.offsets if step % 4 == offset)
+
+    def run(r: int) -> None:
+        with workers[r].loop.attached(workers[r].loop.host):
+            for step in range(1, 11):
+                workers[r].train(step)
+    run_ranks(2, run)
+    weights = [[p.detach().clone() for p in w.params] for w in workers]
+    held_global = all(torch.equal(w.loop.tensors[i].tensor, g) for w in workers
+                      for i, g in w.loop.state.global_weights.items())
+    one_model = all(torch.equal(a, b) for a, b in zip(*weights))
+    assert held_global == one_model == final_sync
+    assert len(checksums(workers)) == 1
+    finals = [r for r in workers[0].records if r.get("final_sync")]
+    if final_sync:  # fragment 0 launched at step 10 (offsets [2, 0]): it lands at once and holds the global
+        assert [(r["step"], r["fragment"]) for r in finals] == [(10, 1)]  # weights; fragment 1 moved since step 9
+        assert workers[0].loop.state.outer_step == launched_by_10 + 1
+    else:
+        assert not finals and workers[0].loop.state.outer_step == launched_by_10 - 1
 
 
 def test_a_member_whose_weights_drifted_is_left_out_and_caught_up_at_its_next_sync():

@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--worker-id", type=int, default=None,
                    help="elastic MuLoCo (muloco.elastic): this launch is worker k, a world of D x P x T ranks")
+    g.add_argument("--no-final-sync", dest="final_sync", action="store_const", const=False, default=None,
+                   help="end the run without the last outer sync (muloco.final_sync false): its last checkpoint then "
+                        "holds K models (export takes the global weights, or --worker k)")
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=[], help="prefix, or weight prefix weight prefix ...")
     g.add_argument("--valid-data-path", nargs="+", default=[])
@@ -251,6 +254,12 @@ def with_flags(raw: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str,
         if getattr(args, dest) is not None:
             set_path(raw, path, getattr(args, dest))
             origins[path] = _flag(dest)
+    if args.final_sync is not None:  # a setting of the muloco block only: it must not create one
+        if not isinstance(raw.get("muloco"), dict):
+            raise ConfigError("--no-final-sync: the ds_config has no muloco block (a data-parallel run has no outer "
+                              "syncs)")
+        raw["muloco"]["final_sync"] = args.final_sync
+        origins["muloco.final_sync"] = "--no-final-sync"
     return raw, origins
 
 

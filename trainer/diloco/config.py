@@ -101,6 +101,10 @@ class MuLoCoConfig(ConfigBlock):
                                                      "accelerator instead of pinned host memory: faster syncs for 8 "
                                                      "bytes per parameter of device memory")
     streaming: StreamingConfig = setting(factory=StreamingConfig, doc="streaming syncs (below)")
+    final_sync: bool = setting(True, doc="at the run's last step the syncs in flight are applied and every fragment "
+                                         "not synced at that step syncs once more, so the run ends (and its last "
+                                         "checkpoint is saved) with one model on every worker; `--no-final-sync`: "
+                                         "it ends with K")
     max_norm_ratio: float = setting(10.0, gt=1, doc="a worker whose pseudogradient norm is this many times its "
                                                     "peers' median, or any NaN/Inf, skips the sync for everyone")
     link: SlowLink | None = setting(None, doc="emulate a slow link on one machine (benchmarks): "

@@ -15,7 +15,9 @@ A sync applies Nesterov SGD to the global weights, and every worker restarts fro
 sync overlapped tau inner steps, mixes them into its local weights with weight alpha); inner optimizer
 state is kept. With `streaming.overlap_steps` > 0 a sync runs in a background thread while the inner
 steps go on, and its result is applied tau steps after it started; `"auto"` picks each sync's tau
-from the fragment's previous sync (`_overlap`). The background thread runs one
+from the fragment's previous sync (`_overlap`). At the run's last step (`final_sync`) the syncs in flight
+are applied and every fragment whose local weights moved since it last took the global ones syncs once
+more, so the run ends with one model on every worker. The background thread runs one
 task at a time (syncs and metrics in the order every rank submits them), on the outer loop's own
 groups, so it never interleaves with the training loop's collectives. One inner step before a sync
 launches, the membership is told (`prepare`): the elastic one asks for its quorum then.
@@ -106,6 +108,7 @@ class OuterLoop:
         self._step_started: float | None = None
         self._timings: dict[int, Future] = {}  # fragment -> the metrics of its last applied sync (auto overlap)
         self.joining = False  # no pseudogradient of its own to contribute (an elastic start, or a state just loaded)
+        self._hold_global: set[int] = set()  # fragments whose local weights are the global ones since the last step
         self.host: Host | None = None
         self._background = ThreadPoolExecutor(max_workers=1)  # overlapped syncs and every sync's metrics
         self._statistics: list[Future] = []  # of records whose metrics are being reduced
@@ -131,9 +134,9 @@ class OuterLoop:
         self._background.shutdown(wait=True, cancel_futures=True)
 
     def finish(self) -> None:
-        """At the end of the run: every sync still in flight finishes its collectives (every worker
-        launched it; leaving early would strand the others), but lands after the last inner step and
-        is not applied; then the metrics of the applied syncs are logged."""
+        """At the end of the run: every sync still in flight (none after a final sync) finishes its
+        collectives (every worker launched it; leaving early would strand the others), but lands after
+        the last inner step and is not applied; then the metrics of the applied syncs are logged."""
         landing = [entry.future for entry in self.pending]
         for future in landing:
             future.result()
@@ -148,27 +151,46 @@ class OuterLoop:
     def after_inner_step(self, step: int) -> None:
         if self._step_started is not None:  # the inner step's own time, without the outer loop's
             self._step_seconds.append(self.clock() - self._step_started)
+        self._hold_global.clear()  # the inner step moved every fragment's local weights
         self._log_statistics(wait=False)
         with self.state.lock:
             due = [e for e in self.pending if e.apply_at == step]
             self.pending = [e for e in self.pending if e.apply_at != step]
         for entry in due:
-            waited = time.perf_counter()
-            result = entry.future.result()
-            result.record["apply_wait_seconds"] = time.perf_counter() - waited  # what overlap did not hide
-            if self.auto_overlap:
-                result.record["overlap_steps"] = entry.apply_at - entry.task.step
-            self.apply(result, overlapped=True)
+            self._apply_pending(entry)
         for fragment, offset in enumerate(self.offsets):
             if step % self.config.sync_interval == offset and not self._moved_from(step):
                 self._launch(fragment, step)
-        if not self._moved_from(step):  # (one that caught up: its next syncs are its peers' next ones)
-            last = self.host.last_step if self.host is not None else None
+        last = self.host.last_step if self.host is not None else None
+        if step == last and self.config.final_sync:
+            self._final_sync(step)
+        elif not self._moved_from(step):  # (one that caught up: its next syncs are its peers' next ones)
             if last is None or step < last:
-                for offset in self.offsets:
-                    if (step + 1) % self.config.sync_interval == offset:
-                        self.membership.prepare(self._background, step + 1)
+                if any((step + 1) % self.config.sync_interval == offset for offset in self.offsets) or (
+                        step + 1 == last and self.config.final_sync):
+                    self.membership.prepare(self._background, step + 1)
         self._step_started = self.clock()
+
+    def _apply_pending(self, entry: _Pending) -> None:
+        waited = time.perf_counter()
+        result = entry.future.result()
+        result.record["apply_wait_seconds"] = time.perf_counter() - waited  # what overlap did not hide
+        if self.auto_overlap:
+            result.record["overlap_steps"] = entry.apply_at - entry.task.step
+        self.apply(result, overlapped=True)
+
+    def _final_sync(self, step: int) -> None:
+        """The run's last step: the syncs in flight land and are applied now, then every fragment whose
+        local weights are not the global ones syncs once more, blocking (every worker reaches the same last
+        step, so every worker launches the same syncs), so each worker ends holding the global weights:
+        the run's last checkpoint and its final validation are of one model."""
+        with self.state.lock:
+            landing, self.pending = self.pending, []
+        for entry in landing:
+            self._apply_pending(entry)
+        for fragment in range(len(self.buckets)):
+            if fragment not in self._hold_global and not self._moved_from(step):
+                self._launch(fragment, step, final=True)
 
     def _moved_from(self, step: int) -> bool:
         """Whether applying a caught-up sync moved this member to its peers' step."""
@@ -194,15 +216,19 @@ class OuterLoop:
     # -- one sync ----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _launch(self, fragment: int, step: int) -> None:
+    def _launch(self, fragment: int, step: int, final: bool = False) -> None:
+        """Start the fragment's sync after inner step `step`; a `final` one is blocking."""
         deltas = [spec.layout.flatten([self.state.delta(i) for i in spec.indices]) for spec in self.buckets[fragment]]
         schedule = self.host.schedule_state() if self.host is not None else None
         step_seconds = statistics.median(self._step_seconds) if self._step_seconds else 0.0
         task = SyncTask(fragment, step, self.state.outer_step + 1, schedule, step_seconds)
-        tau = self._overlap(fragment)
+        tau = 0 if final else self._overlap(fragment)
         if tau == 0:
             self.flush_metrics()  # their reduction shares the wires with this sync
-            self.apply(self.sync(task, deltas), overlapped=False)
+            result = self.sync(task, deltas)
+            if final:
+                result.record["final_sync"] = True
+            self.apply(result, overlapped=False)
         else:
             self.pending.append(_Pending(step + tau, task, deltas, self._background.submit(self.sync, task, deltas)))
 
@@ -265,6 +291,8 @@ class OuterLoop:
 
     def _restart_from_global(self, fragments: list[int], alpha: float = 0.0) -> None:
         """The fragments' local weights := their global weights (mixed with weight alpha of the local ones)."""
+        if alpha == 0.0:
+            self._hold_global.update(fragments)
         for fragment in fragments:
             for spec in self.buckets[fragment]:
                 for i in spec.indices:
