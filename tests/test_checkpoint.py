@@ -78,15 +78,17 @@ def test_resume_at_another_tensor_and_pipeline_size_reshards(base, tmp_path):
 @pytest.fixture(scope="module")
 def muloco_k2(base, tmp_path_factory) -> tuple[Path, Path]:
     """A streaming MuLoCo K=2 run of TRAIN_ITERS steps (its ds_config, its folder): F=2 fragments of H=2
-    with tau=1, so a fragment's sync starts after every step and lands one step later; the workers'
-    weights at the final save are not the global ones (a sync lands after the run)."""
+    with tau=1, so a fragment's sync starts after every step and lands one step later: at the save of
+    step TRAIN_ITERS - 1 a sync is in flight (the workers hold two models); the run ends with its final
+    sync, so the last save holds one."""
     work = tmp_path_factory.mktemp("muloco_k2")
     config = json.loads((REPO_ROOT / "ds_configs" / "cpu_tiny_muloco.json").read_text())
     config["muloco"].update(workers=2, sync_interval=2, streaming={"fragments": 2, "overlap_steps": 1},
                             compression={"method": "statistical", "bits": 2, "error_feedback": True})
     ds_config = work / "muloco_k2.json"
     ds_config.write_text(json.dumps(config))
-    check(launch(base, 2, work / "full" / "run", "--save", str(work / "full" / "ckpt"), ds_config=str(ds_config)))
+    check(launch(base, 2, work / "full" / "run", "--save", str(work / "full" / "ckpt"),
+                 "--save-interval", str(TRAIN_ITERS - 1), ds_config=str(ds_config)))
     return ds_config, work / "full"
 
 
@@ -116,22 +118,42 @@ def test_muloco_k2_streaming_2bit_error_feedback_preempted_by_sigterm_resumes_ex
         assert_same_state(a, b)  # includes the outer weights, momentum and error-feedback buffers
 
 
+def test_a_run_ends_with_its_final_sync_so_its_last_checkpoint_is_one_model(muloco_k2):
+    _, full = muloco_k2
+    reader = CheckpointReader(full / "ckpt")
+    assert reader.meta.step == TRAIN_ITERS and reader.meta.workers_hold_one_model is True
+    states = [reader.rank_state(r) for r in (0, 1)]
+    for name, weights in states[0]["model"].items():
+        assert torch.equal(weights, states[1]["model"][name]), name
+        assert torch.equal(weights, states[0]["extra"]["muloco"]["global_weights"][name]), name
+    assert states[0]["extra"]["muloco"]["pending"] == []
+    # The sync launched at the last step (fragment 1's; fragment 0's landed then) was applied, not left
+    # to land after the run: one sync per step, each applied; none more was needed.
+    records = [json.loads(line) for line in (full / "run" / "metrics.jsonl").read_text().splitlines()]
+    syncs = [r for r in records if "outer_step" in r]
+    assert [r["step"] for r in syncs] == list(range(1, TRAIN_ITERS + 1)) and not any(r.get("final_sync") for r in syncs)
+
+
 def test_an_export_between_syncs_takes_the_global_weights_or_the_worker_asked_for(muloco_k2, tmp_path):
     from safetensors.torch import load_file
 
     _, full = muloco_k2
-    reader = CheckpointReader(full / "ckpt")
+    between = copy_iteration(full / "ckpt", TRAIN_ITERS - 1, tmp_path / "between")
+    reader = CheckpointReader(between)
     assert reader.meta.workers_hold_one_model is False  # saved between syncs: K=2 models
-    # The last layers' fragment synced last, after the run: its weights differ between the workers.
-    name = "output_layer.weight"  # D=1, T=1: each worker's one rank holds every global weight
+    # Fragment 0's sync (the first layers and the embedding) is in flight: its weights differ between the
+    # workers; fragment 1's (the last layers and the head) landed at this step. D=1, T=1: each worker's
+    # one rank holds every global weight.
     worker_state = [reader.rank_state(r) for r in (0, 1)]
+    in_flight = "embedding.word_embeddings.weight"
+    assert not torch.equal(worker_state[0]["model"][in_flight], worker_state[1]["model"][in_flight])
+    name = "output_layer.weight"
     global_weights = worker_state[0]["extra"]["muloco"]["global_weights"][name]
     assert torch.equal(global_weights, worker_state[1]["extra"]["muloco"]["global_weights"][name])
-    assert not torch.equal(worker_state[0]["model"][name], worker_state[1]["model"][name])
     vocab = reader.meta.vocab_size
 
-    exported = convert(full / "ckpt", tmp_path / "global", "--verify")  # the default
-    chosen = convert(full / "ckpt", tmp_path / "worker1", "--verify", "--worker", "1")
+    exported = convert(between, tmp_path / "global", "--verify")  # the default
+    chosen = convert(between, tmp_path / "worker1", "--verify", "--worker", "1")
     for result in (exported, chosen):
         assert result.returncode == 0 and "verify passed" in result.stdout, result.stdout + result.stderr
         assert "the workers held different models (saved between outer syncs)" in result.stdout
@@ -142,10 +164,10 @@ def test_an_export_between_syncs_takes_the_global_weights_or_the_worker_asked_fo
     for out, expected, weights in ((tmp_path / "global", "global", global_weights),
                                    (tmp_path / "worker1", "worker 1", worker_state[1]["model"][name])):
         assert json.loads((out / "config.json").read_text())["muloco_export"] == {
-            "weights": expected, "step": TRAIN_ITERS, "workers_hold_one_model": False}
+            "weights": expected, "step": TRAIN_ITERS - 1, "workers_hold_one_model": False}
         assert torch.equal(load_file(out / "model.safetensors")["lm_head.weight"], weights[:vocab])
 
-    bad = convert(full / "ckpt", tmp_path / "bad", "--worker", "2")
+    bad = convert(between, tmp_path / "bad", "--worker", "2")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == \
         f"export error: --worker 2: {reader.directory} holds workers 0..1", bad.stderr
 

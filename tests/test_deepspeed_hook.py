@@ -139,8 +139,9 @@ def test_one_worker_with_outer_lr_one_and_no_momentum_is_plain_deepspeed_trainin
 
 
 @pytest.mark.parametrize("case, syncs", [("k2_4bit_ef_zero2", STEPS // H), ("k2_4bit_ef_zero0", STEPS // H),
-                                         # F=2 fragments every H: 6 launched, the last lands after the run
-                                         ("k2_streaming_zero1", 2 * STEPS // H - 1)])
+                                         # F=2 fragments every H: 6 launched, all applied (the last at the
+                                         # last step), and fragment 0's final sync
+                                         ("k2_streaming_zero1", 2 * STEPS // H + 1)])
 def test_compressed_syncs_leave_every_worker_with_bit_identical_global_weights(results, case, syncs):
     runs = [load(results, case, rank) for rank in range(K * D)]
     for d in range(D):  # the same shard in both workers, after every sync

@@ -275,8 +275,9 @@ def attach(engine, config: MuLoCoConfig | dict, workers: Workers, *, worker_id: 
     """The outer loop on `engine` (see the module docstring). `config` is the ds_config's "muloco"
     block (a dict, or a MuLoCoConfig); its job secret's key_file is relative to `config_dir`. With an
     `elastic` block each worker is a job of its own (`data_parallel_workers(1)`) that says which worker
-    it is (`worker_id`). `last_step`: the run's last inner step, when known (no quorum is asked for
-    past it). `log(record, step)` receives each sync's record on the logging rank (default: printed as
+    it is (`worker_id`). `last_step`: the run's last inner step, when known: no quorum is asked for past
+    it, and after it the final sync (`final_sync`) leaves every worker holding the global weights; without
+    it the workers end with their own. `log(record, step)` receives each sync's record on the logging rank (default: printed as
     one JSON line). Every problem is one ConfigError line, before any collective of the outer loop."""
     config = config if isinstance(config, MuLoCoConfig) else load(MuLoCoConfig, config, "muloco")
     topology = workers.topology
