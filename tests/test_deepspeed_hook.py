@@ -112,7 +112,14 @@ def reference(inner: str, workers: int = K, ranks: int = D, steps: int = STEPS, 
 
 @cache
 def cached_reference(inner: str) -> dict[str, torch.Tensor]:
-    return reference(inner)[0]
+    # One intra-op thread, as each rank of the launch has: DeepSpeed's Muon runs Newton-Schulz in bf16,
+    # whose CPU matmul rounds by its blocking, which follows the thread count (2.6e-6 apart at 2 threads).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return reference(inner)[0]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def relative_errors(weights: dict, expected: dict) -> dict[str, float]:
@@ -144,10 +151,13 @@ def test_one_worker_with_outer_lr_one_and_no_momentum_is_plain_deepspeed_trainin
                                          ("k2_streaming_zero1", 2 * STEPS // H + 1)])
 def test_compressed_syncs_leave_every_worker_with_bit_identical_global_weights(results, case, syncs):
     runs = [load(results, case, rank) for rank in range(K * D)]
-    for d in range(D):  # the same shard in both workers, after every sync
+    for d in range(D):  # the same shard in both workers, after every inner step (two syncs may land in one)
         assert runs[d]["checksums"] == runs[D + d]["checksums"]
-        assert sorted(runs[d]["checksums"]) == list(range(syncs + 1))
+        seen = sorted(runs[d]["checksums"])
+        assert seen[0] == 0 and seen[-1] == syncs and len(seen) >= STEPS // H
     assert len({run["worker_sha256"] for run in runs}) == 1
+    for name, weights in runs[0]["weights"].items():  # the run ended with one model on every worker
+        assert all(torch.equal(weights, run["weights"][name]) for run in runs[1:]), name
 
 
 @pytest.mark.parametrize("case, message", [
