@@ -330,7 +330,7 @@ def test_import_train_export_round_trip_at_t2p2(base, hf_models, t2p2_imports, t
     check(launch(base, 4, tmp_path / "run", *_train_flags(ckpt, save), *T2P2,
                  "--train-iters", "2", data_flags=_data(base, hf_models[arch])))
     output = _export_and_load(save, tmp_path / "hf", hf_models[arch])
-    assert "vs training model as saved (K=1 D=1 P=2 T=2)" in output
+    assert "vs training model as saved (K=1 D=1 P=2 T=2, worker 0)" in output
 
 
 # -- the trainer's flags ------------------------------------------------------------------------------

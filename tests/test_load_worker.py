@@ -33,6 +33,7 @@ def _as_two_workers(src, dst, step: int) -> None:
     shutil.copyfile(directory / "rank_00000.safetensors", directory / "rank_00001.safetensors")
     state = to_plain(read_rank_file(directory / "rank_00001.safetensors"))  # memory-mapped: not the file rewritten
     state["model"] = {name: -w for name, w in state["model"].items()}
+    state["probe"] = None  # the recorded logits are of the run's weights, not these (a load would refuse them)
     with open(directory / "rank_00000.safetensors", "wb") as f:
         write_rank_file(f, state)
     meta = json.loads((directory / "meta.json").read_text())
