@@ -63,8 +63,9 @@ ELASTIC = {"quorum_timeout_s": 300, "max_attempts": 2}  # the lighthouse's addre
 
 def cases(sync_interval: int, steps: int) -> dict[str, dict]:
     """Name -> muloco block."""
+    # No final sync: the baseline must not sync at its last step, and the cases are measured in steady state.
     muloco = {"workers": 2, "sync_interval": sync_interval, "outer_lr": 0.7, "outer_momentum": 0.6,
-              "nesterov": True, "compression": FOUR_BIT_EF}
+              "nesterov": True, "compression": FOUR_BIT_EF, "final_sync": False}
     tau1 = {"link": SLOW_LINK, "streaming": {"overlap_steps": 1}}
     return {
         "nosync": {**muloco, "sync_interval": steps + 1},
