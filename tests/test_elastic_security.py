@@ -1,6 +1,7 @@
 """The elastic mode against a stranger who knows the lighthouse's address but not the job secret, and
 against crafted state, without launching a trainer: the lighthouse's gateway and the workers' tunnel
-(trainer/elastic/tunnel.py) in front of a real torchft lighthouse, the state transfer's parser and
+(trainer/elastic/tunnel.py) in front of a real torchft lighthouse, a worker's quorum requests while the
+lighthouse's transport fails (what a flood at its gateway can do), the state transfer's parser and
 checks, torchft's manager server bound where the config says, and a walk over the code for anything
 that could unpickle what it receives."""
 from __future__ import annotations
@@ -18,10 +19,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.distributed import TCPStore
 from torchft.coordination import LighthouseClient, LighthouseServer
 
 from trainer.checkpoint.rank_file import RankFileError, state_from_bytes, state_to_bytes
 from trainer.diloco.auth import JobKey
+from trainer.elastic.quorum import NoQuorum, QuorumGroup
 from trainer.elastic.tunnel import Gateway, Tunnel, TunnelError, _Direction, host_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -189,6 +192,82 @@ def test_a_handshake_has_a_deadline_in_all_not_per_read(echo_gateway, monkeypatc
     finally:
         slow.close()
     assert closed and time.monotonic() - start < 3
+
+
+class _Cable:
+    """A TCP relay to `target` that can be cut (its connections closed, new ones hung up on) and mended."""
+
+    def __init__(self, target: tuple[str, int]):
+        self.target, self.cut, self.ends = target, False, []
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = self.sock.getsockname()[:2]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                near, _ = self.sock.accept()
+            except OSError:
+                return
+            if self.cut:
+                near.close()
+                continue
+            far = socket.create_connection(self.target)
+            self.ends += [near, far]
+            for a, b in ((near, far), (far, near)):
+                threading.Thread(target=self._copy, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _copy(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        b.close()
+
+    def cut_off(self) -> None:
+        self.cut = True
+        for end in self.ends:
+            try:
+                end.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.ends = []
+
+    def close(self) -> None:
+        self.cut_off()
+        self.sock.close()
+
+
+def test_a_worker_whose_lighthouse_transport_fails_gets_no_quorum_and_then_a_fresh_one(monkeypatch):
+    """torchft's manager server only logs the lighthouse's transport error ("lighthouse quorum failed ...
+    transport error") and lets the request wait out its timeout, and its Manager raises that timeout again
+    from every later call: QuorumGroup.start says NoQuorum, and once the lighthouse is back the next
+    request forms a quorum that commits. Real torchft, tunnel and gateway; the cable behind the gateway
+    is cut."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=200)
+    cable = _Cable(("127.0.0.1", host_port(server.address())[1]))
+    gateway = Gateway("127.0.0.1", 0, cable.address, KEY).start()
+    quorum = QuorumGroup(0, 0, 1, f"http://127.0.0.1:{gateway.address[1]}", "127.0.0.1", KEY, "gloo",
+                         sync_timeout=TIMEOUT, request_timeout=timedelta(seconds=1))
+    try:
+        quorum.start()
+        assert quorum.commit()
+        cable.cut_off()
+        with pytest.raises(NoQuorum, match=r"^no answer within 1 s"):
+            quorum.start()
+        cable.cut = False
+        quorum.start()
+        assert quorum.commit() and quorum.committed_syncs == 2
+    finally:
+        quorum.shutdown()
+        gateway.close()
+        cable.close()
+        server.shutdown()
 
 
 class _CreatesMarker:

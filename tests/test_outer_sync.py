@@ -22,6 +22,7 @@ from trainer.diloco.outer_loop import OuterLoop
 from trainer.diloco.sync import SyncTask
 from trainer.elastic.config import ElasticConfig
 from trainer.elastic.membership import DIVERGED, QuorumMembership
+from trainer.elastic.quorum import NoQuorum
 from trainer.outer_host import TrainerHost, megatron_tensors
 from trainer.topology import ParallelSizes, RankCoordinates, Topology
 
@@ -76,10 +77,11 @@ def elastic_config(**muloco) -> MuLoCoConfig:
 
 
 def quorum_worker(rank: int, board: Board, config: MuLoCoConfig, wire=FakeWire, quorum=FakeQuorum,
-                  host: str = "trainer") -> Worker:
-    """An elastic worker: a world of one rank (it logs), worker id `rank`, on a fake torchft quorum."""
+                  host: str = "trainer", clock=time.monotonic, sleep=time.sleep) -> Worker:
+    """An elastic worker: a world of one rank (it logs), worker id `rank`, on a fake torchft quorum; its
+    membership waits with `sleep` on `clock`."""
     topology = Topology(ParallelSizes(1, 1, 1, 1), 0, RankCoordinates(rank, 0, 0, 0), None, None)
-    membership = QuorumMembership(config, topology, KEY, worker=rank)
+    membership = QuorumMembership(config, topology, KEY, worker=rank, clock=clock, sleep=sleep)
     membership.quorum = quorum(board, rank, KEY, wire=wire)
     worker = Worker(rank, config.workers, config, membership, topology, host)
     membership.loop = worker.loop
@@ -347,14 +349,30 @@ class CountedQuorum(FakeQuorum):
         super().start()
 
 
-class FirstQuorumFails(CountedQuorum):
-    """The first request fails on every member (the lighthouse was briefly unreachable)."""
+class LighthouseFails(CountedQuorum):
+    """This member's first `failures` requests get no quorum (the lighthouse unreachable, or its
+    transport failing: what QuorumGroup.start raises then), later ones do."""
+    failures = 1
 
     def start(self) -> None:
-        if self.asked == 0:
+        if self.asked < self.failures:
             self.asked += 1
-            raise RuntimeError("lighthouse unreachable")
+            raise NoQuorum("no answer within 60 s (torchft's log says why)")
         super().start()
+
+
+class FakeTime:
+    """A worker's clock and sleep: sleeping moves the clock at once, and is recorded."""
+
+    def __init__(self):
+        self.now, self.slept = 0.0, []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
 
 
 def idle(workers: list[Worker]) -> None:
@@ -387,12 +405,61 @@ def test_each_sync_asks_for_its_quorum_one_inner_step_ahead_and_uses_it(tau):
 def test_a_quorum_asked_for_ahead_that_failed_is_asked_for_again_at_the_sync():
     config = elastic_config()
     board = Board(3)
-    workers = [quorum_worker(r, board, config, quorum=FirstQuorumFails) for r in range(3)]
+    times = [FakeTime() for _ in range(3)]
+    workers = [quorum_worker(r, board, config, quorum=LighthouseFails, clock=t.clock, sleep=t.sleep) for r, t in
+               enumerate(times)]
     steps(workers, 1, 8)
-    for w in workers:
-        assert [(r["outer_step"], r["attempts"]) for r in w.records] == [(1, 2), (2, 1)]
-        assert w.loop.membership.quorum.asked == 3
+    for w, t in zip(workers, times):
+        assert [(r["outer_step"], r["attempts"]) for r in w.records] == [(1, 1), (2, 1)]  # no quorum: no attempt
+        assert w.loop.membership.quorum.asked == 3 and t.slept == [1.0]
     assert len(checksums(workers)) == 1
+
+
+class LighthouseFailsFiveTimes(LighthouseFails):
+    failures = 5  # more than max_attempts
+
+
+def test_a_worker_the_lighthouse_gives_no_quorum_asks_again_with_backoff_and_says_so(capsys):
+    """Worker 2's first five requests get no quorum: it asks again after 1, 2, 4, 8 and 15 s (its
+    clock), one line each, and no attempt is counted. The sync then commits as every member's first
+    attempt, and their global weights are bit-identical, and those of the same run without failures."""
+    config = elastic_config()
+    runs = {}
+    for failing in (FakeQuorum, LighthouseFailsFiveTimes):
+        board = Board(3)
+        time_2 = FakeTime()
+        workers = [quorum_worker(r, board, config, quorum=failing if r == 2 else FakeQuorum, clock=time_2.clock,
+                                 sleep=time_2.sleep) for r in range(3)]
+        sync_all(workers, 4)
+        sync_all(workers, 8)
+        assert all([(r["outer_step"], r["attempts"]) for r in w.records] == [(1, 1), (2, 1)] for w in workers)
+        assert len(checksums(workers)) == 1
+        runs[failing] = checksums(workers)
+    assert runs[FakeQuorum] == runs[LighthouseFailsFiveTimes]
+    assert time_2.slept == [1.0, 2.0, 4.0, 8.0, 15.0]
+    lines = [line for line in capsys.readouterr().out.splitlines() if "no quorum" in line]
+    assert lines[0] == ("worker 2: no quorum from the lighthouse at http://x:1: no answer within 60 s (torchft's "
+                        "log says why); asking again in 1 s (gives up in 600 s)")
+    assert len(lines) == 5 and all(line.startswith("worker 2: ") for line in lines)
+    assert lines[-1].endswith("asking again in 15 s (gives up in 585 s)")
+
+
+class LighthouseGone(FakeQuorum):
+    def start(self) -> None:
+        raise NoQuorum("no answer within 60 s (torchft's log says why)")
+
+
+def test_a_worker_the_lighthouse_never_answers_stops_after_quorum_timeout_s_with_one_error(capsys):
+    config = elastic_config(elastic=ElasticConfig(lighthouse="http://x:1", quorum_timeout_s=100))
+    times = [FakeTime() for _ in range(3)]
+    board = Board(3)
+    workers = [quorum_worker(r, board, config, quorum=LighthouseGone, clock=t.clock, sleep=t.sleep) for r, t in
+               enumerate(times)]
+    with pytest.raises(CollectiveError, match=r"^worker 0: no quorum from the lighthouse at http://x:1 in 100 s of "
+                                              r"asking \(11 requests\): no answer within 60 s"):
+        sync_all(workers, 4)
+    assert times[0].slept == [1.0, 2.0, 4.0, 8.0, 15.0, 15.0, 15.0, 15.0, 15.0, 10.0] and times[0].now == 100
+    assert len([line for line in capsys.readouterr().out.splitlines() if line.startswith("worker 0: no quorum")]) == 10
 
 
 class FakeClock:

@@ -7,7 +7,10 @@ meet only in a fault-tolerant outer group (trainer/elastic/__init__.py).
       "elastic": {
         "lighthouse": "http://10.0.0.1:29510",   the torchft lighthouse; "" reads $TORCHFT_LIGHTHOUSE
         "quorum_timeout_s": 600,      the longest a worker waits at a sync for its quorum (a restarted
-                                      worker waits for its peers' next sync)
+                                      worker waits for its peers' next sync); a lighthouse that gives it
+                                      none is asked again, with backoff, until then
+        "quorum_request_timeout_s": 60,  a quorum request the lighthouse has not answered by then is
+                                      asked again (keep it above the lighthouse's --join-timeout-s)
         "max_attempts": 3,            attempts of one sync (each with a fresh quorum) before the job stops
         "manager_host": "127.0.0.1"   the address torchft's manager server binds on the worker's rank 0 (its
                                       clients are the worker's own ranks: a worker on several nodes needs
@@ -31,7 +34,13 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 class ElasticConfig(ConfigBlock):
     lighthouse: str = setting("", doc=f"the torchft lighthouse, `http://HOST:PORT`; empty: ${LIGHTHOUSE_ENV}")
     quorum_timeout_s: float = setting(600.0, gt=0, doc="the longest a worker waits at a sync for its quorum (a "
-                                                       "restarted worker waits for its peers' next sync)")
+                                                       "restarted worker waits for its peers' next sync); a "
+                                                       "lighthouse that gives it none is asked again, with "
+                                                       "backoff, until then")
+    # torchft's manager server only logs a lighthouse it cannot reach: its request waits out this timeout.
+    quorum_request_timeout_s: float = setting(60.0, gt=0, doc="a quorum request the lighthouse has not answered "
+                                                              "by then is asked again (keep it above the "
+                                                              "lighthouse's --join-timeout-s)")
     max_attempts: int = setting(3, ge=1, doc="attempts of one sync, each with a fresh quorum, before the job stops")
     manager_host: str = setting("127.0.0.1", doc="the address torchft's manager server binds on the worker's rank 0 "
                                                  "(a worker on several nodes needs one its other nodes reach)")

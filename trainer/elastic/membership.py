@@ -3,7 +3,9 @@ quorum (trainer/elastic/quorum.py). The outer loop's sync body (trainer/diloco/s
 once per attempt:
 
 1. quorum: the workers that are alive and at the sync (torchft lighthouse, through the tunnel); the
-   first attempt's is asked for one inner step ahead (`prepare`), so its round trip overlaps that step;
+   first attempt's is asked for one inner step ahead (`prepare`), so its round trip overlaps that step.
+   A request that gets no quorum (the lighthouse unreachable, its transport failing) is no failed
+   attempt: it is asked again with exponential backoff, until `elastic.quorum_timeout_s` after the first;
 2. catch-up, only when torchft counts fewer members at the highest number of committed syncs than in
    the quorum: every member publishes (worker id, committed syncs), tagged; the first member that has
    them all sends its state and the sync's task to the members behind, over the quorum's group, tagged,
@@ -39,6 +41,7 @@ import time
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
 
@@ -49,15 +52,18 @@ from trainer.diloco.collectives import CollectiveError, Exchanged, Wire
 from trainer.diloco.config import MuLoCoConfig
 from trainer.diloco.membership import Decision
 from trainer.diloco.sync import SyncTask
-from trainer.elastic.quorum import QuorumGroup
+from trainer.elastic.quorum import NoQuorum, QuorumGroup
 from trainer.topology import Topology, worker_ranks
 
 # One member's header, float64, in order; `weights` digests its global weights of the fragment synced.
 ROW = ("worker", "step", "joining", "nonfinite", "sq_norm", "committed", "weights")
 # What a failed attempt raises: our collectives (CollectiveError), a state that fails its checks
-# (RankFileError), torchft's quorum (RuntimeError, TimeoutError).
+# (RankFileError), torchft's group of a quorum that formed (RuntimeError, TimeoutError). A request that
+# got no quorum at all raises NoQuorum instead: asked again, no attempt.
 _ATTEMPT_FAILURES = (CollectiveError, RankFileError, RuntimeError, TimeoutError)
 _START_POLL_S = 1.0
+# The wait before asking a lighthouse that gave no quorum again: doubled after each request, up to the cap.
+_FIRST_BACKOFF_S, _MAX_BACKOFF_S = 1.0, 15.0
 # Bytes a peer's serialized state may hold beyond the tensors this rank owns (its JSON tree, its
 # in-flight averages are counted separately).
 _STATE_SLACK_BYTES = 16 << 20
@@ -118,6 +124,10 @@ class _WaitingForPeers(Exception):
     """A fresh run's first quorum does not yet hold every worker."""
 
 
+class _NoQuorumInTime(CollectiveError):
+    """The lighthouse gave no quorum for quorum_timeout_s of asking: the job stops, no attempt is retried."""
+
+
 def _members(headers: list[torch.Tensor | None]) -> list[Member]:
     return [Member.unauthenticated() if h is None or h.numel() != 8 * len(ROW)
             else Member.from_row(h.cpu().clone().view(torch.float64).tolist()) for h in headers]
@@ -150,7 +160,8 @@ class _QuorumSession:
     def decide(self, exchanged: Exchanged) -> Decision:
         members, config = self.members, self.membership.config
         ours = [m for m in members if m.authentic]
-        if all(m.joining for m in ours) and len(ours) < config.workers and time.monotonic() < self.membership.start_deadline:
+        starting = self.membership.clock() < self.membership.start_deadline
+        if all(m.joining for m in ours) and len(ours) < config.workers and starting:
             raise _WaitingForPeers(f"{len(ours)} of {config.workers} workers in the first quorum")
         contributors = [i for i in range(len(members)) if i not in exchanged.rejected]
         in_quorum = [m.worker for m in ours]
@@ -187,8 +198,10 @@ class QuorumMembership:
     replays_pending = False  # a restarted worker catches up from its peers instead
 
     def __init__(self, config: MuLoCoConfig, topology: Topology, key: JobKey | None, worker: int,
-                 timeout: timedelta = comm.COLLECTIVE_TIMEOUT):
+                 timeout: timedelta = comm.COLLECTIVE_TIMEOUT, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
         self.config, self.elastic, self.topology, self.key, self.worker = config, config.elastic, topology, key, worker
+        self.clock, self.sleep = clock, sleep
         sizes = topology.sizes
         # The loop's own group for in-worker sums (the ballots, the statistics): safe from its background thread.
         self.ballot_group = comm.new_subgroups(worker_ranks(sizes), timeout) if sizes.ranks_per_worker > 1 else None
@@ -210,9 +223,10 @@ class QuorumMembership:
         self.quorum = QuorumGroup(
             self.worker, self.topology.rank, sizes.ranks_per_worker, self.elastic.lighthouse_address(),
             self.elastic.manager_host, self.key, self.config.outer_backend,
-            timedelta(seconds=self.config.sync_timeout_s), timedelta(seconds=self.elastic.quorum_timeout_s))
+            timedelta(seconds=self.config.sync_timeout_s),
+            timedelta(seconds=min(self.elastic.quorum_request_timeout_s, self.elastic.quorum_timeout_s)))
         loop.joining = True
-        self.start_deadline = time.monotonic() + self.elastic.quorum_timeout_s
+        self.start_deadline = self.clock() + self.elastic.quorum_timeout_s
         task = SyncTask(0, loop.host.inner_step(), loop.state.outer_step + 1, loop.host.schedule_state())
         result = loop.sync(task, loop.zero_deltas(0))
         if not result.record.get("start"):  # a fresh run has nothing to average: every worker holds the seed's weights
@@ -236,14 +250,14 @@ class QuorumMembership:
         while True:
             attempt += 1
             result, error = None, None
+            early, prepared = prepared, None
             try:
-                if prepared is not None and attempt == 1:
-                    prepared.result()  # raises what the early request raised
-                else:
-                    self.quorum.start()
+                self._quorum(early)
                 session = _QuorumSession(self, self.quorum.wire(self.config.link), attempt)
                 self._catch_up(session, task)
                 result = sync(session)
+            except _NoQuorumInTime:
+                raise
             except (_WaitingForPeers, *_ATTEMPT_FAILURES) as exc:
                 error = exc
                 self.quorum.report_error(exc)
@@ -253,13 +267,42 @@ class QuorumMembership:
                 return result
             if isinstance(error, _WaitingForPeers):
                 attempt -= 1
-                time.sleep(_START_POLL_S)
+                self.sleep(_START_POLL_S)
                 continue
             if self.topology.is_logging_rank:
                 print(f"worker {self.worker}: outer sync attempt {attempt} failed: {_first_line(error)}",
                       flush=True)
             if attempt >= self.elastic.max_attempts:
                 raise CollectiveError(f"worker {self.worker}: outer sync failed {attempt} times in a row") from error
+
+    def _quorum(self, early: Future | None) -> None:
+        """Be in a quorum: the one asked for ahead (`early`), else a fresh one. A request that got none is
+        asked again, with exponential backoff, until quorum_timeout_s after the first failed one; one line
+        per retry. Every rank of the worker gets the same answer (torchft's manager server asks the
+        lighthouse once for them all), so they retry together."""
+        first, backoff, requests = None, _FIRST_BACKOFF_S, 0
+        while True:
+            asked = self.clock()
+            requests += 1
+            try:
+                if early is not None:
+                    early.result()  # raises what the early request raised
+                else:
+                    self.quorum.start()
+                return
+            except NoQuorum as exc:
+                early, first = None, asked if first is None else first
+                now, lighthouse = self.clock(), self.elastic.lighthouse_address()
+                left = first + self.elastic.quorum_timeout_s - now
+                if left <= 0:
+                    raise _NoQuorumInTime(f"worker {self.worker}: no quorum from the lighthouse at {lighthouse} in "
+                                          f"{now - first:.0f} s of asking ({requests} requests): {exc}") from exc
+                pause = min(backoff, left)
+                if self.topology.is_logging_rank:
+                    print(f"worker {self.worker}: no quorum from the lighthouse at {lighthouse}: {exc}; asking again "
+                          f"in {pause:.0f} s (gives up in {left:.0f} s)", flush=True)
+                self.sleep(pause)
+                backoff = min(2 * backoff, _MAX_BACKOFF_S)
 
     def _catch_up(self, session: _QuorumSession, task) -> None:
         """When some members are behind (torchft counts fewer at the highest committed syncs than in the

@@ -102,13 +102,19 @@ def _manager_server_bound_to(host: str):
         torchft.manager.ManagerServer = original
 
 
+class NoQuorum(Exception):
+    """torchft's quorum request failed (why, in the message): the lighthouse gave this worker no quorum
+    (unreachable, its transport failing, or no answer within the request's timeout). No failed attempt
+    of the sync, as no quorum formed: the membership asks again."""
+
+
 class QuorumGroup:
     def __init__(self, worker: int, group_rank: int, group_size: int, lighthouse: str, manager_host: str,
-                 key: JobKey | None, backend: str, sync_timeout: timedelta, quorum_timeout: timedelta):
+                 key: JobKey | None, backend: str, sync_timeout: timedelta, request_timeout: timedelta):
         # gloo: the payload goes through host memory (a WAN); nccl: it stays on the device (a fabric).
         self.device = torch.device("cpu") if backend == "gloo" else comm.compute_device()
         self.group = (_QuorumGloo if backend == "gloo" else _QuorumNCCL)(timeout=sync_timeout)
-        self.key = key
+        self.key, self.request_timeout = key, request_timeout
         # Only the worker's rank 0 talks to the lighthouse (its ManagerServer does); with a job key
         # through an authenticated tunnel, since the lighthouse admits nobody else.
         self.tunnel = Tunnel(host_port(lighthouse), key).start() if key is not None and group_rank == 0 else None
@@ -120,17 +126,28 @@ class QuorumGroup:
         with _manager_server_bound_to(manager_host):
             self.manager = Manager(
                 pg=self.group, load_state_dict=None, state_dict=None, min_replica_size=1,
-                use_async_quorum=False, init_sync=False, timeout=sync_timeout, quorum_timeout=quorum_timeout,
+                use_async_quorum=False, init_sync=False, timeout=sync_timeout, quorum_timeout=request_timeout,
                 connect_timeout=sync_timeout, rank=group_rank, world_size=group_size,
                 store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
                 lighthouse_addr=lighthouse, replica_id=f"worker{worker}", hostname=manager_host,
                 checkpoint_transport=_NoTransport())
 
     def start(self) -> None:
-        """Block until this worker is in a quorum; raises when the quorum failed. torchft heals
-        nobody (allow_heal=False): the members behind, and the state they receive, are the elastic
+        """Block until this worker is in a quorum. Raises NoQuorum when the request got none, and the
+        group's error when the quorum formed but its group could not be set up (a peer failed). torchft
+        heals nobody (allow_heal=False): the members behind, and the state they receive, are the elastic
         membership's (`manager.num_participants()` counts those at the highest committed syncs)."""
-        self.manager.start_quorum(allow_heal=False)
+        try:
+            self.manager.start_quorum(allow_heal=False)
+        except (RuntimeError, TimeoutError) as exc:  # what torchft's gRPC client raises
+            # torchft keeps the failed request and raises its error again from every later start_quorum and
+            # should_commit: forget it, so that the next request is a fresh one.
+            self.manager._quorum_future = None
+            # Its manager server only logs the lighthouse's own error ("lighthouse quorum failed ... transport
+            # error") and lets the request run out its timeout.
+            why = (f"no answer within {self.request_timeout.total_seconds():g} s (torchft's log says why)"
+                   if isinstance(exc, TimeoutError) else str(exc).split("\n", 1)[0][:300])
+            raise NoQuorum(why) from exc
         if self.manager.errored() is not None:
             raise self.manager.errored().original_exception
 
