@@ -164,11 +164,11 @@ class OuterLoop:
         last = self.host.last_step if self.host is not None else None
         if step == last and self.config.final_sync:
             self._final_sync(step)
-        elif not self._moved_from(step):  # (one that caught up: its next syncs are its peers' next ones)
-            if last is None or step < last:
-                if any((step + 1) % self.config.sync_interval == offset for offset in self.offsets) or (
-                        step + 1 == last and self.config.final_sync):
-                    self.membership.prepare(self._background, step + 1)
+        elif not self._moved_from(step) and (last is None or step < last):  # (one that caught up: its next
+            # syncs are its peers' next ones)
+            syncs_next = any((step + 1) % self.config.sync_interval == offset for offset in self.offsets)
+            if syncs_next or (step + 1 == last and self.config.final_sync):
+                self.membership.prepare(self._background, step + 1)
         self._step_started = self.clock()
 
     def _apply_pending(self, entry: _Pending) -> None:
