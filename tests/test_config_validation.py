@@ -265,3 +265,12 @@ def test_entry_point_prints_one_configuration_error_line(tmp_path, ds, flags, li
     assert lines == [line], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_megatron_deepspeed_spellings_are_taken_and_abbreviations_are_not():
+    """`--deepspeed --deepspeed_config X` (DeepSpeed's and Megatron-DeepSpeed's habit) parses; argparse's
+    prefix matching took `--deepspeed` for `--deepspeed_config`, and would take `--seq-len` for `--seq-length`."""
+    args = build_parser().parse_args(["--deepspeed", "--deepspeed_config", "ds.json"])
+    assert (args.deepspeed, args.ds_config) == (True, "ds.json")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--ds_config", "ds.json", "--seq-len", "64"])

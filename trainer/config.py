@@ -128,8 +128,13 @@ class RunConfig(ConfigBlock):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="MuLoCo pretraining on Megatron-core shards under DeepSpeed")
+    # No abbreviations: `--deepspeed` would otherwise be taken for `--deepspeed_config` and eat the next flag.
+    p = argparse.ArgumentParser(description="MuLoCo pretraining on Megatron-core shards under DeepSpeed",
+                                allow_abbrev=False)
     p.add_argument("--ds_config", "--deepspeed_config", dest="ds_config", required=True, help="DeepSpeed JSON config")
+    p.add_argument("--deepspeed", action="store_true",
+                   help="accepted from DeepSpeed's and Megatron-DeepSpeed's command lines and ignored: this trainer "
+                        "always runs under DeepSpeed")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
     p.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model preset")
     g = p.add_argument_group("model (override the preset)")

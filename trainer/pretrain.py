@@ -64,6 +64,8 @@ def _main(args, trainer_class) -> dict:
     threads = apply_thread_default()  # before any work: the ranks on a host share its cores
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(threads.line, flush=True)
+        if args.deepspeed:
+            print("note: --deepspeed is ignored (this trainer always runs under DeepSpeed)", flush=True)
     if args.deterministic_mode:  # cuBLAS reads this when it starts
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # The device first: NCCL binds each process to the accelerator current when it starts.
