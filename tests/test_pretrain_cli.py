@@ -55,3 +55,22 @@ def test_short_tensor_parallel_run_writes_its_run_dir_and_learns(data, tmp_path)
     assert train[-1]["loss"] < train[0]["loss"] - 0.5, [r["loss"] for r in train]
 
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_without_a_launcher_the_entry_point_is_one_rank_of_a_world_of_one():
+    """`python trainer/pretrain.py ...` alone: torchrun --nproc-per-node 1's variables with a free port
+    (DeepSpeed fell back to MPI discovery and died on a missing mpi4py); a launched rank, or one an MPI
+    launcher started, is left to its launcher."""
+    import socket
+
+    from trainer.comm import one_rank_without_launcher
+
+    alone: dict[str, str] = {}
+    assert one_rank_without_launcher(alone)
+    assert {k: alone[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")} == {
+        "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    with socket.socket() as rendezvous:  # the port is free for the rendezvous to bind
+        rendezvous.bind(("127.0.0.1", int(alone["MASTER_PORT"])))
+    for launched in ({"RANK": "1", "WORLD_SIZE": "2"}, {"OMPI_COMM_WORLD_SIZE": "4"}):
+        environ = dict(launched)
+        assert not one_rank_without_launcher(environ) and environ == launched

@@ -53,6 +53,27 @@ def default_group_options(backend: str, world_size: int) -> dict:
     return {"device_id": compute_device()} if backend == "nccl" and world_size > 1 else {}
 
 
+# Variables by which an MPI launcher or a cloud runner tells DeepSpeed's own discovery the job's ranks.
+_DISCOVERED_LAUNCHERS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "AZUREML_EXPERIMENT_ID")
+
+
+def one_rank_without_launcher(environ=os.environ) -> bool:
+    """A process started without any launcher (`python trainer/pretrain.py ...`) becomes the one rank of
+    a world of one, as `torchrun --nproc-per-node 1` would set it up (a free local port for the
+    rendezvous): without this DeepSpeed falls back to MPI discovery and fails on a missing mpi4py.
+    Whether it did; a launched rank, or one an MPI launcher started, is left alone."""
+    if "RANK" in environ or "WORLD_SIZE" in environ or any(key in environ for key in _DISCOVERED_LAUNCHERS):
+        return False
+    import socket
+
+    with socket.socket() as probe:  # the OS picks a free port; the rendezvous binds it right after
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return True
+
+
 def init_distributed(backend: str) -> None:
     """The default process group (env:// rendezvous, as the deepspeed and torchrun launchers set it up)
     on this process's device, then DeepSpeed's communication layer over it (its shared-memory file

@@ -56,7 +56,11 @@ def main(argv: list[str] | None = None, trainer_class=None) -> dict:
     """`trainer_class`: a trainer.training.Trainer subclass whose loop replaces the usual one, in a run
     assembled and checked exactly as here (tools/compare/simulated_workers.py)."""
     args = build_parser().parse_args(argv)
-    with ParentWatch() if launched() else nullcontext():
+    has_launcher = launched()
+    if not has_launcher and comm.one_rank_without_launcher():
+        print("no launcher: running as one process (world size 1); for more, "
+              "`deepspeed --num_gpus N trainer/pretrain.py ...`", flush=True)
+    with ParentWatch() if has_launcher else nullcontext():
         return _main(args, trainer_class)
 
 
