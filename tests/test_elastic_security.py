@@ -176,6 +176,30 @@ def test_a_trickle_flood_keeps_no_worker_out_and_is_logged_in_a_few_lines(echo_g
     assert 1 <= len(lines) <= 2, lines  # one per source and interval, with the count
 
 
+def test_a_tunnel_whose_lighthouse_is_out_of_reach_logs_its_failed_connections_a_line_per_interval(capsys, monkeypatch):
+    """torchft reconnects several times a second during an outage: one line per interval, with the count."""
+    monkeypatch.setattr("trainer.elastic.tunnel.REFUSAL_LOG_INTERVAL_S", 0.5)
+    closed = socket.create_server(("127.0.0.1", 0))
+    remote = closed.getsockname()[:2]
+    closed.close()  # nothing listens there
+    tunnel = Tunnel(remote, KEY).start()
+
+    def attempt() -> None:
+        with socket.create_connection(tunnel.address, timeout=5) as conn:
+            assert conn.recv(1) == b""  # the tunnel hung up: it could not reach the lighthouse
+
+    try:
+        for _ in range(20):
+            attempt()
+        time.sleep(0.6)
+        attempt()
+    finally:
+        tunnel.close()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tunnel to the lighthouse")]
+    assert [int(re.search(r": (\d+) connection", line).group(1)) for line in lines] == [1, 20], lines
+    assert f"127.0.0.1:{remote[1]}" in lines[0] and "refused" in lines[0].lower()
+
+
 def test_a_handshake_has_a_deadline_in_all_not_per_read(echo_gateway, monkeypatch):
     monkeypatch.setattr("trainer.elastic.tunnel.HANDSHAKE_TIMEOUT_S", 1.0)
     slow = socket.create_connection(echo_gateway.address)
