@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 
-from trainer.progress_board import Progress, ProgressBoard, stopped_first
+from trainer.progress_board import WAITING, Progress, ProgressBoard, stopped_first
 
 HANG_EXIT_CODE = 3
 BACKSTOP_GRACE_S = 30.0  # faulthandler fires this long after the watchdog should have
@@ -98,7 +98,7 @@ def describe_wait(frame: FrameType | None) -> str:
     callers = stack[outer + 1:]
     # The project's own frame: decorators of other packages (typing_extensions' wrapper) say nothing.
     caller = next((f for f in callers if _in_project(f)), callers[0] if callers else stack[outer])
-    return f"waiting in {api.f_code.co_name}{_describe_group(stack[torch_frames[0]:outer + 1])}, called from {_where(caller)}"
+    return f"{WAITING}{api.f_code.co_name}{_describe_group(stack[torch_frames[0]:outer + 1])}, called from {_where(caller)}"
 
 
 class Watchdog:
@@ -162,7 +162,8 @@ class Watchdog:
         if self.board is None:
             return
         try:
-            self.board.publish(self.rank_description, self._step, self._phase, self._advanced_at)
+            self.board.publish(self.rank_description, self._step, self._phase, self._advanced_at,
+                               describe_wait(sys._current_frames().get(self._watched)))
             alarm = self.board.alarm()
         except RuntimeError:  # the store did not answer in time: this rank's own watch goes on
             return
@@ -170,17 +171,29 @@ class Watchdog:
             print(f"stopping: {alarm} detected a hang (see its line); every rank exits", file=sys.stderr, flush=True)
             os._exit(HANG_EXIT_CODE)
 
-    def _expire(self, idle: float) -> None:
+    def hang_line(self, idle: float, culprit: Progress | None) -> str:
+        """The line naming this rank, where it waits, and first the rank it waits for (`culprit`): one
+        that stopped (silent), or one still busy on its own (what it is doing)."""
         after = "before the first step" if self._step is None else f"after step {self._step}"
         during = f" during {self._phase}" if self._phase != "training" else ""
         where = describe_wait(sys._current_frames().get(self._watched))
-        line = (f"hang detected: {self.rank_description} made no progress for {idle:.0f} s{during} {after}: "
-                f"{where}")
+        line = f"{self.rank_description} made no progress for {idle:.0f} s{during} {after}: {where}"
+        if culprit is None:
+            return f"hang detected: {line}"
+        now = time.time()
+        if now - culprit.beat_at > self._silent_after_s or not culprit.doing or culprit.waiting:
+            return (f"hang detected: {culprit.description} stopped first ({culprit.where()}, silent for "
+                    f"{now - culprit.beat_at:.0f} s); {line}")
+        return (f"hang detected: {culprit.description} is still busy ({culprit.where()} for "
+                f"{now - culprit.advanced_at:.0f} s: {culprit.doing}); {line}")
+
+    @property
+    def _silent_after_s(self) -> float:
+        return 3 * self.poll_s + 1
+
+    def _expire(self, idle: float) -> None:
         culprit = self._stopped_first()
-        if culprit is not None:
-            line = (f"hang detected: {culprit.description} stopped first ({culprit.where()}, silent for "
-                    f"{time.time() - culprit.beat_at:.0f} s); {line.removeprefix('hang detected: ')}")
-        print(line, file=sys.stderr, flush=True)
+        print(self.hang_line(idle, culprit), file=sys.stderr, flush=True)
         if self.board is not None:
             try:
                 self.board.raise_alarm(self.rank_description)
@@ -198,7 +211,7 @@ class Watchdog:
             records = self.board.read()
         except RuntimeError:
             return None
-        culprit = stopped_first(records, time.time(), silent_after_s=3 * self.poll_s + 1)
+        culprit = stopped_first(records, time.time(), silent_after_s=self._silent_after_s)
         return culprit if culprit is not None and culprit.rank != self.board.rank else None
 
     @contextmanager
