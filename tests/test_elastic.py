@@ -7,6 +7,7 @@ torchft's lighthouse, through one failure scenario shared by every test:
    worker 2 is killed (SIGKILL) after its first sync;
 3. while it is down, workers 0 and 1 sync on their own (K_eff = 2);
 4. worker 2 is restarted (a new launch) once they have; it loads the outer state from a live peer and syncs with them again;
+   it asks to join during a trickle flood at the lighthouse's gateway (FLOOD_S seconds), and gets in after it;
 5. worker 1 is frozen (SIGSTOP) and never answers again: workers 0 and 2 drop it and finish the run.
 All along a stranger who knows the lighthouse's address but not the job secret keeps asking to join
 as "worker9" at a far-ahead step (which, let in, would make every worker load its state).
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +34,8 @@ import torch
 from synthetic_data import write_markov_dataset
 from trainer_harness import EXTENSIONS_ENV, REPO_ROOT, TINY_VOCAB, free_port
 
+from trainer.elastic.tunnel import REFUSAL_LOG_INTERVAL_S
+
 PROBE = REPO_ROOT / "tests" / "_elastic_probe.py"
 WORKERS = 3
 SYNC_INTERVAL = 4
@@ -43,6 +48,10 @@ OUTER_LR, OUTER_MOMENTUM = 0.7, 0.6
 SYNC_TIMEOUT_S = 8
 LIGHTHOUSE_TIMEOUT_S = 4  # join and heartbeat timeouts: how soon a silent worker leaves the quorum
 PHASE_TIMEOUT_S = 240
+QUORUM_TIMEOUT_S = 240
+# Strangers that open connections to the gateway and send a byte every FLOOD_TRICKLE_S, never finishing
+# a handshake: FLOOD_CONNECTIONS at once, each one the gateway closes replaced (FLOOD_REPLACED a round).
+FLOOD_S, FLOOD_CONNECTIONS, FLOOD_REPLACED, FLOOD_TRICKLE_S = 6, 100, 16, 0.5
 NAN_AT = f"1:{2 * SYNC_INTERVAL}"  # any one phase; a run that stalls fails here with the logs
 
 
@@ -56,7 +65,7 @@ def ds_config(lighthouse: str) -> dict:
                    "outer_momentum": OUTER_MOMENTUM, "nesterov": True, "compression": {"method": "none"},
                    "streaming": {"fragments": FRAGMENTS, "overlap_steps": OVERLAP},
                    "sync_timeout_s": SYNC_TIMEOUT_S, "link": LINK,
-                   "elastic": {"lighthouse": lighthouse, "quorum_timeout_s": 240, "max_attempts": 4}},
+                   "elastic": {"lighthouse": lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S, "max_attempts": 4}},
     }
 
 
@@ -81,6 +90,8 @@ class Scenario:
     returncodes: dict[str, int] = field(default_factory=dict)
     stranger_refusals: int = 0
     stranger_admitted: int = 0
+    flood: tuple[float, float, int] = (0.0, 0.0, 0)  # (started, ended) wall clock, connections opened
+    span: tuple[float, float] = (0.0, 0.0)  # the scenario's (start, end), wall clock
 
     def syncs(self, name: str) -> dict[int, dict]:
         return self.jobs[name].syncs()
@@ -134,6 +145,26 @@ def _stranger(lighthouse: str, scenario: Scenario, stop: threading.Event) -> Non
             scenario.stranger_refusals += 1
 
 
+def _trickle_flood(address: tuple[str, int], scenario: Scenario) -> None:
+    started, opened, pool = time.time(), 0, []
+    try:
+        while time.time() < started + FLOOD_S:
+            for _ in range(min(FLOOD_REPLACED if opened else FLOOD_CONNECTIONS, FLOOD_CONNECTIONS - len(pool))):
+                pool.append(socket.create_connection(address, timeout=2))
+                opened += 1
+            for conn in list(pool):
+                try:
+                    conn.send(b"M")
+                except OSError:  # closed by the gateway
+                    pool.remove(conn)
+                    conn.close()
+            time.sleep(FLOOD_TRICKLE_S)
+    finally:
+        for conn in pool:
+            conn.close()
+        scenario.flood = (started, time.time(), opened)
+
+
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory) -> Scenario:
     work = tmp_path_factory.mktemp("elastic")
@@ -144,7 +175,7 @@ def scenario(tmp_path_factory) -> Scenario:
     jobs = {"lighthouse": _spawn("lighthouse", [sys.executable, "-m", "trainer.elastic.lighthouse", "--bind",
                                                 f"127.0.0.1:{port}", "--join-timeout-s", str(LIGHTHOUSE_TIMEOUT_S),
                                                 "--heartbeat-timeout-s", str(LIGHTHOUSE_TIMEOUT_S)], work)}
-    scenario = Scenario(jobs)
+    scenario = Scenario(jobs, span=(time.time(), 0.0))
     stop = threading.Event()
     stranger = threading.Thread(target=_stranger, args=(f"http://127.0.0.1:{port}", scenario, stop), daemon=True)
     try:
@@ -157,6 +188,9 @@ def scenario(tmp_path_factory) -> Scenario:
         _wait(scenario, "a sync of workers 0 and 1 alone",
               lambda: any(s["record"].get("missing") == [2] for s in scenario.syncs("w0").values()))
         jobs["w2b"] = _worker("w2b", 2, work, data, config)  # the same worker, relaunched
+        _wait(scenario, "worker 2 to reach its outer loop", lambda: "global batch" in jobs["w2b"].log.read_text())
+        flood = threading.Thread(target=_trickle_flood, args=(("127.0.0.1", port), scenario), daemon=True)
+        flood.start()  # it joins the quorum next
         _wait(scenario, "a sync of all three after worker 2 rejoined, applied by worker 1 too",
               lambda: any(len(s["record"]["quorum"]) == 3 and not s["record"]["rejoined"] and n in scenario.syncs("w1")
                           for n, s in scenario.syncs("w2b").items()))
@@ -166,6 +200,8 @@ def scenario(tmp_path_factory) -> Scenario:
             scenario.returncodes[name] = jobs[name].proc.returncode
         stop.set()
         stranger.join(timeout=30)
+        flood.join(timeout=30)
+        scenario.span = (scenario.span[0], time.time())
         yield scenario
     finally:
         stop.set()
@@ -261,6 +297,19 @@ def test_a_stranger_without_the_secret_never_joins_and_nobody_heals_from_it(scen
     for name in ("w0", "w1", "w2b"):
         for record in _records(scenario.syncs(name)):
             assert 9 not in record["quorum"] and "unauthenticated" not in record, (name, record)
+
+
+def test_a_worker_restarted_during_a_trickle_flood_rejoins_soon_after_it_and_the_gateway_logs_a_few_lines(scenario):
+    started, ended, opened = scenario.flood
+    assert ended - started >= FLOOD_S and opened > FLOOD_CONNECTIONS
+    w2b = scenario.syncs("w2b")
+    assert w2b[min(w2b)]["record"]["rejoined"]
+    assert w2b[min(w2b)]["time"] - ended < QUORUM_TIMEOUT_S
+    counts = [int(n) for n in re.findall(r"lighthouse gateway: refused (\d+) connection",
+                                         scenario.jobs["lighthouse"].log.read_text())]
+    # Every flood connection was refused and counted; one line per source (here one) and interval.
+    assert sum(counts) >= opened
+    assert len(counts) <= 1 + (scenario.span[1] - scenario.span[0]) / REFUSAL_LOG_INTERVAL_S
 
 
 # -- without launches ----------------------------------------------------------------------------
