@@ -329,6 +329,28 @@ def test_membership_leaves_out_joining_nonfinite_and_outlier_members():
     assert left_out([member(0, 1.0), member(1, 20.0)], 10.0) == {1: "pseudogradient norm 20 is over 10.0x its peers'"}
 
 
+def test_a_rendezvous_port_another_job_holds_is_one_line_naming_it(monkeypatch):
+    """Two workers on one host both on the launcher's default --master_port: the second one's rank 0
+    says so in one line before anything starts (it died with a traceback; the other trained alone)."""
+    from torch.distributed import TCPStore
+
+    from trainer.comm import check_rendezvous_port
+    from trainer.errors import ConfigError
+
+    other_job = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(other_job.port))
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match=rf"^the rendezvous port {other_job.port} \(MASTER_PORT, the launcher's "
+                                          r"--master_port\) is already in use on this host: .* its own --master_port$"):
+        check_rendezvous_port()
+    monkeypatch.setenv("RANK", "1")
+    check_rendezvous_port()  # the other ranks are the store's clients
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    check_rendezvous_port()
+
+
 @pytest.mark.parametrize("block, flags, message", [
     ({}, [], "needs --worker-id"),
     ({}, ["--worker-id", "3"], "outside 0..2"),

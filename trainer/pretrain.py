@@ -71,7 +71,10 @@ def _main(args, trainer_class) -> dict:
     if args.distributed_backend == "nccl" and comm.compute_device().type == "cpu":
         _stop("configuration error: --distributed-backend nccl needs an accelerator: use gloo on CPU",
               int(os.environ.get("RANK", "0")))
-    comm.init_distributed(args.distributed_backend or comm.default_backend())
+    try:
+        comm.init_distributed(args.distributed_backend or comm.default_backend())
+    except ConfigError as err:
+        _stop(f"configuration error: {err}", int(os.environ.get("RANK", "0")))
     try:
         config = checked_config(args, dist.get_world_size())
     except STARTUP_ERRORS as err:
