@@ -7,7 +7,8 @@ torchft's lighthouse, through one failure scenario shared by every test:
    worker 2 is killed (SIGKILL) after its first sync;
 3. while it is down, workers 0 and 1 sync on their own (K_eff = 2);
 4. worker 2 is restarted (a new launch) once they have; it loads the outer state from a live peer and syncs with them again;
-   it asks to join during a trickle flood at the lighthouse's gateway (FLOOD_S seconds), and gets in after it;
+   it asks to join during a trickle flood at the lighthouse's gateway (until FLOOD_S seconds after its first
+   quorum request), and gets in;
 5. worker 1 is frozen (SIGSTOP) and never answers again: workers 0 and 2 drop it and finish the run.
 All along a stranger who knows the lighthouse's address but not the job secret keeps asking to join
 as "worker9" at a far-ahead step (which, let in, would make every worker load its state).
@@ -17,6 +18,7 @@ Uncompressed payloads, so the outer step can be checked against a plain fp32 com
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -90,7 +92,9 @@ class Scenario:
     returncodes: dict[str, int] = field(default_factory=dict)
     stranger_refusals: int = 0
     stranger_admitted: int = 0
-    flood: tuple[float, float, int] = (0.0, 0.0, 0)  # (started, ended) wall clock, connections opened
+    # The flood's start, the restarted worker's first quorum request, the flood's end (wall clock), and
+    # how many connections it opened.
+    flood: tuple[float, float, float, int] = (0.0, 0.0, 0.0, 0)
     span: tuple[float, float] = (0.0, 0.0)  # the scenario's (start, end), wall clock
 
     def syncs(self, name: str) -> dict[int, dict]:
@@ -145,10 +149,18 @@ def _stranger(lighthouse: str, scenario: Scenario, stop: threading.Event) -> Non
             scenario.stranger_refusals += 1
 
 
+def _restarted_worker_asked(lighthouse_log: Path) -> bool:
+    """Whether worker 2 relaunched (a second replica id of worker 2) has asked the lighthouse for a quorum."""
+    return len(set(re.findall(r"Received quorum request for replica (worker2:\S+)", lighthouse_log.read_text()))) >= 2
+
+
 def _trickle_flood(address: tuple[str, int], scenario: Scenario) -> None:
-    started, opened, pool = time.time(), 0, []
+    """Until FLOOD_S seconds after the restarted worker's first quorum request (PHASE_TIMEOUT_S at most)."""
+    started, asked, opened, pool = time.time(), 0.0, 0, []
     try:
-        while time.time() < started + FLOOD_S:
+        while time.time() < min(asked + FLOOD_S if asked else math.inf, started + PHASE_TIMEOUT_S):
+            if not asked and _restarted_worker_asked(scenario.jobs["lighthouse"].log):
+                asked = time.time()
             for _ in range(min(FLOOD_REPLACED if opened else FLOOD_CONNECTIONS, FLOOD_CONNECTIONS - len(pool))):
                 pool.append(socket.create_connection(address, timeout=2))
                 opened += 1
@@ -162,7 +174,7 @@ def _trickle_flood(address: tuple[str, int], scenario: Scenario) -> None:
     finally:
         for conn in pool:
             conn.close()
-        scenario.flood = (started, time.time(), opened)
+        scenario.flood = (started, asked, time.time(), opened)
 
 
 @pytest.fixture(scope="module")
@@ -300,8 +312,8 @@ def test_a_stranger_without_the_secret_never_joins_and_nobody_heals_from_it(scen
 
 
 def test_a_worker_restarted_during_a_trickle_flood_rejoins_soon_after_it_and_the_gateway_logs_a_few_lines(scenario):
-    started, ended, opened = scenario.flood
-    assert ended - started >= FLOOD_S and opened > FLOOD_CONNECTIONS
+    started, asked, ended, opened = scenario.flood
+    assert started < asked and ended - asked >= FLOOD_S and opened > FLOOD_CONNECTIONS  # it asked during the flood
     w2b = scenario.syncs("w2b")
     assert w2b[min(w2b)]["record"]["rejoined"]
     assert w2b[min(w2b)]["time"] - ended < QUORUM_TIMEOUT_S

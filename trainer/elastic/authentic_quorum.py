@@ -11,7 +11,8 @@ the address of its rendezvous store: `worker{k}:{nonce}:{tag}@{store}`, to which
 `AuthenticatedQuorums`, which keeps the members whose tag verifies and drops the rest before torchft
 configures the group: the group, its rank and size, and the store its members meet at (one of
 theirs, never a stranger's) are those of the signed members alone. A stranger in the lighthouse's
-quorum thus costs no attempt at all. One that copies a signed id it has seen (the lighthouse shows
+quorum thus costs no attempt at all, only, while it is in, the membership's check of who is behind
+(torchft's count of the members at the highest step included the stranger's claim). One that copies a signed id it has seen (the lighthouse shows
 every member the others' ids) makes that worker id appear twice: both copies are dropped, so the
 copied worker sits those quorums out (its request gets no quorum and is asked again, until
 quorum_timeout_s) while its peers go on.

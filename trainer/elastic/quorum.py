@@ -5,7 +5,8 @@ worker's `ManagerServer`, which heartbeats to the lighthouse (through an authent
 trainer/elastic/tunnel.py) and asks it for a quorum on behalf of the worker's D x P x T ranks. A
 quorum is the set of workers that are alive and at the sync; the Manager then reconfigures its gloo
 group so that it joins rank (d, p, t) of every worker in the quorum (a fresh rendezvous per quorum,
-through a live member's store).
+through a live member's store). With a job secret, the quorum's members are those whose replica id it
+signed (trainer/elastic/authentic_quorum.py): anyone else the lighthouse let in is not in the group.
 
 What is not torchft's here: healing. torchft would send a behind worker the state over its HTTP
 transport, which unpickles what it receives (so any peer could run code in it) and listens on every
