@@ -328,7 +328,7 @@ def test_a_stranger_on_the_lighthouse_host_shares_its_quorums_but_never_the_grou
         while not stop.is_set():
             try:
                 client.heartbeat("worker9")
-                quorum = client.quorum(replica_id="worker9", timeout=TIMEOUT, address="http://127.0.0.1:1",
+                quorum = client.quorum(replica_id="worker9", timeout=timedelta(seconds=1), address="http://127.0.0.1:1",
                                        store_address="127.0.0.1:1", step=10**6, world_size=1)
                 seen.append([m.replica_id for m in quorum.participants])
             except (RuntimeError, TimeoutError):
