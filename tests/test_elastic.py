@@ -10,6 +10,8 @@ torchft's lighthouse, through one failure scenario shared by every test:
    it asks to join during a trickle flood at the lighthouse's gateway (until FLOOD_S seconds after its first
    quorum request), and gets in;
 5. worker 1 is frozen (SIGSTOP) and never answers again: workers 0 and 2 drop it and finish the run.
+Beside them, a fourth job (a worker 0 of its own) is pointed at a lighthouse that is not there: it stops
+after its quorum_timeout_s with one line naming the lighthouse and how long it asked.
 All along a stranger who knows the lighthouse's address but not the job secret keeps asking to join
 as "worker9" at a far-ahead step (which, let in, would make every worker load its state).
 
@@ -54,6 +56,7 @@ QUORUM_TIMEOUT_S = 240
 # Strangers that open connections to the gateway and send a byte every FLOOD_TRICKLE_S, never finishing
 # a handshake: FLOOD_CONNECTIONS at once, each one the gateway closes replaced (FLOOD_REPLACED a round).
 FLOOD_S, FLOOD_CONNECTIONS, FLOOD_REPLACED, FLOOD_TRICKLE_S = 6, 100, 16, 0.5
+LOST_QUORUM_TIMEOUT_S = 5
 NAN_AT = f"1:{2 * SYNC_INTERVAL}"  # any one phase; a run that stalls fails here with the logs
 
 
@@ -96,6 +99,7 @@ class Scenario:
     # how many connections it opened.
     flood: tuple[float, float, float, int] = (0.0, 0.0, 0.0, 0)
     span: tuple[float, float] = (0.0, 0.0)  # the scenario's (start, end), wall clock
+    lost_lighthouse: str = ""  # where the lost worker looked for its lighthouse
 
     def syncs(self, name: str) -> dict[int, dict]:
         return self.jobs[name].syncs()
@@ -104,30 +108,46 @@ class Scenario:
         return "\n".join(f"==== {job.name} ====\n{job.log.read_text()[-3000:]}" for job in self.jobs.values())
 
 
-def _spawn(name: str, command: list[str], work: Path) -> Job:
+def _spawn(name: str, command: list[str], work: Path, extra_env: dict[str, str] | None = None) -> Job:
     log = work / f"{name}.log"
     env = {**os.environ, **EXTENSIONS_ENV, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO_ROOT), "ELASTIC_PROBE_NAN_AT": NAN_AT}
+           "PYTHONPATH": str(REPO_ROOT), "ELASTIC_PROBE_NAN_AT": NAN_AT, **(extra_env or {})}
     with log.open("w") as sink:
         proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # its own process group: killed as a whole
     return Job(name, proc, log, work / name)
 
 
+def _worker_flags(name: str, worker: int, work: Path, data: str, config: Path) -> list[str]:
+    return ["--ds_config", str(config), "--model", "tiny", "--data-path", data, "--vocab-size", str(TINY_VOCAB),
+            "--run-dir", str(work / name / "run"), "--worker-id", str(worker), "--train-iters", str(TRAIN_ITERS),
+            "--log-interval", str(SYNC_INTERVAL), "--eval-interval", "0"]
+
+
 def _worker(name: str, worker: int, work: Path, data: str, config: Path) -> Job:
     # A worker of one rank (D = P = T = 1) is a world of one: started without the deepspeed launcher,
     # whose two extra interpreters would double a start-up the survivors must outlast.
-    command = [sys.executable, str(PROBE), str(work / name), "--ds_config", str(config), "--model", "tiny", "--data-path", data,
-               "--vocab-size", str(TINY_VOCAB), "--run-dir", str(work / name / "run"), "--worker-id", str(worker),
-               "--train-iters", str(TRAIN_ITERS), "--log-interval", str(SYNC_INTERVAL), "--eval-interval", "0"]
-    return _spawn(name, command, work)
+    return _spawn(name, [sys.executable, str(PROBE), str(work / name), *_worker_flags(name, worker, work, data, config)],
+                  work)
+
+
+def _lost_worker(work: Path, data: str, lighthouse: str) -> Job:
+    """trainer/pretrain.py itself (a world of one, as its launcher would set it up) with a lighthouse
+    nobody answers at."""
+    config = work / "lost.json"
+    raw = ds_config(lighthouse)
+    raw["muloco"]["elastic"].update(quorum_timeout_s=LOST_QUORUM_TIMEOUT_S, quorum_request_timeout_s=1)
+    config.write_text(json.dumps(raw))
+    world = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    return _spawn("lost", [sys.executable, "trainer/pretrain.py", *_worker_flags("lost", 0, work, data, config)], work,
+                  world)
 
 
 def _wait(scenario: Scenario, what: str, done) -> None:
     deadline = time.monotonic() + PHASE_TIMEOUT_S
     while not done():
         for job in scenario.jobs.values():
-            if job.proc.poll() not in (None, 0) and job.name != "w2":  # the one we kill
+            if job.proc.poll() not in (None, 0) and job.name not in ("w2", "lost"):  # the one we kill, the lost one
                 pytest.fail(f"{job.name} exited with {job.proc.returncode} while waiting for {what}\n{scenario.logs()}")
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting for {what}\n{scenario.logs()}")
@@ -190,7 +210,9 @@ def scenario(tmp_path_factory) -> Scenario:
     scenario = Scenario(jobs, span=(time.time(), 0.0))
     stop = threading.Event()
     stranger = threading.Thread(target=_stranger, args=(f"http://127.0.0.1:{port}", scenario, stop), daemon=True)
+    nobody = free_port()  # no lighthouse there
     try:
+        jobs["lost"] = _lost_worker(work, data, f"http://127.0.0.1:{nobody}")
         for k in range(WORKERS):
             jobs[f"w{k}"] = _worker(f"w{k}", k, work, data, config)
         stranger.start()
@@ -213,6 +235,8 @@ def scenario(tmp_path_factory) -> Scenario:
         stop.set()
         stranger.join(timeout=30)
         flood.join(timeout=30)
+        jobs["lost"].proc.wait(timeout=PHASE_TIMEOUT_S)
+        scenario.lost_lighthouse = f"http://127.0.0.1:{nobody}"
         scenario.span = (scenario.span[0], time.time())
         yield scenario
     finally:
@@ -322,6 +346,18 @@ def test_a_worker_restarted_during_a_trickle_flood_rejoins_soon_after_it_and_the
     # Every flood connection was refused and counted; one line per source (here one) and interval.
     assert sum(counts) >= opened
     assert len(counts) <= 1 + (scenario.span[1] - scenario.span[0]) / REFUSAL_LOG_INTERVAL_S
+
+
+def test_a_worker_whose_lighthouse_never_answers_stops_with_one_line_naming_it(scenario):
+    lost = scenario.jobs["lost"]
+    text = lost.log.read_text()
+    assert lost.proc.returncode == 1 and "Traceback" not in text, text[-3000:]
+    stops = [line for line in text.splitlines() if line.startswith("stopping:")]
+    assert len(stops) == 1 and re.fullmatch(
+        rf"stopping: rank 0: worker 0: no quorum from the lighthouse at {re.escape(scenario.lost_lighthouse)} in "
+        rf"\d+ s of asking \(\d+ requests\): .*", stops[0]), stops
+    # Its tunnel's failed connections (torchft reconnects several times a second): a line per interval.
+    assert 1 <= len([line for line in text.splitlines() if line.startswith("tunnel to the lighthouse")]) <= 2
 
 
 # -- without launches ----------------------------------------------------------------------------
