@@ -77,9 +77,10 @@ def _is_wrapper(frame: FrameType) -> bool:
     return frame.f_code.co_name.startswith("_") or "wrapper" in frame.f_code.co_name
 
 
-def describe_wait(frame: FrameType | None) -> str:
+def describe_wait(frame: FrameType | None, with_group: bool = True) -> str:
     """Where a thread with innermost frame `frame` is: the collective it waits in (the torch.distributed
-    function, past logging decorators), its group, and the first caller in the project outside the
+    function, past logging decorators), its group (`with_group`: read from the frames' locals, so only
+    once, in the hang line, not at every poll), and the first caller in the project outside the
     communication layers."""
     stack = []
     while frame is not None:
@@ -98,7 +99,8 @@ def describe_wait(frame: FrameType | None) -> str:
     callers = stack[outer + 1:]
     # The project's own frame: decorators of other packages (typing_extensions' wrapper) say nothing.
     caller = next((f for f in callers if _in_project(f)), callers[0] if callers else stack[outer])
-    return f"{WAITING}{api.f_code.co_name}{_describe_group(stack[torch_frames[0]:outer + 1])}, called from {_where(caller)}"
+    group = _describe_group(stack[torch_frames[0]:outer + 1]) if with_group else ""
+    return f"{WAITING}{api.f_code.co_name}{group}, called from {_where(caller)}"
 
 
 class Watchdog:
@@ -163,7 +165,7 @@ class Watchdog:
             return
         try:
             self.board.publish(self.rank_description, self._step, self._phase, self._advanced_at,
-                               describe_wait(sys._current_frames().get(self._watched)))
+                               describe_wait(sys._current_frames().get(self._watched), with_group=False))
             alarm = self.board.alarm()
         except RuntimeError:  # the store did not answer in time: this rank's own watch goes on
             return
