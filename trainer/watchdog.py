@@ -12,8 +12,10 @@ prints one line naming the rank that stopped first and where this one waits
     12, silent for 58 s); rank 0 (worker 0, data 0, pipeline 0, tensor 0) made no progress for 60 s after
     step 12: waiting in all_reduce on ranks [0, 1], called from trainer/training.py:83 (_mean_over_loss_ranks)
 
-raises the alarm on the board (every other rank's watchdog then exits within a poll), kills a stopped
-sibling rank of its own launcher (a stopped process cannot act on the launcher's SIGTERM), and ends
+(with every rank alive, the one still busy outside a collective is named instead, with what it
+does: "rank 0 (...) is still busy (start-up for 300 s: in megatron/core/datasets/gpt_dataset.py:N
+(_get_num_epochs))"), raises the alarm on the board (every other rank's watchdog then exits within a
+poll), kills a stopped sibling rank of its own launcher (a stopped process cannot act on the launcher's SIGTERM), and ends
 the process with HANG_EXIT_CODE, so the launcher stops the job and the scheduler can restart it from
 the last checkpoint. Blocked collectives release the GIL, so the thread can run; as a backstop for a
 hang that holds the GIL, Python's faulthandler dumps every thread's stack and exits a little later.

@@ -6,8 +6,8 @@ address only), so any process on that host can ask it for quorums and be in ever
 then sends nothing made every attempt's group fail to form, and the job stopped after max_attempts.
 
 So each worker's replica id carries a tag under the job secret over its worker id, a fresh nonce and
-the address of its rendezvous store: `worker{k}:{nonce}:{tag}@{store}`, to which torchft appends
-`:{uuid}`. Every quorum result torchft's manager server hands this rank passes through
+the address of its rendezvous store: `worker{k}:{nonce}:{tag}@{store}/{k}`, to which torchft appends
+`:{uuid}` (torchft reads a worker's place from the digits ending its id, and those of its first field). Every quorum result torchft's manager server hands this rank passes through
 `AuthenticatedQuorums`, which keeps the members whose tag verifies and drops the rest before torchft
 configures the group: the group, its rank and size, and the store its members meet at (one of
 theirs, never a stranger's) are those of the signed members alone. A stranger in the lighthouse's
@@ -37,7 +37,7 @@ def signed_replica_id(key: JobKey, worker: int, store: str) -> str:
     """The replica id a worker gives torchft (which appends `:{uuid}`); its leading `worker{k}` is what
     torchft reads the worker's place from."""
     name, nonce = f"worker{worker}", secrets.token_hex(_NONCE_HEX // 2)
-    return f"{name}:{nonce}:{_tag(key, name, nonce, store)}@{store}"
+    return f"{name}:{nonce}:{_tag(key, name, nonce, store)}@{store}/{worker}"
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,10 @@ class SignedMember:
 def verify(key: JobKey, replica_id: str) -> SignedMember | None:
     """The member a replica id names when its tag verifies, else None."""
     head, _, _uuid = replica_id.rpartition(":")
-    claim, at, store = head.partition("@")
+    claim, at, place = head.partition("@")
+    store, _, worker = place.rpartition("/")
     parts = claim.split(":")
-    if not at or len(parts) != 3:
+    if not at or len(parts) != 3 or parts[0] != f"worker{worker}":
         return None
     name, nonce, tag = parts
     if not hmac.compare_digest(tag, _tag(key, name, nonce, store)):
