@@ -101,7 +101,6 @@ class FakeQuorum:
         self.board, self.rank, self.key, self.committed_syncs = board, rank, key, committed
         self.wire_class = wire or FakeWire
         self.epoch, self._errored, self._at_top = 0, None, board.size
-        self.manager = self
 
     def start(self) -> None:
         seen = self.board.exchange(self.rank, (self.committed_syncs, self.epoch))
@@ -109,8 +108,8 @@ class FakeQuorum:
         # torchft's quorum ids are the lighthouse's, the same for every member of a quorum
         self._at_top, self.epoch, self._errored = counts.count(max(counts)), max(e for _, e in seen) + 1, None
 
-    def num_participants(self) -> int:
-        return self._at_top
+    def everyone_current(self, size: int) -> bool:
+        return self._at_top >= size
 
     def wire(self, link) -> FakeWire:
         return self.wire_class(self.board, self.rank, self.key, channel="quorum")

@@ -7,7 +7,11 @@ torchft's lighthouse, through one failure scenario shared by every test:
    worker 2 is killed (SIGKILL) after its first sync;
 3. while it is down, workers 0 and 1 sync on their own (K_eff = 2);
 4. worker 2 is restarted (a new launch) once they have; it loads the outer state from a live peer and syncs with them again;
+   it asks to join during a trickle flood at the lighthouse's gateway (until FLOOD_S seconds after its first
+   quorum request), and gets in;
 5. worker 1 is frozen (SIGSTOP) and never answers again: workers 0 and 2 drop it and finish the run.
+Beside them, a fourth job (a worker 0 of its own) is pointed at a lighthouse that is not there: it stops
+after its quorum_timeout_s with one line naming the lighthouse and how long it asked.
 All along a stranger who knows the lighthouse's address but not the job secret keeps asking to join
 as "worker9" at a far-ahead step (which, let in, would make every worker load its state).
 
@@ -16,8 +20,11 @@ Uncompressed payloads, so the outer step can be checked against a plain fp32 com
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +38,8 @@ import torch
 from synthetic_data import write_markov_dataset
 from trainer_harness import EXTENSIONS_ENV, REPO_ROOT, TINY_VOCAB, free_port
 
+from trainer.elastic.tunnel import REFUSAL_LOG_INTERVAL_S
+
 PROBE = REPO_ROOT / "tests" / "_elastic_probe.py"
 WORKERS = 3
 SYNC_INTERVAL = 4
@@ -43,6 +52,11 @@ OUTER_LR, OUTER_MOMENTUM = 0.7, 0.6
 SYNC_TIMEOUT_S = 8
 LIGHTHOUSE_TIMEOUT_S = 4  # join and heartbeat timeouts: how soon a silent worker leaves the quorum
 PHASE_TIMEOUT_S = 240
+QUORUM_TIMEOUT_S = 240
+# Strangers that open connections to the gateway and send a byte every FLOOD_TRICKLE_S, never finishing
+# a handshake: FLOOD_CONNECTIONS at once, each one the gateway closes replaced (FLOOD_REPLACED a round).
+FLOOD_S, FLOOD_CONNECTIONS, FLOOD_REPLACED, FLOOD_TRICKLE_S = 6, 100, 16, 0.5
+LOST_QUORUM_TIMEOUT_S = 5
 NAN_AT = f"1:{2 * SYNC_INTERVAL}"  # any one phase; a run that stalls fails here with the logs
 
 
@@ -56,7 +70,7 @@ def ds_config(lighthouse: str) -> dict:
                    "outer_momentum": OUTER_MOMENTUM, "nesterov": True, "compression": {"method": "none"},
                    "streaming": {"fragments": FRAGMENTS, "overlap_steps": OVERLAP},
                    "sync_timeout_s": SYNC_TIMEOUT_S, "link": LINK,
-                   "elastic": {"lighthouse": lighthouse, "quorum_timeout_s": 240, "max_attempts": 4}},
+                   "elastic": {"lighthouse": lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S, "max_attempts": 4}},
     }
 
 
@@ -81,6 +95,11 @@ class Scenario:
     returncodes: dict[str, int] = field(default_factory=dict)
     stranger_refusals: int = 0
     stranger_admitted: int = 0
+    # The flood's start, the restarted worker's first quorum request, the flood's end (wall clock), and
+    # how many connections it opened.
+    flood: tuple[float, float, float, int] = (0.0, 0.0, 0.0, 0)
+    span: tuple[float, float] = (0.0, 0.0)  # the scenario's (start, end), wall clock
+    lost_lighthouse: str = ""  # where the lost worker looked for its lighthouse
 
     def syncs(self, name: str) -> dict[int, dict]:
         return self.jobs[name].syncs()
@@ -89,30 +108,46 @@ class Scenario:
         return "\n".join(f"==== {job.name} ====\n{job.log.read_text()[-3000:]}" for job in self.jobs.values())
 
 
-def _spawn(name: str, command: list[str], work: Path) -> Job:
+def _spawn(name: str, command: list[str], work: Path, extra_env: dict[str, str] | None = None) -> Job:
     log = work / f"{name}.log"
     env = {**os.environ, **EXTENSIONS_ENV, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO_ROOT), "ELASTIC_PROBE_NAN_AT": NAN_AT}
+           "PYTHONPATH": str(REPO_ROOT), "ELASTIC_PROBE_NAN_AT": NAN_AT, **(extra_env or {})}
     with log.open("w") as sink:
         proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # its own process group: killed as a whole
     return Job(name, proc, log, work / name)
 
 
+def _worker_flags(name: str, worker: int, work: Path, data: str, config: Path) -> list[str]:
+    return ["--ds_config", str(config), "--model", "tiny", "--data-path", data, "--vocab-size", str(TINY_VOCAB),
+            "--run-dir", str(work / name / "run"), "--worker-id", str(worker), "--train-iters", str(TRAIN_ITERS),
+            "--log-interval", str(SYNC_INTERVAL), "--eval-interval", "0"]
+
+
 def _worker(name: str, worker: int, work: Path, data: str, config: Path) -> Job:
     # A worker of one rank (D = P = T = 1) is a world of one: started without the deepspeed launcher,
     # whose two extra interpreters would double a start-up the survivors must outlast.
-    command = [sys.executable, str(PROBE), str(work / name), "--ds_config", str(config), "--model", "tiny", "--data-path", data,
-               "--vocab-size", str(TINY_VOCAB), "--run-dir", str(work / name / "run"), "--worker-id", str(worker),
-               "--train-iters", str(TRAIN_ITERS), "--log-interval", str(SYNC_INTERVAL), "--eval-interval", "0"]
-    return _spawn(name, command, work)
+    return _spawn(name, [sys.executable, str(PROBE), str(work / name), *_worker_flags(name, worker, work, data, config)],
+                  work)
+
+
+def _lost_worker(work: Path, data: str, lighthouse: str) -> Job:
+    """trainer/pretrain.py itself (a world of one, as its launcher would set it up) with a lighthouse
+    nobody answers at."""
+    config = work / "lost.json"
+    raw = ds_config(lighthouse)
+    raw["muloco"]["elastic"].update(quorum_timeout_s=LOST_QUORUM_TIMEOUT_S, quorum_request_timeout_s=1)
+    config.write_text(json.dumps(raw))
+    world = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    return _spawn("lost", [sys.executable, "trainer/pretrain.py", *_worker_flags("lost", 0, work, data, config)], work,
+                  world)
 
 
 def _wait(scenario: Scenario, what: str, done) -> None:
     deadline = time.monotonic() + PHASE_TIMEOUT_S
     while not done():
         for job in scenario.jobs.values():
-            if job.proc.poll() not in (None, 0) and job.name != "w2":  # the one we kill
+            if job.proc.poll() not in (None, 0) and job.name not in ("w2", "lost"):  # the one we kill, the lost one
                 pytest.fail(f"{job.name} exited with {job.proc.returncode} while waiting for {what}\n{scenario.logs()}")
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting for {what}\n{scenario.logs()}")
@@ -134,6 +169,34 @@ def _stranger(lighthouse: str, scenario: Scenario, stop: threading.Event) -> Non
             scenario.stranger_refusals += 1
 
 
+def _restarted_worker_asked(lighthouse_log: Path) -> bool:
+    """Whether worker 2 relaunched (a second replica id of worker 2) has asked the lighthouse for a quorum."""
+    return len(set(re.findall(r"Received quorum request for replica (worker2:\S+)", lighthouse_log.read_text()))) >= 2
+
+
+def _trickle_flood(address: tuple[str, int], scenario: Scenario) -> None:
+    """Until FLOOD_S seconds after the restarted worker's first quorum request (PHASE_TIMEOUT_S at most)."""
+    started, asked, opened, pool = time.time(), 0.0, 0, []
+    try:
+        while time.time() < min(asked + FLOOD_S if asked else math.inf, started + PHASE_TIMEOUT_S):
+            if not asked and _restarted_worker_asked(scenario.jobs["lighthouse"].log):
+                asked = time.time()
+            for _ in range(min(FLOOD_REPLACED if opened else FLOOD_CONNECTIONS, FLOOD_CONNECTIONS - len(pool))):
+                pool.append(socket.create_connection(address, timeout=2))
+                opened += 1
+            for conn in list(pool):
+                try:
+                    conn.send(b"M")
+                except OSError:  # closed by the gateway
+                    pool.remove(conn)
+                    conn.close()
+            time.sleep(FLOOD_TRICKLE_S)
+    finally:
+        for conn in pool:
+            conn.close()
+        scenario.flood = (started, asked, time.time(), opened)
+
+
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory) -> Scenario:
     work = tmp_path_factory.mktemp("elastic")
@@ -144,10 +207,12 @@ def scenario(tmp_path_factory) -> Scenario:
     jobs = {"lighthouse": _spawn("lighthouse", [sys.executable, "-m", "trainer.elastic.lighthouse", "--bind",
                                                 f"127.0.0.1:{port}", "--join-timeout-s", str(LIGHTHOUSE_TIMEOUT_S),
                                                 "--heartbeat-timeout-s", str(LIGHTHOUSE_TIMEOUT_S)], work)}
-    scenario = Scenario(jobs)
+    scenario = Scenario(jobs, span=(time.time(), 0.0))
     stop = threading.Event()
     stranger = threading.Thread(target=_stranger, args=(f"http://127.0.0.1:{port}", scenario, stop), daemon=True)
+    nobody = free_port()  # no lighthouse there
     try:
+        jobs["lost"] = _lost_worker(work, data, f"http://127.0.0.1:{nobody}")
         for k in range(WORKERS):
             jobs[f"w{k}"] = _worker(f"w{k}", k, work, data, config)
         stranger.start()
@@ -157,6 +222,9 @@ def scenario(tmp_path_factory) -> Scenario:
         _wait(scenario, "a sync of workers 0 and 1 alone",
               lambda: any(s["record"].get("missing") == [2] for s in scenario.syncs("w0").values()))
         jobs["w2b"] = _worker("w2b", 2, work, data, config)  # the same worker, relaunched
+        _wait(scenario, "worker 2 to reach its outer loop", lambda: "global batch" in jobs["w2b"].log.read_text())
+        flood = threading.Thread(target=_trickle_flood, args=(("127.0.0.1", port), scenario), daemon=True)
+        flood.start()  # it joins the quorum next
         _wait(scenario, "a sync of all three after worker 2 rejoined, applied by worker 1 too",
               lambda: any(len(s["record"]["quorum"]) == 3 and not s["record"]["rejoined"] and n in scenario.syncs("w1")
                           for n, s in scenario.syncs("w2b").items()))
@@ -166,6 +234,10 @@ def scenario(tmp_path_factory) -> Scenario:
             scenario.returncodes[name] = jobs[name].proc.returncode
         stop.set()
         stranger.join(timeout=30)
+        flood.join(timeout=30)
+        jobs["lost"].proc.wait(timeout=PHASE_TIMEOUT_S)
+        scenario.lost_lighthouse = f"http://127.0.0.1:{nobody}"
+        scenario.span = (scenario.span[0], time.time())
         yield scenario
     finally:
         stop.set()
@@ -263,6 +335,31 @@ def test_a_stranger_without_the_secret_never_joins_and_nobody_heals_from_it(scen
             assert 9 not in record["quorum"] and "unauthenticated" not in record, (name, record)
 
 
+def test_a_worker_restarted_during_a_trickle_flood_rejoins_soon_after_it_and_the_gateway_logs_a_few_lines(scenario):
+    started, asked, ended, opened = scenario.flood
+    assert started < asked and ended - asked >= FLOOD_S and opened > FLOOD_CONNECTIONS  # it asked during the flood
+    w2b = scenario.syncs("w2b")
+    assert w2b[min(w2b)]["record"]["rejoined"]
+    assert w2b[min(w2b)]["time"] - ended < QUORUM_TIMEOUT_S
+    counts = [int(n) for n in re.findall(r"lighthouse gateway: refused (\d+) connection",
+                                         scenario.jobs["lighthouse"].log.read_text())]
+    # Every flood connection was refused and counted; one line per source (here one) and interval.
+    assert sum(counts) >= opened
+    assert len(counts) <= 1 + (scenario.span[1] - scenario.span[0]) / REFUSAL_LOG_INTERVAL_S
+
+
+def test_a_worker_whose_lighthouse_never_answers_stops_with_one_line_naming_it(scenario):
+    lost = scenario.jobs["lost"]
+    text = lost.log.read_text()
+    assert lost.proc.returncode == 1 and "Traceback" not in text, text[-3000:]
+    stops = [line for line in text.splitlines() if line.startswith("stopping:")]
+    assert len(stops) == 1 and re.fullmatch(
+        rf"stopping: rank 0: worker 0: no quorum from the lighthouse at {re.escape(scenario.lost_lighthouse)} in "
+        rf"\d+ s of asking \(\d+ requests\): .*", stops[0]), stops
+    # Its tunnel's failed connections (torchft reconnects several times a second): a line per interval.
+    assert 1 <= len([line for line in text.splitlines() if line.startswith("tunnel to the lighthouse")]) <= 2
+
+
 # -- without launches ----------------------------------------------------------------------------
 
 def test_membership_leaves_out_joining_nonfinite_and_outlier_members():
@@ -278,6 +375,28 @@ def test_membership_leaves_out_joining_nonfinite_and_outlier_members():
                     10.0) == {0: "joining", 1: "non-finite pseudogradient"}
     # Two contributors: only the one far above the other is left out.
     assert left_out([member(0, 1.0), member(1, 20.0)], 10.0) == {1: "pseudogradient norm 20 is over 10.0x its peers'"}
+
+
+def test_a_rendezvous_port_another_job_holds_is_one_line_naming_it(monkeypatch):
+    """Two workers on one host both on the launcher's default --master_port: the second one's rank 0
+    says so in one line before anything starts (it died with a traceback; the other trained alone)."""
+    from torch.distributed import TCPStore
+
+    from trainer.comm import check_rendezvous_port
+    from trainer.errors import ConfigError
+
+    other_job = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(other_job.port))
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match=rf"^the rendezvous port {other_job.port} \(MASTER_PORT, the launcher's "
+                                          r"--master_port\) is already in use on this host: .* its own --master_port$"):
+        check_rendezvous_port()
+    monkeypatch.setenv("RANK", "1")
+    check_rendezvous_port()  # the other ranks are the store's clients
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    check_rendezvous_port()
 
 
 @pytest.mark.parametrize("block, flags, message", [

@@ -24,6 +24,7 @@ from torchft.coordination import LighthouseClient, LighthouseServer
 
 from trainer.checkpoint.rank_file import RankFileError, state_from_bytes, state_to_bytes
 from trainer.diloco.auth import JobKey
+from trainer.elastic.authentic_quorum import AuthenticatedQuorums, signed_replica_id
 from trainer.elastic.quorum import NoQuorum, QuorumGroup
 from trainer.elastic.tunnel import Gateway, Tunnel, TunnelError, _Direction, host_port
 
@@ -175,6 +176,30 @@ def test_a_trickle_flood_keeps_no_worker_out_and_is_logged_in_a_few_lines(echo_g
     assert 1 <= len(lines) <= 2, lines  # one per source and interval, with the count
 
 
+def test_a_tunnel_whose_lighthouse_is_out_of_reach_logs_its_failed_connections_a_line_per_interval(capsys, monkeypatch):
+    """torchft reconnects several times a second during an outage: one line per interval, with the count."""
+    monkeypatch.setattr("trainer.elastic.tunnel.REFUSAL_LOG_INTERVAL_S", 0.5)
+    closed = socket.create_server(("127.0.0.1", 0))
+    remote = closed.getsockname()[:2]
+    closed.close()  # nothing listens there
+    tunnel = Tunnel(remote, KEY).start()
+
+    def attempt() -> None:
+        with socket.create_connection(tunnel.address, timeout=5) as conn:
+            assert conn.recv(1) == b""  # the tunnel hung up: it could not reach the lighthouse
+
+    try:
+        for _ in range(20):
+            attempt()
+        time.sleep(0.6)
+        attempt()
+    finally:
+        tunnel.close()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tunnel to the lighthouse")]
+    assert [int(re.search(r": (\d+) connection", line).group(1)) for line in lines] == [1, 20], lines
+    assert f"127.0.0.1:{remote[1]}" in lines[0] and "refused" in lines[0].lower()
+
+
 def test_a_handshake_has_a_deadline_in_all_not_per_read(echo_gateway, monkeypatch):
     monkeypatch.setattr("trainer.elastic.tunnel.HANDSHAKE_TIMEOUT_S", 1.0)
     slow = socket.create_connection(echo_gateway.address)
@@ -268,6 +293,90 @@ def test_a_worker_whose_lighthouse_transport_fails_gets_no_quorum_and_then_a_fre
         gateway.close()
         cable.close()
         server.shutdown()
+
+
+def _honest_worker(worker: int, lighthouse: str, monkeypatch) -> tuple[QuorumGroup, TCPStore]:
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    return QuorumGroup(worker, 0, 1, lighthouse, "127.0.0.1", KEY, "gloo", sync_timeout=TIMEOUT,
+                       request_timeout=timedelta(seconds=10)), store
+
+
+def _sync_once(quorum: QuorumGroup, worker: int) -> list:
+    """One quorum and one tagged exchange on its group: every member's worker id, and the commit."""
+    quorum.start()
+    wire = quorum.wire(None)
+    wire.begin(outer_step=0, fragment=0, epoch=quorum.epoch)
+    rows = wire.all_gather_ints([worker], "test sync")
+    return [rows, quorum.commit()]
+
+
+def test_a_stranger_on_the_lighthouse_host_shares_its_quorums_but_never_the_group(monkeypatch):
+    """torchft's lighthouse listens on its host's loopback without authentication. A stranger there asks
+    it for every quorum (heartbeating, claiming a far-ahead step, so torchft would make its store the
+    one every member meets at) and then sends nothing: the two workers holding the secret still form
+    their group, of the two of them, and sync and commit every time. The lighthouse forms quorums of
+    three only, so the stranger is in every one."""
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=3, join_timeout_ms=200)
+    inner = server.address()
+    gateway = Gateway("127.0.0.1", 0, ("127.0.0.1", host_port(inner)[1]), KEY).start()
+    seen, stop = [], threading.Event()
+
+    def stranger() -> None:
+        client = LighthouseClient(addr=inner, connect_timeout=TIMEOUT)
+        while not stop.is_set():
+            try:
+                client.heartbeat("worker9")
+                quorum = client.quorum(replica_id="worker9", timeout=timedelta(seconds=1), address="http://127.0.0.1:1",
+                                       store_address="127.0.0.1:1", step=10**6, world_size=1)
+                seen.append([m.replica_id for m in quorum.participants])
+            except (RuntimeError, TimeoutError):
+                pass
+
+    intruder = threading.Thread(target=stranger, daemon=True)
+    intruder.start()
+    workers = [_honest_worker(k, f"http://127.0.0.1:{gateway.address[1]}", monkeypatch) for k in (0, 1)]
+    try:
+        for _ in range(2):
+            results = [None, None]
+            threads = [threading.Thread(target=lambda k=k: results.__setitem__(k, _sync_once(workers[k][0], k)))
+                       for k in (0, 1)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+            assert results == [[[[0], [1]], True]] * 2
+            assert [q.quorums.dropped for q, _ in workers] == [1, 1]
+        assert any(len(ids) == 3 and "worker9" in ids for ids in seen)  # it was in the lighthouse's quorums
+    finally:
+        stop.set()
+        for quorum, _ in workers:
+            quorum.shutdown()
+        gateway.close()
+        server.shutdown()
+        intruder.join(timeout=10)
+
+
+def test_only_members_signed_under_the_job_secret_count_and_a_copied_id_sits_its_worker_out():
+    first, second = (signed_replica_id(KEY, k, f"10.0.0.{k}:29500") + f":uuid{k}" for k in (0, 1))
+    copy = second.rpartition(":")[0] + ":uuid9"  # a stranger replaying the id the lighthouse showed it
+    other_key = signed_replica_id(JobKey(b"x" * 32, "test-job"), 2, "10.0.0.9:1") + ":uuid2"
+    forged = "worker3:00:" + "0" * 32 + "@10.0.0.9:1:uuid3"
+    result = SimpleNamespace(quorum_id=7, replica_rank=0, replica_world_size=5, store_address="10.0.0.9:1",
+                             max_step=10**6, max_replica_rank=None, max_world_size=1, heal=False,
+                             recover_src_manager_address="", recover_src_replica_rank=None,
+                             recover_dst_replica_ranks=[], replica_ids=sorted([first, second, copy, other_key, forged]))
+    client = SimpleNamespace(_quorum=lambda group_rank, *a, **k: result)
+    quorums = AuthenticatedQuorums(client, KEY, first)
+    kept = quorums._quorum(0)
+    assert (kept.replica_ids, kept.replica_rank, kept.replica_world_size, kept.store_address) == \
+        ([first], 0, 1, "10.0.0.0:29500")
+    assert (kept.max_replica_rank, kept.max_world_size, quorums.dropped) == (0, 1, 4)
+    with pytest.raises(RuntimeError, match="sits it out"):
+        AuthenticatedQuorums(client, KEY, second)._quorum(0)
+    honest = SimpleNamespace(**{**vars(result), "replica_ids": [first, second]})
+    assert AuthenticatedQuorums(SimpleNamespace(_quorum=lambda *a: honest), KEY, second)._quorum(0) is honest
 
 
 class _CreatesMarker:

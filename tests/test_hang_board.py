@@ -1,7 +1,8 @@
-"""The hang line names the rank that stopped: each rank's watchdog publishes its progress on the job's
+"""The hang line names the rank that stopped (or, all alive, the one still busy that the others wait for): each rank's watchdog publishes its progress on the job's
 store; the one that fires names the rank whose heartbeat went silent first (or, every rank alive, the
 one furthest behind), raises the alarm so every other rank exits within a poll, and kills a stopped
-sibling of its own launcher. Start-up and resume are watched with their own timeout. Three processes
+sibling of its own launcher. Start-up and resume are watched with their own timeout, by default in
+proportion to the data. Three processes
 on one FileStore stand for the ranks of a job (the launched case is test_faults' frozen rank)."""
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import time
 
 import torch.distributed as dist
 
+from trainer.config import DataConfig
+from trainer.data import STARTUP_BYTES_PER_S, STARTUP_FLOOR_S, startup_timeout_s
 from trainer.progress_board import Progress, ProgressBoard, stopped_first
-from trainer.watchdog import HANG_EXIT_CODE
+from trainer.watchdog import HANG_EXIT_CODE, Watchdog
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,6 +35,42 @@ def test_the_rank_silent_longest_is_named_else_the_one_furthest_behind():
     assert stopped_first([*alive, _record(3, 12, 990, 980), _record(4, 12, 990, 960)], now, 5).rank == 4
     assert stopped_first([_record(0, None, 5, 999), _record(1, 3, 1, 999)], now, 5).rank == 0  # still starting
     assert stopped_first([], now, 5) is None
+
+
+BUSY = "in megatron/core/datasets/gpt_dataset.py:712 (_get_num_epochs)"
+WAITS = "waiting in barrier on ranks of the world, called from trainer/data.py:232 (build_datasets)"
+
+
+def test_at_start_up_the_rank_still_computing_is_named_before_the_ones_waiting_for_it(tmp_path):
+    """Every rank alive and none past start-up: rank 1 loops in Megatron's index builder while ranks 0
+    and 2 wait for it in a barrier (an empty split); the line names rank 1 and what it is doing."""
+    now = 1000.0
+    records = [Progress(r, f"rank {r}", None, "start-up", 10.0 + r, 999, "h", 1, 1, BUSY if r == 1 else WAITS)
+               for r in range(3)]
+    assert stopped_first(records, now, silent_after_s=5).rank == 1
+    store = dist.FileStore(str(tmp_path / "store"), 3)
+    boards = [ProgressBoard(store, r, 3) for r in range(3)]
+    for record, board in zip(records, boards):
+        board.publish(record.description, None, "start-up", time.time() - 60, record.doing)
+    watchdog = Watchdog(600, "rank 0", poll_s=0.2, board=boards[0])
+    watchdog.enter("start-up", 60)
+    line = watchdog.hang_line(61, watchdog._stopped_first())
+    assert re.fullmatch(r"hang detected: rank 1 is still busy \(start-up for 6\d s: in megatron/core/datasets/"
+                        r"gpt_dataset\.py:712 \(_get_num_epochs\)\); rank 0 made no progress for 61 s during "
+                        r"start-up before the first step: not running", line), line
+
+
+def test_the_start_up_limit_defaults_to_a_floor_plus_a_term_per_byte_of_data(tmp_path):
+    sizes = {"a": 25_000_000, "b": 5_000_000}
+    for name, size in sizes.items():
+        (tmp_path / f"{name}.idx").write_bytes(b"")
+        with open(tmp_path / f"{name}.bin", "wb") as f:
+            f.truncate(size)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    blend = DataConfig(data_path=("1", a, "2", b), valid_data_path=(a,))  # a prefix counts once
+    assert startup_timeout_s(blend) == STARTUP_FLOOR_S + sum(sizes.values()) / STARTUP_BYTES_PER_S
+    assert startup_timeout_s(DataConfig(data_path=(b,))) == STARTUP_FLOOR_S + sizes["b"] / STARTUP_BYTES_PER_S
+    assert startup_timeout_s(DataConfig(data_path=(b,))) < 600  # minutes, not an hour
 
 
 def test_a_board_round_trips_records_and_the_alarm(tmp_path):

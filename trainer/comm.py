@@ -11,8 +11,10 @@ The compute device is chosen once per process, after the launcher's local rank i
 """
 from __future__ import annotations
 
+import errno
 import inspect
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -20,6 +22,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from trainer.errors import ConfigError
 
 ReduceOp = dist.ReduceOp
 # How long a collective may wait for a peer before the run fails instead of hanging.
@@ -83,10 +87,27 @@ def init_distributed(backend: str) -> None:
 
     launched = all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
     if launched and not dist.is_initialized():
+        check_rendezvous_port()
         dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT,
                                 **default_group_options(backend, int(os.environ.get("WORLD_SIZE", "1"))))
     deepspeed.init_distributed(dist_backend=backend, timeout=COLLECTIVE_TIMEOUT)
     remove_host_allreduce_buffer()
+
+
+def check_rendezvous_port() -> None:
+    """Rank 0 hosts the job's rendezvous store on MASTER_PORT (unless torchrun's agent does): a port
+    another job holds (two jobs on one host, both on the launcher's default 29500) is one configuration
+    line, not a traceback on one job while the other trains alone."""
+    if os.environ["RANK"] != "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return
+    port = int(os.environ["MASTER_PORT"])
+    try:
+        socket.create_server(("", port)).close()  # where the store listens: every interface, SO_REUSEADDR
+    except OSError as err:
+        if err.errno != errno.EADDRINUSE:
+            return  # anything else is the store's own error to report
+        raise ConfigError(f"the rendezvous port {port} (MASTER_PORT, the launcher's --master_port) is already in use "
+                          f"on this host: another job holds it; give each job on one host its own --master_port") from err
 
 
 def close_distributed() -> None:

@@ -92,8 +92,10 @@ class RunConfig(ConfigBlock):
                              doc="the newest N checkpoints stay, and always latest and the best validation loss")
     verify_checksums: bool = True
     hang_timeout_s: float = setting(1800.0, ge=0, flag="--hang-timeout-s", doc="0: no hang watchdog")
-    startup_timeout_s: float = setting(3600.0, gt=0, flag="--startup-timeout-s",
-                                       doc="the watchdog's limit for start-up and resume (with the hang watchdog on)")
+    startup_timeout_s: float | None = setting(None, gt=0, flag="--startup-timeout-s",
+                                              doc="the watchdog's limit for start-up and resume (with the hang "
+                                                  "watchdog on); None: in proportion to the data "
+                                                  "(trainer.data.startup_timeout_s)")
     exit_signal_handler: bool = False  # SIGTERM: finish the step, save, exit 0
     exit_interval: int | None = setting(None, ge=1, flag="--exit-interval")
     exit_duration_in_mins: float | None = setting(None, gt=0, flag="--exit-duration-in-mins")
@@ -222,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(0: off); must exceed the longest step, evaluation or checkpoint save")
     g.add_argument("--startup-timeout-s", type=float, default=field_default(RunConfig, "startup_timeout_s"),
                    help="with the hang watchdog on, the same for start-up and resume (building the model, the "
-                        "data index, reading the checkpoint)")
+                        "data index, reading the checkpoint); default: 300 s plus 1 s per 10 MB of the data's "
+                        ".bin files")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM finish the current step, save a checkpoint and exit 0 (needs --save)")
     g.add_argument("--exit-interval", type=int, default=None, help="save and exit 0 after a step divisible by N")

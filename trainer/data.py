@@ -124,6 +124,20 @@ class Datasets:
     valid: GPTDataset | None
 
 
+# The start-up watchdog's default limit: a floor for the model, the process groups and a checkpoint, plus
+# Megatron's sample indices, built in time proportional to the data (1 s per 10 MB of tokens allows about
+# ten times what a loaded core needs).
+STARTUP_FLOOR_S = 300.0
+STARTUP_BYTES_PER_S = 10e6
+
+
+def startup_timeout_s(data: DataConfig) -> float:
+    """The start-up limit for this data when --startup-timeout-s is not given."""
+    train, valid = data_blends(data)
+    prefixes = {*train[0], *(valid[0] if valid else ())}
+    return STARTUP_FLOOR_S + sum(Path(prefix + ".bin").stat().st_size for prefix in prefixes) / STARTUP_BYTES_PER_S
+
+
 def index_cache_dir(run_dir: str | Path) -> Path:
     """Where Megatron caches the datasets' sample indices (built once, read by every rank)."""
     return Path(run_dir) / "data_cache"

@@ -19,6 +19,7 @@ from trainer import comm  # noqa: E402
 from trainer.config import RunConfig, build_parser, check_environment, resolve  # noqa: E402
 from trainer.data import check_data, check_model_vocabulary, index_cache_dir, refuse_unsafe_index_cache  # noqa: E402
 from trainer.data_splits import check_splits_hold_a_sample  # noqa: E402
+from trainer.diloco.collectives import CollectiveError  # noqa: E402
 from trainer.checkpoint.format import checkpoint_args  # noqa: E402
 from trainer.durable import check_output_folders  # noqa: E402
 from trainer.errors import ConfigError, TopologyError  # noqa: E402
@@ -77,7 +78,10 @@ def _main(args, trainer_class) -> dict:
     if args.distributed_backend == "nccl" and comm.compute_device().type == "cpu":
         _stop("configuration error: --distributed-backend nccl needs an accelerator: use gloo on CPU",
               int(os.environ.get("RANK", "0")))
-    comm.init_distributed(args.distributed_backend or comm.default_backend())
+    try:
+        comm.init_distributed(args.distributed_backend or comm.default_backend())
+    except ConfigError as err:
+        _stop(f"configuration error: {err}", int(os.environ.get("RANK", "0")))
     try:
         config = checked_config(args, dist.get_world_size())
     except STARTUP_ERRORS as err:
@@ -90,6 +94,9 @@ def _main(args, trainer_class) -> dict:
         from trainer.training import Trainer
 
         summary = run(config, trainer_class or Trainer)
+    except CollectiveError as err:  # the outer group cannot go on: no quorum in time, every attempt of a sync failed
+        print(f"stopping: rank {dist.get_rank()}: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     finally:
         locks.release()
     comm.close_distributed()

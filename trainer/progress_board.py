@@ -22,6 +22,7 @@ import torch.distributed as dist
 STORE_TIMEOUT = timedelta(seconds=5)
 KEY_PREFIX = "muloco-progress/"
 ALARM_KEY = "alarm"
+WAITING = "waiting in "  # how trainer.watchdog.describe_wait begins when a rank waits in a collective
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,12 @@ class Progress:
     host: str
     pid: int
     parent_pid: int  # the launcher that started it
+    doing: str = ""  # where its training thread was at the last beat (trainer.watchdog.describe_wait)
+
+    @property
+    def waiting(self) -> bool:
+        """Waiting in a collective (for other ranks), rather than busy on its own."""
+        return self.doing.startswith(WAITING)
 
     def where(self) -> str:
         return f"{self.phase} after step {self.step}" if self.step is not None else self.phase
@@ -53,9 +60,9 @@ class ProgressBoard:
                                timeout=STORE_TIMEOUT, wait_for_workers=False)
         return cls(dist.PrefixStore(KEY_PREFIX, client), dist.get_rank(), dist.get_world_size())
 
-    def publish(self, description: str, step: int | None, phase: str, advanced_at: float) -> None:
+    def publish(self, description: str, step: int | None, phase: str, advanced_at: float, doing: str = "") -> None:
         record = Progress(self.rank, description, step, phase, advanced_at, time.time(), socket.gethostname(),
-                          os.getpid(), os.getppid())
+                          os.getpid(), os.getppid(), doing)
         self.store.set(f"rank/{self.rank}", json.dumps(asdict(record)))
 
     def read(self) -> list[Progress]:
@@ -81,10 +88,12 @@ class ProgressBoard:
 
 def stopped_first(records: list[Progress], now: float, silent_after_s: float) -> Progress | None:
     """The rank that stopped advancing first: among those whose heartbeat went silent (a stopped
-    process), the one silent longest; else (every rank alive, one stuck) the one furthest behind."""
+    process), the one silent longest; else (every rank alive, one stuck) the one furthest behind, and
+    of those one that is busy outside a collective (building the data index, say) before the ones
+    waiting for it."""
     if not records:
         return None
     silent = [r for r in records if now - r.beat_at > silent_after_s]
     if silent:
         return min(silent, key=lambda r: r.beat_at)
-    return min(records, key=lambda r: (-1 if r.step is None else r.step, r.advanced_at))
+    return min(records, key=lambda r: (-1 if r.step is None else r.step, r.waiting, r.advanced_at))

@@ -20,7 +20,7 @@ from megatron_patches import apply_cpu_shims_if_needed, initialize_megatron_grou
 from trainer import comm
 from trainer.checkpoint.checkpointer import Checkpointer, start_from_weights
 from trainer.config import RunConfig
-from trainer.data import StreamPosition, build_datasets, index_cache_dir, tokenizer_info
+from trainer.data import StreamPosition, build_datasets, index_cache_dir, startup_timeout_s, tokenizer_info
 from trainer.diloco.auth import JobKey, job_key
 from trainer.diloco.membership import StaticMembership
 from trainer.diloco.outer_loop import OuterLoop
@@ -85,6 +85,8 @@ def run(config: RunConfig, trainer_class: type[Trainer] = Trainer) -> dict:
     watchdog = Watchdog(config.hang_timeout_s, f"rank {topology.rank} (worker {c.worker}, data {c.data}, "
                                                f"pipeline {c.pipeline}, tensor {c.tensor})",
                         board=ProgressBoard.of_launched_job() if config.hang_timeout_s else None)
+    if config.startup_timeout_s is None:
+        config = replace(config, startup_timeout_s=startup_timeout_s(config.data))
     with watchdog.watching("start-up", config.startup_timeout_s):
         return _assemble_and_train(config, trainer_class, device, sizes, topology, watchdog)
 

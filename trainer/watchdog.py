@@ -12,8 +12,10 @@ prints one line naming the rank that stopped first and where this one waits
     12, silent for 58 s); rank 0 (worker 0, data 0, pipeline 0, tensor 0) made no progress for 60 s after
     step 12: waiting in all_reduce on ranks [0, 1], called from trainer/training.py:83 (_mean_over_loss_ranks)
 
-raises the alarm on the board (every other rank's watchdog then exits within a poll), kills a stopped
-sibling rank of its own launcher (a stopped process cannot act on the launcher's SIGTERM), and ends
+(with every rank alive, the one still busy outside a collective is named instead, with what it
+does: "rank 0 (...) is still busy (start-up for 300 s: in megatron/core/datasets/gpt_dataset.py:N
+(_get_num_epochs))"), raises the alarm on the board (every other rank's watchdog then exits within a
+poll), kills a stopped sibling rank of its own launcher (a stopped process cannot act on the launcher's SIGTERM), and ends
 the process with HANG_EXIT_CODE, so the launcher stops the job and the scheduler can restart it from
 the last checkpoint. Blocked collectives release the GIL, so the thread can run; as a backstop for a
 hang that holds the GIL, Python's faulthandler dumps every thread's stack and exits a little later.
@@ -32,7 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 
-from trainer.progress_board import Progress, ProgressBoard, stopped_first
+from trainer.progress_board import WAITING, Progress, ProgressBoard, stopped_first
 
 HANG_EXIT_CODE = 3
 BACKSTOP_GRACE_S = 30.0  # faulthandler fires this long after the watchdog should have
@@ -77,9 +79,10 @@ def _is_wrapper(frame: FrameType) -> bool:
     return frame.f_code.co_name.startswith("_") or "wrapper" in frame.f_code.co_name
 
 
-def describe_wait(frame: FrameType | None) -> str:
+def describe_wait(frame: FrameType | None, with_group: bool = True) -> str:
     """Where a thread with innermost frame `frame` is: the collective it waits in (the torch.distributed
-    function, past logging decorators), its group, and the first caller in the project outside the
+    function, past logging decorators), its group (`with_group`: read from the frames' locals, so only
+    once, in the hang line, not at every poll), and the first caller in the project outside the
     communication layers."""
     stack = []
     while frame is not None:
@@ -98,7 +101,8 @@ def describe_wait(frame: FrameType | None) -> str:
     callers = stack[outer + 1:]
     # The project's own frame: decorators of other packages (typing_extensions' wrapper) say nothing.
     caller = next((f for f in callers if _in_project(f)), callers[0] if callers else stack[outer])
-    return f"waiting in {api.f_code.co_name}{_describe_group(stack[torch_frames[0]:outer + 1])}, called from {_where(caller)}"
+    group = _describe_group(stack[torch_frames[0]:outer + 1]) if with_group else ""
+    return f"{WAITING}{api.f_code.co_name}{group}, called from {_where(caller)}"
 
 
 class Watchdog:
@@ -162,7 +166,8 @@ class Watchdog:
         if self.board is None:
             return
         try:
-            self.board.publish(self.rank_description, self._step, self._phase, self._advanced_at)
+            self.board.publish(self.rank_description, self._step, self._phase, self._advanced_at,
+                               describe_wait(sys._current_frames().get(self._watched), with_group=False))
             alarm = self.board.alarm()
         except RuntimeError:  # the store did not answer in time: this rank's own watch goes on
             return
@@ -170,17 +175,29 @@ class Watchdog:
             print(f"stopping: {alarm} detected a hang (see its line); every rank exits", file=sys.stderr, flush=True)
             os._exit(HANG_EXIT_CODE)
 
-    def _expire(self, idle: float) -> None:
+    def hang_line(self, idle: float, culprit: Progress | None) -> str:
+        """The line naming this rank, where it waits, and first the rank it waits for (`culprit`): one
+        that stopped (silent), or one still busy on its own (what it is doing)."""
         after = "before the first step" if self._step is None else f"after step {self._step}"
         during = f" during {self._phase}" if self._phase != "training" else ""
         where = describe_wait(sys._current_frames().get(self._watched))
-        line = (f"hang detected: {self.rank_description} made no progress for {idle:.0f} s{during} {after}: "
-                f"{where}")
+        line = f"{self.rank_description} made no progress for {idle:.0f} s{during} {after}: {where}"
+        if culprit is None:
+            return f"hang detected: {line}"
+        now = time.time()
+        if now - culprit.beat_at > self._silent_after_s or not culprit.doing or culprit.waiting:
+            return (f"hang detected: {culprit.description} stopped first ({culprit.where()}, silent for "
+                    f"{now - culprit.beat_at:.0f} s); {line}")
+        return (f"hang detected: {culprit.description} is still busy ({culprit.where()} for "
+                f"{now - culprit.advanced_at:.0f} s: {culprit.doing}); {line}")
+
+    @property
+    def _silent_after_s(self) -> float:
+        return 3 * self.poll_s + 1
+
+    def _expire(self, idle: float) -> None:
         culprit = self._stopped_first()
-        if culprit is not None:
-            line = (f"hang detected: {culprit.description} stopped first ({culprit.where()}, silent for "
-                    f"{time.time() - culprit.beat_at:.0f} s); {line.removeprefix('hang detected: ')}")
-        print(line, file=sys.stderr, flush=True)
+        print(self.hang_line(idle, culprit), file=sys.stderr, flush=True)
         if self.board is not None:
             try:
                 self.board.raise_alarm(self.rank_description)
@@ -198,7 +215,7 @@ class Watchdog:
             records = self.board.read()
         except RuntimeError:
             return None
-        culprit = stopped_first(records, time.time(), silent_after_s=3 * self.poll_s + 1)
+        culprit = stopped_first(records, time.time(), silent_after_s=self._silent_after_s)
         return culprit if culprit is not None and culprit.rank != self.board.rank else None
 
     @contextmanager

@@ -3,6 +3,8 @@ fault-tolerant outer group built on torchft (https://github.com/pytorch/torchft)
 
 - `lighthouse`: the quorum server every worker's torchft ManagerServer talks to (`python -m
   trainer.elastic.lighthouse`), behind `tunnel`'s authenticated gateway.
+- `authentic_quorum`: which members of torchft's quorum count (those whose replica id the job secret
+  signed).
 - `quorum`: this rank's torchft Manager and its reconfigurable group, which joins rank (d, p, t) of
   every worker in the current quorum; `QuorumWire` runs the outer exchange on it.
 - `membership`: the outer loop's membership on that group (trainer/diloco/membership.py): a quorum

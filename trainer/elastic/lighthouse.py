@@ -14,6 +14,8 @@ torchft's lighthouse itself listens on loopback only; --bind is the gateway in f
 (trainer/elastic/tunnel.py), which admits only connections that prove they hold the job secret
 (--key-file, default $MULOCO_AUTH_KEY_FILE, and --job-id as in the workers' muloco.auth). With
 --no-auth the lighthouse listens on --bind directly and anyone who reaches it can join the quorum.
+Any process on this host can still reach torchft's loopback port: the workers count only the quorum
+members whose replica id the job secret signed (trainer/elastic/authentic_quorum.py).
 """
 from __future__ import annotations
 

@@ -309,7 +309,7 @@ class QuorumMembership:
         quorum), the first member with every sync sends its state and `task` to them. Tagged for this
         quorum alone: a member behind does not know the outer step yet."""
         wire, loop = session.wire, self.loop
-        if self.quorum.manager.num_participants() >= wire.size:
+        if self.quorum.everyone_current(wire.size):
             return
         wire.begin(outer_step=0, fragment=0, epoch=session.epoch)
         context = f"catch-up in quorum {session.epoch}"

@@ -5,7 +5,8 @@ worker's `ManagerServer`, which heartbeats to the lighthouse (through an authent
 trainer/elastic/tunnel.py) and asks it for a quorum on behalf of the worker's D x P x T ranks. A
 quorum is the set of workers that are alive and at the sync; the Manager then reconfigures its gloo
 group so that it joins rank (d, p, t) of every worker in the quorum (a fresh rendezvous per quorum,
-through a live member's store).
+through a live member's store). With a job secret, the quorum's members are those whose replica id it
+signed (trainer/elastic/authentic_quorum.py): anyone else the lighthouse let in is not in the group.
 
 What is not torchft's here: healing. torchft would send a behind worker the state over its HTTP
 transport, which unpickles what it receives (so any peer could run code in it) and listens on every
@@ -28,12 +29,14 @@ import torchft.manager
 from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 from torchft import Manager
 from torchft.checkpointing import CheckpointTransport
+from torchft.manager import REPLICA_ID_KEY
 from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
 from trainer import comm
 from trainer.diloco.auth import JobKey
 from trainer.diloco.collectives import Wire
 from trainer.diloco.link import SlowLink
+from trainer.elastic.authentic_quorum import AuthenticatedQuorums, signed_replica_id
 from trainer.elastic.tunnel import Tunnel, host_port
 
 
@@ -123,20 +126,27 @@ class QuorumGroup:
         # The worker's own rendezvous store (the launcher's) carries the ManagerServer's address to
         # the worker's other ranks. init_sync=False: every worker initializes the weights from the
         # same seed, so nobody needs the first quorum's state.
+        store = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        replica_id = f"worker{worker}" if key is None else signed_replica_id(key, worker, store)
         with _manager_server_bound_to(manager_host):
             self.manager = Manager(
                 pg=self.group, load_state_dict=None, state_dict=None, min_replica_size=1,
                 use_async_quorum=False, init_sync=False, timeout=sync_timeout, quorum_timeout=request_timeout,
                 connect_timeout=sync_timeout, rank=group_rank, world_size=group_size,
                 store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
-                lighthouse_addr=lighthouse, replica_id=f"worker{worker}", hostname=manager_host,
+                lighthouse_addr=lighthouse, replica_id=replica_id, hostname=manager_host,
                 checkpoint_transport=_NoTransport())
+        # Only members that hold the job secret count (trainer/elastic/authentic_quorum.py).
+        self.quorums = None
+        if key is not None:
+            own = self.manager._store.get(REPLICA_ID_KEY).decode()  # with torchft's uuid, as the lighthouse has it
+            self.quorums = self.manager._client = AuthenticatedQuorums(self.manager._client, key, own)
 
     def start(self) -> None:
         """Block until this worker is in a quorum. Raises NoQuorum when the request got none, and the
         group's error when the quorum formed but its group could not be set up (a peer failed). torchft
         heals nobody (allow_heal=False): the members behind, and the state they receive, are the elastic
-        membership's (`manager.num_participants()` counts those at the highest committed syncs)."""
+        membership's (`everyone_current` says whether torchft counts them all at the highest committed syncs)."""
         try:
             self.manager.start_quorum(allow_heal=False)
         except (RuntimeError, TimeoutError) as exc:  # what torchft's gRPC client raises
@@ -150,6 +160,11 @@ class QuorumGroup:
             raise NoQuorum(why) from exc
         if self.manager.errored() is not None:
             raise self.manager.errored().original_exception
+
+    def everyone_current(self, size: int) -> bool:
+        """Whether torchft counts every member of the quorum at the highest committed syncs. Not known
+        when the quorum held members that do not count (their steps were in torchft's count)."""
+        return (self.quorums is None or not self.quorums.dropped) and self.manager.num_participants() >= size
 
     @property
     def epoch(self) -> int:

@@ -21,7 +21,8 @@ one byte every few seconds does not keep it open), and of the connections in the
 address holds at most MAX_HANDSHAKES_PER_SOURCE and all together MAX_HANDSHAKES; a new one beyond either
 cap closes the oldest (of its source, else of all). A flood thus displaces only itself, and an honest
 handshake, which takes milliseconds, completes. Refusals are logged at most once per source and
-REFUSAL_LOG_INTERVAL_S, with their count.
+REFUSAL_LOG_INTERVAL_S, with their count; so are a tunnel's failed connections while the lighthouse is
+out of reach (torchft reconnects several times a second).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from typing import Callable
 
 from trainer.diloco.auth import JobKey
 
@@ -44,7 +46,7 @@ FRAME_BYTES = 1 << 20
 HANDSHAKE_TIMEOUT_S = 10.0
 MAX_HANDSHAKES = 64  # connections in their handshake at once; a new one closes the oldest
 MAX_HANDSHAKES_PER_SOURCE = 8
-REFUSAL_LOG_INTERVAL_S = 10.0
+REFUSAL_LOG_INTERVAL_S = 10.0  # the gateway's refusals, a tunnel's failed connections: a line per interval
 
 
 class TunnelError(ConnectionError):
@@ -218,23 +220,24 @@ class _Handshakes:
             pass
 
 
-class _RefusalLog:
-    """One line per source address and interval, with how many of its connections were refused."""
+class _CountedLog:
+    """One line per key (a source, a remote) and REFUSAL_LOG_INTERVAL_S, with how many failures it stands
+    for: `line(key, count, last reason)` says it."""
 
-    def __init__(self):
+    def __init__(self, line: Callable[[str, int, object], str]):
+        self._line = line
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
         self._last_line: dict[str, float] = {}
 
-    def refused(self, source: str, reason: object) -> None:
+    def failed(self, key: str, reason: object) -> None:
         with self._lock:
-            self._counts[source] = self._counts.get(source, 0) + 1
+            self._counts[key] = self._counts.get(key, 0) + 1
             now = time.monotonic()
-            if now - self._last_line.get(source, -REFUSAL_LOG_INTERVAL_S) < REFUSAL_LOG_INTERVAL_S:
+            if now - self._last_line.get(key, -REFUSAL_LOG_INTERVAL_S) < REFUSAL_LOG_INTERVAL_S:
                 return
-            count, self._counts[source], self._last_line[source] = self._counts[source], 0, now
-        print(f"lighthouse gateway: refused {count} connection(s) from {source} since its last line (last: {reason})",
-              file=sys.stderr, flush=True)
+            count, self._counts[key], self._last_line[key] = self._counts[key], 0, now
+        print(self._line(key, count, reason), file=sys.stderr, flush=True)
 
 
 class Gateway(_Listener):
@@ -245,7 +248,8 @@ class Gateway(_Listener):
         self.target, self.key = target, key
         self.refused = 0
         self._handshakes = _Handshakes()
-        self._log = _RefusalLog()
+        self._log = _CountedLog(lambda source, count, last: f"lighthouse gateway: refused {count} connection(s) from "
+                                                           f"{source} since its last line (last: {last})")
 
     def serve(self, conn: socket.socket, peer) -> None:
         self._handshakes.admit(conn, peer[0])
@@ -254,7 +258,7 @@ class Gateway(_Listener):
             conn.settimeout(None)
         except (TunnelError, OSError) as err:
             self.refused += 1
-            self._log.refused(peer[0], err)
+            self._log.failed(peer[0], err)
             conn.close()
             return
         finally:
@@ -273,6 +277,8 @@ class Tunnel(_Listener):
     def __init__(self, remote: tuple[str, int], key: JobKey):
         super().__init__("127.0.0.1", 0)
         self.remote, self.key = remote, key
+        self._log = _CountedLog(lambda remote, count, last: f"tunnel to the lighthouse {remote}: {count} connection(s) "
+                                                           f"failed since its last line (last: {last})")
 
     def serve(self, conn: socket.socket, peer) -> None:
         try:
@@ -280,7 +286,7 @@ class Tunnel(_Listener):
             c2s, s2c = _client_handshake(remote, self.key)
             remote.settimeout(None)
         except (TunnelError, OSError) as err:
-            print(f"tunnel to the lighthouse {self.remote[0]}:{self.remote[1]}: {err}", file=sys.stderr, flush=True)
+            self._log.failed(f"{self.remote[0]}:{self.remote[1]}", err)
             conn.close()
             return
         _relay(conn, remote, outgoing=c2s, incoming=s2c)
