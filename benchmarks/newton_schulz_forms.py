@@ -60,6 +60,11 @@ class FormTiming:
     standard_error_vs_fp32: float | None  # bf16 only: each form's distance from the fp32 standard result
     gram_error_vs_fp32: float | None
 
+    def seconds(self, form: str) -> float:
+        """One call's seconds in `form` (`auto`: the form it picks for this shape)."""
+        form = self.auto_picks if form == "auto" else form
+        return self.standard_s if form == "standard" else self.gram_s
+
 
 def shape_classes(shape: ModelShape) -> dict[str, tuple[int, int]]:
     """One (rows, cols) per shape class of the preset's logical Muon matrices."""
