@@ -12,9 +12,16 @@ standard form's).
 
     python benchmarks/newton_schulz_forms.py [--presets 150m 15b] [--dtype bfloat16] [--repeats 3]
         [--device cuda]
+    python benchmarks/newton_schulz_forms.py --restart-sweep [--presets 150m]
 
-At 15b one call takes about a minute on one CPU core, so 15b rows run --repeats-large times (1 by
-default). The last line printed is a JSON summary.
+--restart-sweep measures why the Gram form restarts: per shape class and Gram segment length (2, 3,
+4, and 5 = no restart in 5 steps), the bf16 Gram result's distance from the fp32 standard one, on a
+Gaussian and an ill-conditioned matrix, next to the bf16 standard form's distance.
+
+At 15b one fp32 call takes about a minute and a half on one CPU core, so rows of presets at least
+LARGE_HIDDEN wide run --repeats-large times (1 by default) and, on CPU, skip the ill-conditioned and
+fp32-reference columns (three more calls each; the 150m rows have them). The last line printed is a
+JSON summary.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.model.presets import PRESETS, ModelShape  # noqa: E402
+from trainer.optim import newton_schulz  # noqa: E402
 from trainer.optim.newton_schulz import (  # noqa: E402
     DEFAULT_SCHEDULE,
     DEFAULT_STEPS,
@@ -56,7 +64,7 @@ class FormTiming:
     flop_ratio: float  # gram FLOPs / standard FLOPs
     auto_picks: str
     relative_difference: float  # ||gram - standard|| / ||standard||, Gaussian input
-    relative_difference_ill_conditioned: float
+    relative_difference_ill_conditioned: float | None  # None: skipped (a large preset on CPU)
     standard_error_vs_fp32: float | None  # bf16 only: each form's distance from the fp32 standard result
     gram_error_vs_fp32: float | None
 
@@ -96,7 +104,9 @@ def timed(M: torch.Tensor, dtype: torch.dtype, form: str) -> tuple[torch.Tensor,
 
 
 def benchmark_shape(preset: str, shape_class: str, shape: tuple[int, int], dtype: str, repeats: int,
-                    device: torch.device) -> FormTiming:
+                    device: torch.device, accuracy: bool = True) -> FormTiming:
+    """Both forms timed on one Gaussian matrix; with `accuracy` also the ill-conditioned difference
+    and, in bf16, each form's distance from the fp32 result."""
     generator = torch.Generator().manual_seed(0)
     M = torch.randn(shape, generator=generator).to(device)
     compute = NS_DTYPES[dtype]
@@ -106,11 +116,12 @@ def benchmark_shape(preset: str, shape_class: str, shape: tuple[int, int], dtype
         for form in best:  # in turn, so both see the same machine load
             outs[form], seconds = timed(M, compute, form)
             best[form] = min(best[form], seconds)
-    ill = ill_conditioned(shape, generator).to(device)
-    ill_standard = orthogonalize(ill, dtype=compute, form="standard")
-    ill_gram = orthogonalize(ill, dtype=compute, form="gram")
-    errors = (None, None)
-    if dtype != "float32":
+    ill_difference, errors = None, (None, None)
+    if accuracy:
+        ill = ill_conditioned(shape, generator).to(device)
+        ill_difference = round(relative(orthogonalize(ill, dtype=compute, form="gram"),
+                                        orthogonalize(ill, dtype=compute, form="standard")), 6)
+    if accuracy and dtype != "float32":
         exact = orthogonalize(M, dtype=torch.float32, form="standard")
         errors = (round(relative(outs["standard"], exact), 5), round(relative(outs["gram"], exact), 5))
     flops = {form: newton_schulz_flops(shape, DEFAULT_STEPS, form) for form in best}
@@ -121,8 +132,36 @@ def benchmark_shape(preset: str, shape_class: str, shape: tuple[int, int], dtype
         flop_ratio=round(flops["gram"] / flops["standard"], 3),
         auto_picks=resolve_form("auto", shape, DEFAULT_STEPS),
         relative_difference=round(relative(outs["gram"], outs["standard"]), 6),
-        relative_difference_ill_conditioned=round(relative(ill_gram, ill_standard), 6),
+        relative_difference_ill_conditioned=ill_difference,
         standard_error_vs_fp32=errors[0], gram_error_vs_fp32=errors[1])
+
+
+def restart_sweep(presets: list[str], device: torch.device) -> list[dict]:
+    """bf16 distance from the fp32 standard result per Gram segment length (see the module docstring)."""
+    rows = []
+    print("| preset | class | input | standard bf16 | " + " | ".join(f"gram bf16, segments of {n}" for n in (2, 3, 4, 5))
+          + " |")
+    for preset in presets:
+        for shape_class, shape in shape_classes(PRESETS[preset]).items():
+            generator = torch.Generator().manual_seed(0)
+            for kind, M in (("gaussian", torch.randn(shape, generator=generator)),
+                            ("ill-conditioned", ill_conditioned(shape, generator))):
+                M = M.to(device)
+                exact = orthogonalize(M, dtype=torch.float32)
+                row = {"preset": preset, "shape_class": shape_class, "input": kind,
+                       "standard": round(relative(orthogonalize(M, dtype=torch.bfloat16), exact), 5)}
+                kept = newton_schulz.GRAM_RESTART_STEPS
+                try:
+                    for steps in (2, 3, 4, 5):
+                        newton_schulz.GRAM_RESTART_STEPS = steps
+                        row[f"gram_segments_of_{steps}"] = round(
+                            relative(orthogonalize(M, dtype=torch.bfloat16, form="gram"), exact), 5)
+                finally:
+                    newton_schulz.GRAM_RESTART_STEPS = kept
+                rows.append(row)
+                print(f"| {preset} | {shape_class} | {kind} | {row['standard']:.2e} | "
+                      + " | ".join(f"{row[f'gram_segments_of_{n}']:.2e}" for n in (2, 3, 4, 5)) + " |", flush=True)
+    return rows
 
 
 def main() -> None:
@@ -133,8 +172,12 @@ def main() -> None:
     parser.add_argument("--repeats-large", type=int, default=1,
                         help=f"the same for presets of hidden size >= {LARGE_HIDDEN}")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
+    parser.add_argument("--restart-sweep", action="store_true", help="bf16 error per Gram segment length instead")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.restart_sweep:
+        print(json.dumps({"device": str(device), "restart_sweep": restart_sweep(args.presets, device)}))
+        return
 
     timed(torch.randn(64, 160, device=device), NS_DTYPES[args.dtype], "gram")  # warm the matmul backend
     print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} CPU threads, {args.dtype}, "
@@ -144,15 +187,18 @@ def main() -> None:
           "| rel. diff (ill-cond.) |" + (" standard vs fp32 | gram vs fp32 |" if args.dtype != "float32" else ""))
     for preset in args.presets:
         shape = PRESETS[preset]
-        repeats = args.repeats_large if shape.hidden_size >= LARGE_HIDDEN else args.repeats
+        large = shape.hidden_size >= LARGE_HIDDEN
+        repeats = args.repeats_large if large else args.repeats
         for shape_class, matrix in shape_classes(shape).items():
-            r = benchmark_shape(preset, shape_class, matrix, args.dtype, repeats, device)
+            r = benchmark_shape(preset, shape_class, matrix, args.dtype, repeats, device,
+                                accuracy=not (large and device.type == "cpu"))
             rows.append(r)
-            errors = (f" {r.standard_error_vs_fp32:.2e} | {r.gram_error_vs_fp32:.2e} |"
-                      if r.standard_error_vs_fp32 is not None else "")
+            errors = "".join(f" {e:.2e} |" if e is not None else " - |"
+                             for e in (r.standard_error_vs_fp32, r.gram_error_vs_fp32)) if args.dtype != "float32" else ""
+            ill = r.relative_difference_ill_conditioned
             print(f"| {preset} | {shape_class} | {matrix[0]}x{matrix[1]} | {r.standard_s:.4f} | {r.gram_s:.4f} | "
                   f"{r.gram_over_standard:.3f} | {r.flop_ratio:.3f} | {r.auto_picks} | {r.relative_difference:.1e} | "
-                  f"{r.relative_difference_ill_conditioned:.1e} |{errors}", flush=True)
+                  f"{'-' if ill is None else f'{ill:.1e}'} |{errors}", flush=True)
     print(json.dumps({"device": str(device), "dtype": args.dtype, "threads": torch.get_num_threads(),
                       "rows": [asdict(r) for r in rows]}))
 
