@@ -322,9 +322,9 @@ def test_gram_flops_and_auto():
     assert resolve_form("auto", (512, 512), 5) == resolve_form("auto", (512, 700), 5) == "standard"
     assert newton_schulz_flops((512, 512), 5, "auto") == newton_schulz_flops((512, 512), 5)
     assert newton_schulz_flops((1408, 512), 5, "auto") == newton_schulz_flops((1408, 512), 5, "gram")
-    # Workspace: X's cast, normalized copy and next iterate, plus A, B (standard) or R, P, Q, P Q (Gram).
+    # Workspace: X's cast, normalized copy and next iterate, plus A, B (standard) or R, P, Q, P R, P R P (Gram).
     assert newton_schulz_workspace_numel((1408, 512), 5, "standard") == 3 * 1408 * 512 + 2 * 512**2
-    assert newton_schulz_workspace_numel((1408, 512), 5, "auto") == 3 * 1408 * 512 + 4 * 512**2
+    assert newton_schulz_workspace_numel((1408, 512), 5, "auto") == 3 * 1408 * 512 + 5 * 512**2
     assert newton_schulz_workspace_numel((512, 512), 5, "auto") == 3 * 512 * 512 + 2 * 512**2
     with pytest.raises(ValueError, match="unknown Newton-Schulz form 'fast'"):
         orthogonalize(torch.randn(4, 6), form="fast")

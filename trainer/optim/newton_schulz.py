@@ -202,7 +202,7 @@ def newton_schulz_flops(shape: Sequence[int], steps: int, form: NSForm = "standa
 def newton_schulz_workspace_numel(shape: Sequence[int], steps: int, form: NSForm) -> int:
     """Peak elements `orthogonalize` allocates for one matrix (m <= n its sides), in its dtype:
     standard, X (the cast), its normalized copy and the next iterate (3 m n) and A, B (2 m^2);
-    Gram, the same 3 m n (the next iterate is Q X) and R, P, Q, the next Q or P R (4 m^2)."""
+    Gram, the same 3 m n (the next iterate is Q X) and R, P, Q with P R and the next R (5 m^2)."""
     m, n = sorted(shape[-2:])
-    small = 4 if resolve_form(form, shape, steps) == "gram" else 2
+    small = 5 if resolve_form(form, shape, steps) == "gram" else 2
     return 3 * m * n + small * m * m
