@@ -4,7 +4,9 @@ Each preset's Muon matrices fall in three shape classes (multi-head attention, t
 square (Q, K, V, O: h x h), tall (gate, up: f x h) and wide (down: h x f). For one matrix of each
 class, both forms orthogonalize the same random matrix (Gaussian, like an early gradient; the error
 columns also take an ill-conditioned one, singular values 1 down to 1e-4, where bf16 hurts most);
-the time is the minimum over --repeats calls, both forms timed in turn in this one process. Printed
+the time is the minimum over --repeats calls, both forms timed in turn in this one process: on CPU
+the process's CPU time (one intra-op thread by default, so a machine shared with other work does not
+stretch one form's calls more than the other's), on CUDA wall time between synchronizations. Printed
 per row: seconds of each form, gram / standard, the FLOP ratio of trainer.optim.newton_schulz's
 count, the form `auto` picks, and ||gram - standard|| / ||standard|| (and for bf16 each form's
 distance from the fp32 standard result, which says whether the Gram form's bf16 error is the
@@ -94,13 +96,15 @@ def relative(x: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def timed(M: torch.Tensor, dtype: torch.dtype, form: str) -> tuple[torch.Tensor, float]:
+    """The result and its seconds: CPU time of this process on CPU, wall time on CUDA."""
+    clock = time.perf_counter if M.is_cuda else time.process_time
     if M.is_cuda:
         torch.cuda.synchronize(M.device)
-    start = time.perf_counter()
+    start = clock()
     out = orthogonalize(M, DEFAULT_SCHEDULE, DEFAULT_STEPS, dtype=dtype, form=form)
     if M.is_cuda:
         torch.cuda.synchronize(M.device)
-    return out, time.perf_counter() - start
+    return out, clock() - start
 
 
 def benchmark_shape(preset: str, shape_class: str, shape: tuple[int, int], dtype: str, repeats: int,
@@ -181,7 +185,7 @@ def main() -> None:
 
     timed(torch.randn(64, 160, device=device), NS_DTYPES[args.dtype], "gram")  # warm the matmul backend
     print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} CPU threads, {args.dtype}, "
-          f"{DEFAULT_SCHEDULE} schedule, {DEFAULT_STEPS} steps")
+          f"{DEFAULT_SCHEDULE} schedule, {DEFAULT_STEPS} steps; seconds: {'wall' if device.type == 'cuda' else 'CPU'}")
     rows = []
     print("| preset | class | shape | standard s | gram s | gram / standard | FLOP ratio | auto | rel. diff "
           "| rel. diff (ill-cond.) |" + (" standard vs fp32 | gram vs fp32 |" if args.dtype != "float32" else ""))
