@@ -144,7 +144,7 @@ def restart_sweep(presets: list[str], device: torch.device) -> list[dict]:
     """bf16 distance from the fp32 standard result per Gram segment length (see the module docstring)."""
     rows = []
     print("| preset | class | input | standard bf16 | " + " | ".join(f"gram bf16, segments of {n}" for n in (2, 3, 4, 5))
-          + " |")
+          + " |\n" + "|---" * 8 + "|")
     for preset in presets:
         for shape_class, shape in shape_classes(PRESETS[preset]).items():
             generator = torch.Generator().manual_seed(0)
@@ -183,12 +183,14 @@ def main() -> None:
         print(json.dumps({"device": str(device), "restart_sweep": restart_sweep(args.presets, device)}))
         return
 
-    timed(torch.randn(64, 160, device=device), NS_DTYPES[args.dtype], "gram")  # warm the matmul backend
+    for form in ("standard", "gram"):  # warm the matmul backend and each form's first call
+        timed(torch.randn(64, 160, device=device), NS_DTYPES[args.dtype], form)
     print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} CPU threads, {args.dtype}, "
           f"{DEFAULT_SCHEDULE} schedule, {DEFAULT_STEPS} steps; seconds: {'wall' if device.type == 'cuda' else 'CPU'}")
     rows = []
     print("| preset | class | shape | standard s | gram s | gram / standard | FLOP ratio | auto | rel. diff "
           "| rel. diff (ill-cond.) |" + (" standard vs fp32 | gram vs fp32 |" if args.dtype != "float32" else ""))
+    print("|---" * (10 if args.dtype == "float32" else 12) + "|")
     for preset in args.presets:
         shape = PRESETS[preset]
         large = shape.hidden_size >= LARGE_HIDDEN
