@@ -154,7 +154,8 @@ def _tensor_like(value: Any, like: torch.Tensor, where: str, problems: list[str]
                  also_dtype: torch.dtype | None = None) -> None:
     if (not isinstance(value, torch.Tensor) or value.dtype not in (like.dtype, also_dtype)
             or value.shape != like.shape):
-        problems.append(f"{where} must be {_typed_kind(like)}, got {_typed_kind(value)}")
+        also = f" (or {str(also_dtype).removeprefix('torch.')})" if also_dtype is not None else ""
+        problems.append(f"{where} must be {_typed_kind(like)}{also}, got {_typed_kind(value)}")
     elif value.is_floating_point() and not bool(torch.isfinite(value).all()):
         problems.append(f"{where} holds NaN or infinite values")
 

@@ -12,8 +12,8 @@ of the steps' a (about 500 for the paper's schedule) on the small singular direc
 precision cannot hold against the large ones: in bf16 a 5-step Gram iteration without restarts
 returns errors of order 1 on ill-conditioned inputs. So the Gram form restarts every
 GRAM_RESTART_STEPS steps (X = Q X and R recomputed from it), which bounds Q by 3 steps' a and keeps
-its bf16 result as close to the fp32 one as the standard form's (docs/performance.md has the
-measurements).
+its bf16 result about as close to the fp32 one as the standard form's: closer on ill-conditioned
+inputs, within 2x on Gaussian ones (docs/performance.md has the measurements).
 """
 from __future__ import annotations
 
@@ -43,12 +43,14 @@ NAMED_SCHEDULES: dict[ScheduleName, tuple[Coefficients, ...]] = {
 }
 
 NSDtype = Literal["float32", "bfloat16"]
+NS_DTYPES: dict[NSDtype, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 # `auto`: per matrix, the form with fewer matmul FLOPs (Gram for rectangular, standard for square).
 NSForm = Literal["standard", "gram", "auto"]
 NS_FORMS: tuple[NSForm, ...] = ("standard", "gram", "auto")
-# Steps of one Gram segment before X is re-formed: 3 measured best in bf16 among 2, 3 and 5 (none).
+# Steps of one Gram segment before X is re-formed: 3 measured best in bf16 among 2, 3, 4 and 5 (none
+# in 5 steps; benchmarks/newton_schulz_forms.py --restart-sweep).
 GRAM_RESTART_STEPS = 3
-NS_DTYPES: dict[NSDtype, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 Schedule = str | Sequence[Sequence[float]]
 # The paper's runs: its 5-step schedule; eps as torch.optim.Muon's.
@@ -110,8 +112,8 @@ def orthogonalize(
     standard or the Gram `form` (the module docstring; `auto` picks per shape by `newton_schulz_flops`).
     Returns a new tensor of M's shape and dtype; M is not modified.
 
-    With schedule="keller", steps=5, dtype=bfloat16 this performs the same operations in the same
-    order as torch.optim.Muon (which always computes in bfloat16). torch divides by
+    With schedule="keller", steps=5, dtype=bfloat16 the standard form performs the same operations in
+    the same order as torch.optim.Muon (which always computes in bfloat16). torch divides by
     max(||M||, eps) instead of ||M|| + eps; the two differ only when ||M|| is within a few eps of 0.
     """
     if M.dim() not in (2, 3):
