@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.trainer_harness import TINY_VOCAB, deepspeed_launch, tiny_flags  # noqa: E402
 from trainer.ds_config import load_ds_config  # noqa: E402
 from trainer.model.presets import PRESETS  # noqa: E402
+from trainer.optim.muon import MOMENTUM_DTYPES  # noqa: E402
 from trainer.optim.muon_comm_model import MuonExchange, comm_dtype, grad_allreduce_bytes  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -131,7 +132,7 @@ def evaluate(preset: str, tensor: int, pipeline: int, data: int, ds_config: str,
     for stage in build_stage_shards(PRESETS[preset], vocab, tensor, pipeline):
         matrices = [p for p in stage if p.muon]
         exchange = MuonExchange.for_local_shards([p.name for p in matrices], [p.shape for p in matrices],
-                                                 PRESETS[preset], tensor, data, muon.ns_steps)
+                                                 PRESETS[preset], tensor, data, muon.ns_steps, ns_form=muon.ns_form)
         local, muon_local = sum(p.numel for p in stage), sum(p.numel for p in matrices)
         for d in range(data):
             for t in range(tensor):
@@ -141,7 +142,8 @@ def evaluate(preset: str, tensor: int, pipeline: int, data: int, ds_config: str,
                     "muon_grad_bytes": grad_allreduce_bytes(muon_local, data),
                     "previous": previous_design_bytes(muon_local, tensor, data),
                     "transient": exchange.transient_bytes(d, t, element_size, element_size,
-                                                          [p.numel for p in matrices], muon.nesterov)})
+                                                          [p.numel for p in matrices], muon.nesterov,
+                                                          MOMENTUM_DTYPES[muon.momentum_dtype].itemsize)})
     return row(preset, tensor, pipeline, data, False, per_rank, muon.ns_dtype)
 
 

@@ -34,6 +34,7 @@ SETTINGS: dict[str, list[str]] = {
     "optimizer_step_share": ["--steps", "20"],
     "step_throughput": ["--steps", "30"],
     "checkpoint_io": ["--presets", "tiny", "150m"],
+    "newton_schulz_forms": ["--presets", "150m"],  # 15b: minutes of CPU per matrix (results/newton_schulz_forms.md)
 }
 # Run first: later scripts use their numbers.
 ORDER = ("step_throughput",)

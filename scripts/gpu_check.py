@@ -14,7 +14,10 @@ stage failed; the others run regardless, so one attempt on the GPU reports as mu
      after each sync (read from the checkpoints saved right after the syncs);
   e. DP Muon and DP AdamW, 10 steps each, at the largest preset with shipped DP configs that the
      planner says fits, with those configs' lr and schedule, no deterministic kernels: tokens/s and MFU
-     of each, Muon's step overhead over AdamW, peak memory against the plan;
+     of each, Muon's step overhead over AdamW, peak memory against the plan; first Newton-Schulz
+     time per shape class, Gram form over standard (benchmarks/newton_schulz_forms.py), at that
+     preset's and 15B's shapes in the Muon config's dtype, and Muon runs with the form that is fastest
+     for a layer of the preset;
   f. T=2 x P=2 x K=2 (8 processes on the one GPU) over gloo with CUDA tensors: the distributed Muon,
      1F1B pipelining and two outer syncs, the workers identical after each; first a probe of which
      collectives gloo runs on CUDA tensors (a missing one makes the stage "not supported here");
@@ -257,10 +260,13 @@ def muloco_ds_config(path: Path, mode: Mode, workers: int, sync_interval: int = 
     return write_ds_config(path, ds)
 
 
-def data_parallel_ds_config(path: Path, name: str) -> Path:
-    """A shipped config as data-parallel training (no muloco block), its lr and schedule untouched."""
+def data_parallel_ds_config(path: Path, name: str, ns_form: str | None = None) -> Path:
+    """A shipped config as data-parallel training (no muloco block), its lr and schedule untouched;
+    with `ns_form`, Muon's Newton-Schulz in that form."""
     ds = shipped_config(name)
     ds.pop("muloco", None)
+    if ns_form is not None:
+        ds["optimizer"]["params"]["ns_form"] = ns_form
     return write_ds_config(path, ds)
 
 
@@ -500,9 +506,11 @@ class Check:
 
         m = self.mode
         preset, configs = self._largest_dp_preset()
-        results, speeds = {"preset": preset}, {}
+        forms = self._newton_schulz_forms(preset, configs["muon"])
+        results, speeds = {"preset": preset, "newton_schulz_forms": forms}, {}
         for optimizer, name in configs.items():
-            ds = data_parallel_ds_config(self.work / f"e_{optimizer}.json", name)
+            ds = data_parallel_ds_config(self.work / f"e_{optimizer}.json", name,
+                                         ns_form=forms["fastest_for_a_layer"] if optimizer == "muon" else None)
             run = self.work / f"e_{optimizer}"
             self.launch(1, [*common_flags(m, preset, self.data(), run, ds, 10), *self.backend,
                        "--micro-batch-size", str(m.large_micro), "--global-batch-size", str(m.large_global_batch)],
@@ -510,6 +518,7 @@ class Check:
             speed = throughput(run, preset, m)
             lrs = {r["lr"] for r in train_records(run)}
             results[optimizer] = {"config": name, "peak_lr": load_ds_config(ds).optimizer.params.lr,
+                                  **({"ns_form": forms["fastest_for_a_layer"]} if optimizer == "muon" else {}),
                                   "largest_lr_reached": max(lrs), **speed,
                                   **memory_against_plan(speed["max_memory_gib"], predicted_memory_gib(
                                       preset, ds, m, m.large_micro, m.large_global_batch))}
@@ -517,6 +526,31 @@ class Check:
         # The Muon step's cost over AdamW's, as a share of the Muon step time.
         results["muon_step_overhead_vs_adamw"] = round(1 - speeds["muon"] / speeds["adamw"], 4)
         return results
+
+    def _newton_schulz_forms(self, preset: str, muon_config: str) -> dict:
+        """Newton-Schulz seconds of each form per shape class on this device, in the Muon config's dtype,
+        at the preset's shapes (and 15B's on a GPU), and the form (standard, gram, or auto: per shape)
+        that orthogonalizes one layer of the preset fastest: Q, K, V, O square, gate and up tall, down wide."""
+        import torch
+
+        from benchmarks.newton_schulz_forms import benchmark_shape, shape_classes
+        from trainer.model.presets import PRESETS
+
+        dtype = shipped_config(muon_config)["optimizer"]["params"].get("ns_dtype", "float32")
+        device = torch.device("cpu" if self.mode.cpu else "cuda")
+        rows = {(p, c): benchmark_shape(p, c, shape, dtype, 3, device)
+                for p in dict.fromkeys([preset] if self.mode.cpu else [preset, "15b"])
+                for c, shape in shape_classes(PRESETS[p]).items()}
+        per_layer = {"square": 4, "tall": 2, "wide": 1}
+        layer_s = {form: sum(n * rows[preset, c].seconds(form) for c, n in per_layer.items())
+                   for form in ("standard", "gram", "auto")}
+        return {"dtype": dtype,
+                **{f"{p} {c} {r.shape[0]}x{r.shape[1]}": {"standard_s": r.standard_s, "gram_s": r.gram_s,
+                                                        "gram_over_standard": r.gram_over_standard,
+                                                        "relative_difference": r.relative_difference}
+                   for (p, c), r in rows.items()},
+                "layer_s": {form: round(t, 5) for form, t in layer_s.items()},
+                "fastest_for_a_layer": min(layer_s, key=layer_s.get)}
 
     def _largest_dp_preset(self) -> tuple[str, dict[str, str]]:
         """The largest preset with shipped DP Muon and AdamW configs whose planned memory (the larger
@@ -614,7 +648,8 @@ STAGES = [
     Stage("c", "convert_checkpoint --verify", "stage_c", {"gpu": 45, "cpu": 180}, needs=("a",)),
     Stage("d", "2 processes, K=2 MuLoCo 4-bit+EF on gloo, 20 steps: identical weights after syncs", "stage_d",
           {"gpu": 50, "cpu": 180}),
-    Stage("e", "DP Muon and DP AdamW, 10 steps each, largest preset that fits, shipped lr: tokens/s, MFU, "
+    Stage("e", "Newton-Schulz forms timed; DP Muon (fastest form) and DP AdamW, 10 steps each, largest preset "
+               "that fits, shipped lr: tokens/s, MFU, "
                "Muon overhead, memory vs plan", "stage_e", {"gpu": 150, "cpu": 240}),
     Stage("f", "T=2 x P=2 x K=2 (8 processes) over gloo: distributed Muon, 1F1B, 2 outer syncs", "stage_f",
           {"gpu": 60, "cpu": 300}),

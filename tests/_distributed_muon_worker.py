@@ -20,7 +20,7 @@ from trainer import comm
 from trainer.model.layout import layout_of, logical_matrices, shard
 from trainer.model.presets import ModelShape
 from trainer.optim.distributed_muon import DistributedMuon, ShardGroup
-from trainer.optim.muon import Muon, MuonConfig
+from trainer.optim.muon import MOMENTUM_DTYPES, Muon, MuonConfig
 from trainer.optim.muon_comm_model import comm_dtype
 
 SHAPE = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=8, ffn_hidden_size=96, kv_channels=16,
@@ -64,7 +64,7 @@ def run_case(T: int, D: int, config: MuonConfig, tp_group, dp_group, tp_rank: in
               for n, p in zip(NAMES, full_params())]
     muon = DistributedMuon(NAMES, params, SHAPE, ShardGroup.of(tp_group), ShardGroup.of(dp_group),
                            bucket_numel=BUCKET_NUMEL)
-    buffers = [torch.zeros_like(p) for p in params]
+    buffers = [torch.zeros_like(p, dtype=MOMENTUM_DTYPES[config.momentum_dtype]) for p in params]
     with comm.counting_bytes_sent() as counted:
         for step in range(STEPS):
             for n, p, g in zip(NAMES, params, full_grads(step)):
@@ -82,7 +82,8 @@ def run_case(T: int, D: int, config: MuonConfig, tp_group, dp_group, tp_rank: in
             gaps.append(float(torch.linalg.norm(local[part] - ref) / torch.linalg.norm(ref - piece(start[part]))))
     element_size = torch.empty((), dtype=comm_dtype(config.ns_dtype)).element_size()
     predicted = muon.exchange.bytes_sent(dp_rank, tp_rank, element_size)
-    return {"T": T, "D": D, "ns_dtype": config.ns_dtype, "nesterov": config.nesterov,
+    return {"T": T, "D": D, "ns_dtype": config.ns_dtype, "nesterov": config.nesterov, "ns_form": config.ns_form,
+            "momentum_dtype": config.momentum_dtype,
             "buckets": len(muon.exchange.buckets), "max_relative_gap": max(gaps),
             "counted_bytes": sum(counted.values()), "counted": counted,
             "predicted_bytes": STEPS * predicted.total}
@@ -98,8 +99,10 @@ def main() -> None:
         tp_groups = [dist.new_group([d * T + t for t in range(T)]) for d in range(D)]
         dp_groups = [dist.new_group([d * T + t for d in range(D)]) for t in range(T)]
         d, t = divmod(rank, T)
-        for ns_dtype, nesterov in (("float32", False), ("bfloat16", True)):
-            config = MuonConfig(momentum=0.9, nesterov=nesterov, ns_dtype=ns_dtype)
+        # fp32: each matrix's cheaper form; bf16: the Gram form throughout, and momentum kept in bf16.
+        for ns_dtype, nesterov, ns_form in (("float32", False, "auto"), ("bfloat16", True, "gram")):
+            config = MuonConfig(momentum=0.9, nesterov=nesterov, ns_dtype=ns_dtype, ns_form=ns_form,
+                                momentum_dtype=ns_dtype)
             results.append(run_case(T, D, config, tp_groups[d], dp_groups[t], t, d))
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()

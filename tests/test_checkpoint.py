@@ -80,11 +80,13 @@ def muloco_k2(base, tmp_path_factory) -> tuple[Path, Path]:
     """A streaming MuLoCo K=2 run of TRAIN_ITERS steps (its ds_config, its folder): F=2 fragments of H=2
     with tau=1, so a fragment's sync starts after every step and lands one step later: at the save of
     step TRAIN_ITERS - 1 a sync is in flight (the workers hold two models); the run ends with its final
-    sync, so the last save holds one."""
+    sync, so the last save holds one. Muon keeps its momentum in bf16 (muon.momentum_dtype), which the
+    checkpoint holds as is, and runs the Gram Newton-Schulz."""
     work = tmp_path_factory.mktemp("muloco_k2")
     config = json.loads((REPO_ROOT / "ds_configs" / "cpu_tiny_muloco.json").read_text())
     config["muloco"].update(workers=2, sync_interval=2, streaming={"fragments": 2, "overlap_steps": 1},
                             compression={"method": "statistical", "bits": 2, "error_feedback": True})
+    config["optimizer"]["params"].update(momentum_dtype="bfloat16", ns_form="gram")
     ds_config = work / "muloco_k2.json"
     ds_config.write_text(json.dumps(config))
     check(launch(base, 2, work / "full" / "run", "--save", str(work / "full" / "ckpt"),
@@ -107,8 +109,11 @@ def test_muloco_k2_streaming_2bit_error_feedback_preempted_by_sigterm_resumes_ex
     stopped = latest_iteration(ckpt)
     assert stopped is not None and 2 <= stopped < TRAIN_ITERS, preempted.output[-3000:]
     assert f"preempted: SIGTERM received by 1 rank(s): stopping after step {stopped}" in preempted.output
-    in_flight = [e["apply_at"] for e in CheckpointReader(ckpt).rank_state(0)["extra"]["muloco"]["pending"]]
+    saved = CheckpointReader(ckpt).rank_state(0)
+    in_flight = [e["apply_at"] for e in saved["extra"]["muloco"]["pending"]]
     assert in_flight == [stopped + 1], "the preemption's checkpoint should hold the sync still in flight"
+    momentum = [s["momentum_buffer"] for s in saved["optimizer"]["state"].values() if "momentum_buffer" in s]
+    assert momentum and all(m.dtype == torch.bfloat16 for m in momentum)
 
     check(launch(base, 2, tmp_path / "run2", "--load", str(ckpt), "--save", str(ckpt), ds_config=str(ds_config)))
     reference, resumed = losses(full / "run"), losses(tmp_path / "run2")

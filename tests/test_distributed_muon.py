@@ -1,5 +1,6 @@
-"""DistributedMuon (owners gather, orthogonalize and return only pieces, in bf16 or fp32) equals
-single-process Muon on the whole logical matrices at T x D = 4x1, 2x2, 1x4, and the bytes its
+"""DistributedMuon (owners gather, orthogonalize and return only pieces, in bf16 or fp32; Newton-Schulz in
+either form; momentum in fp32 or bf16) equals single-process Muon on the whole logical matrices at
+T x D = 4x1, 2x2, 1x4, and the bytes its
 collectives send, counted at trainer.comm's calls, equal trainer.optim.muon_comm_model's formula on
 every rank. One torchrun launch (4 ranks, gloo); tests/_distributed_muon_worker.py does the work."""
 import json
@@ -50,8 +51,9 @@ def cases(tmp_path_factory) -> list[dict]:
 
 
 def test_equals_single_process_muon_per_logical_matrix(cases):
-    assert {(c["T"], c["D"], c["ns_dtype"]) for c in cases} == {
-        (t, d, dt) for t, d in [(4, 1), (2, 2), (1, 4)] for dt in ("float32", "bfloat16")}
+    assert {(c["T"], c["D"], c["ns_dtype"], c["ns_form"], c["momentum_dtype"]) for c in cases} == {
+        (t, d, *case) for t, d in [(4, 1), (2, 2), (1, 4)]
+        for case in (("float32", "auto", "float32"), ("bfloat16", "gram", "bfloat16"))}
     assert all(c["buckets"] > 1 for c in cases), "the overlapped next-bucket gather was not exercised"
     failures = [c for c in cases if c["max_relative_gap"] > RTOL[c["ns_dtype"]]]
     assert not failures, failures

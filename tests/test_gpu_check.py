@@ -59,6 +59,10 @@ def test_gpu_check_passes_on_cpu(tmp_path):
         *(json.loads((REPO / "ds_configs" / f"cpu_tiny_{o}.json").read_text())["optimizer"]["params"]["lr"]
           for o in ("muon", "adamw")),)
     assert e["muon"]["tokens_per_s"] > 0 and e["adamw"]["tokens_per_s"] > 0 and "muon_step_overhead_vs_adamw" in e
+    # Muon ran with the Newton-Schulz form the stage timed fastest for a layer.
+    forms = e["newton_schulz_forms"]
+    assert e["muon"]["ns_form"] == forms["fastest_for_a_layer"] == min(forms["layer_s"], key=forms["layer_s"].get)
+    assert all(forms[f"tiny {c}"]["relative_difference"] < 1e-4 for c in ("square 128x128", "tall 352x128", "wide 128x352"))
     assert set(f["gloo_collectives_on_cpu"].values()) == {"ok"} and f["outer_syncs"] == 2
     assert f["max_weight_difference_after_sync"] == {"2": 0.0, "4": 0.0}
     assert g["outer_backend"] == "gloo" and g["outer_syncs"] >= 2

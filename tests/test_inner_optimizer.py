@@ -112,13 +112,32 @@ def test_muon_equals_torch_muon_per_logical_matrix(model, torch_muon_in_fp32):  
     _train_both(model, config, reference, optimizer)
 
 
-def test_muon_equals_reference_muon_with_paper_schedule(model):
-    config = _optimizer("muon", {"lr": 0.02, "weight_decay": 0.1, "nesterov": True})  # paper schedule
+@pytest.mark.parametrize("extra", [{}, {"momentum_dtype": "bfloat16", "ns_form": "gram"}])
+def test_muon_equals_reference_muon_with_paper_schedule(model, extra):
+    config = _optimizer("muon", {"lr": 0.02, "weight_decay": 0.1, "nesterov": True, **extra})  # paper schedule
     optimizer, routing = _inner(model, config)
-    muon_config = MuonConfig(momentum=0.9, nesterov=True, ns_schedule="paper", lr_scaling="spectral_norm")
+    muon_config = MuonConfig(momentum=0.9, nesterov=True, ns_schedule="paper", lr_scaling="spectral_norm", **extra)
     reference = _PerLogicalMatrix(routing, lambda params: Muon(params, muon_config, lr=0.02, weight_decay=0.1),
                                   adamw_lr=0.02, adamw_wd=0.1)
     _train_both(model, config, reference, optimizer)
+    dtype = getattr(torch, extra.get("momentum_dtype", "float32"))
+    assert all(optimizer.state[p]["momentum_buffer"].dtype == dtype for _, p in routing.muon)
+
+
+def test_momentum_saved_in_the_other_dtype_is_taken_as_this_runs(model):
+    """A checkpoint written with momentum_dtype float32 resumed with bfloat16 (or back): the buffer
+    restored as saved is converted at the next step, the AdamW moments stay fp32."""
+    optimizer, routing = _inner(model, _optimizer("muon", {"momentum_dtype": "bfloat16"}))
+    _random_grads(model, torch.Generator().manual_seed(1))
+    saved = {p: torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) for _, p in routing.muon}
+    for p, buffer in saved.items():
+        optimizer.state[p]["momentum_buffer"] = buffer.clone()
+    optimizer.step()
+    for p, buffer in saved.items():
+        state = optimizer.state[p]["momentum_buffer"]
+        assert state.dtype == torch.bfloat16
+        torch.testing.assert_close(state.float(), 0.9 * buffer.to(torch.bfloat16).float() + p.grad, rtol=2 ** -8, atol=0)
+    assert all(optimizer.state[p]["exp_avg"].dtype == torch.float32 for _, p in routing.adamw)
 
 
 def test_routing(model):

@@ -5,11 +5,14 @@ import pytest
 import torch
 
 from trainer.optim.muon import Muon, MuonConfig, apply_update, lr_scale, update_momentum
+from trainer.optim import newton_schulz
 from trainer.optim.newton_schulz import (
     KELLER_SCHEDULE,
     PAPER_SCHEDULE,
     newton_schulz_flops,
+    newton_schulz_workspace_numel,
     orthogonalize,
+    resolve_form,
     resolve_schedule,
 )
 from trainer.optim.ownership import OwnershipPlan, assign_owners
@@ -238,6 +241,95 @@ def test_orthogonalize_validation(kwargs, message):
         orthogonalize(**kwargs)
 
 
+# ---------------------------------------------------------------- the Gram form
+
+GRAM_SHAPES = SHAPES + [(8, 64), (64, 8), (48, 128), (96, 96)]
+
+
+def _relative(x: torch.Tensor, reference: torch.Tensor) -> float:
+    return float(torch.linalg.norm(x.double() - reference.double()) / torch.linalg.norm(reference.double()))
+
+
+def _ill_conditioned(shape, seed: int) -> torch.Tensor:
+    """Singular values from 1 down to 1e-4: Q reaches the schedule's full gain on the small ones."""
+    return _matrix_with_singular_values(shape, torch.logspace(0, -4, min(shape), dtype=torch.float64), seed).float()
+
+
+@pytest.mark.parametrize("shape", GRAM_SHAPES)
+@pytest.mark.parametrize("schedule, steps", [("paper", 5), ("keller", 5), ("paper", 1), ("paper", 3), ("paper", 7)])
+def test_gram_equals_standard_in_fp32(shape, schedule, steps):
+    # Steps 1, 3 and 7 end a segment early, exactly at a restart, and after two restarts.
+    M = torch.randn(shape, generator=_generator(20))
+    standard = orthogonalize(M, schedule=schedule, steps=steps, form="standard")
+    torch.testing.assert_close(orthogonalize(M, schedule=schedule, steps=steps, form="gram"), standard, **FP32_TOL)
+    assert _relative(orthogonalize(_ill_conditioned(shape, 21), steps=steps, form="gram"),
+                     orthogonalize(_ill_conditioned(shape, 21), steps=steps)) < 1e-4
+
+
+@pytest.mark.parametrize("shape", GRAM_SHAPES)
+@pytest.mark.parametrize("make", [lambda s: torch.randn(s, generator=_generator(22)), lambda s: _ill_conditioned(s, 23)],
+                         ids=["gaussian", "ill_conditioned"])
+def test_gram_in_bf16_is_as_close_to_fp32_as_standard(shape, make):
+    # bf16 rounding moves either form's result off the fp32 one; the Gram form's distance stays
+    # within a small factor of the standard form's (measured: 0.9x to 2x).
+    M = make(shape)
+    exact = orthogonalize(M, dtype="float32")
+    standard = _relative(orthogonalize(M, dtype="bfloat16"), exact)
+    gram = _relative(orthogonalize(M, dtype="bfloat16", form="gram"), exact)
+    assert gram <= 3 * standard, (gram, standard)
+
+
+def test_gram_in_bf16_needs_its_restarts(monkeypatch):
+    # Without restarts (one segment of 5 steps) bf16 cannot hold Q's gain of ~500: the result is
+    # wrong by more than its own size; with them it is within bf16's reach of the fp32 result.
+    M = _ill_conditioned((48, 128), seed=24)
+    exact = orthogonalize(M)
+    assert _relative(orthogonalize(M, dtype="bfloat16", form="gram"), exact) < 0.2
+    monkeypatch.setattr(newton_schulz, "GRAM_RESTART_STEPS", 5)
+    assert _relative(orthogonalize(M, dtype="bfloat16", form="gram"), exact) > 1.0
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gram_matches_torch_muon_in_fp32(shape, torch_muon_in_fp32):
+    G = torch.randn(shape, generator=_generator(25))
+    ours = orthogonalize(G, schedule="keller", steps=5, form="gram")
+    torch.testing.assert_close(*_first_steps_from_zero(G, ours), **FP32_TOL)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gram_in_bf16_tracks_stock_torch_muon(shape):
+    # torch.optim.Muon's own (bf16) step: ours in bf16 Gram form is no further from it than a small
+    # multiple of torch's own distance from the exact (fp32) result.
+    G = torch.randn(shape, generator=_generator(26))
+    torch_step, gram_step = _first_steps_from_zero(G, orthogonalize(G, schedule="keller", dtype="bfloat16", form="gram"))
+    _, exact_step = _first_steps_from_zero(G, orthogonalize(G, schedule="keller"))
+    assert _relative(gram_step, torch_step) <= 3 * _relative(torch_step, exact_step)
+
+
+def test_gram_batched_equals_per_matrix():
+    batch = torch.randn(3, 40, 24, generator=_generator(27))
+    expected = torch.stack([orthogonalize(m, form="gram") for m in batch])
+    torch.testing.assert_close(orthogonalize(batch, form="gram"), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_gram_flops_and_auto():
+    m, n = 16, 64  # one segment of 3 steps and one of 2: 4 m^2 n each, 9 + 5 m x m matmuls
+    assert newton_schulz_flops((n, m), 5, "gram") == 2 * 4 * m * m * n + 2 * (9 + 5) * m**3
+    assert newton_schulz_flops((2, m, n), 3, "gram") == 2 * (4 * m * m * n + 2 * 9 * m**3)
+    # Gram wins once the long side exceeds 1.5 x the short one at 5 steps: every preset's MLP
+    # matrices (aspect 2.75), not its square ones.
+    assert resolve_form("auto", (1408, 512), 5) == resolve_form("auto", (512, 1408), 5) == "gram"
+    assert resolve_form("auto", (512, 512), 5) == resolve_form("auto", (512, 700), 5) == "standard"
+    assert newton_schulz_flops((512, 512), 5, "auto") == newton_schulz_flops((512, 512), 5)
+    assert newton_schulz_flops((1408, 512), 5, "auto") == newton_schulz_flops((1408, 512), 5, "gram")
+    # Workspace: X's cast, normalized copy and next iterate, plus A, B (standard) or R, P, Q, P R, P R P (Gram).
+    assert newton_schulz_workspace_numel((1408, 512), 5, "standard") == 3 * 1408 * 512 + 2 * 512**2
+    assert newton_schulz_workspace_numel((1408, 512), 5, "auto") == 3 * 1408 * 512 + 5 * 512**2
+    assert newton_schulz_workspace_numel((512, 512), 5, "auto") == 3 * 512 * 512 + 2 * 512**2
+    with pytest.raises(ValueError, match="unknown Newton-Schulz form 'fast'"):
+        orthogonalize(torch.randn(4, 6), form="fast")
+
+
 # ---------------------------------------------------------------- Muon step pieces
 
 
@@ -251,6 +343,36 @@ def test_update_momentum_sum_form_and_nesterov():
     direction = update_momentum(buf, g2, 0.9, nesterov=True)
     torch.testing.assert_close(buf, 0.9 * g1 + g2)
     torch.testing.assert_close(direction, g2 + 0.9 * (0.9 * g1 + g2))
+
+
+def test_update_momentum_stored_in_bf16_sums_in_fp32():
+    g1, g2 = torch.randn(2, 4, 6, generator=_generator(18))
+    buf = g1.to(torch.bfloat16)
+    total = buf.float() * 0.9 + g2  # the fp32 sum from the stored (rounded) buffer
+    direction = update_momentum(buf, g2, 0.9, nesterov=False)
+    assert direction.dtype == torch.float32 and torch.equal(direction, total)
+    assert buf.dtype == torch.bfloat16 and torch.equal(buf, total.to(torch.bfloat16))  # rounded to nearest
+    buf = g1.to(torch.bfloat16)
+    torch.testing.assert_close(update_momentum(buf, g2, 0.9, nesterov=True), g2 + 0.9 * total)
+
+
+def test_muon_with_bf16_momentum_stays_near_fp32_momentum():
+    # The buffer's rounding (2^-9 relative) is the only difference; Newton-Schulz dampens it.
+    g = _generator(19)
+    init = [torch.randn(s, generator=g) * 0.1 for s in SHAPES]
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        params = [torch.nn.Parameter(w.clone()) for w in init]
+        opt = Muon(params, MuonConfig(momentum_dtype=dtype), lr=0.02, weight_decay=0.1)
+        grads = torch.Generator().manual_seed(0)
+        for _ in range(4):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=grads)
+            opt.step()
+        assert all(opt.state[p]["momentum_buffer"].dtype == getattr(torch, dtype) for p in params)
+        runs[dtype] = params
+    for a, b, w0 in zip(runs["float32"], runs["bfloat16"], init):
+        assert 0 < _relative(b.detach() - w0, a.detach() - w0) < 1e-2
 
 
 def test_lr_scale_modes():
@@ -306,6 +428,8 @@ def test_muon_param_group_overrides():
         (dict(ns_schedule=[(1.0, 2.0)]), r"^ns_schedule\[0\] must be a list of 3, got \[1\.0, 2\.0\]$"),
         (dict(ns_steps=0), r"^ns_steps must be >= 1, got 0$"),
         (dict(ns_dtype="float16"), r"^ns_dtype must be one of 'float32', 'bfloat16', got 'float16'$"),
+        (dict(ns_form="fast"), r"^ns_form must be one of 'standard', 'gram', 'auto', got 'fast'$"),
+        (dict(momentum_dtype="float16"), r"^momentum_dtype must be one of 'float32', 'bfloat16', got 'float16'$"),
         (dict(lr_scaling="sqrt"), r"^lr_scaling must be one of 'spectral_norm', "),
     ],
 )

@@ -1,6 +1,7 @@
 """tools/plan.py against the real thing: parameter counts of the model built on meta, memory that adds
 up, and outer-sync bytes equal to what the trainer's collectives count in a real K=2 run."""
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,20 @@ def test_memory_adds_up(ds_config):
     # Host outer state: each of the D replicas keeps fp32 global + momentum + pseudogradient of about half.
     assert 12 * n / 2 <= plan.memory[0].host_outer_state <= 12 * n + 4 * n
 
+
+
+def test_bf16_momentum_halves_muon_momentum_and_adds_one_fp32_sum_to_the_step():
+    inputs = _inputs("--model", "150m", "--tensor", "2", "--pipeline", "2", "--data", "2", "--workers", "2",
+                     "--global-batch", "64", "--ds-config", "ds_configs/gpu_150m_muloco_k1.json")
+    params = inputs.optimizer.params
+    bf16 = replace(inputs, optimizer=replace(inputs.optimizer, params=replace(params, momentum_dtype="bfloat16")))
+    stages = planner.build_stage_shards(PRESETS["150m"], planner.PAPER_VOCAB, 2, 2)
+    for i, stage in enumerate(stages):
+        fp32_memory, bf16_memory = (planner.stage_memory(i, stage, x, muon_inner=True) for x in (inputs, bf16))
+        assert bf16_memory.muon_momentum == fp32_memory.muon_momentum / 2 > 0
+        # The step forms the sum of one parameter's momentum in fp32 while it packs the exchange.
+        largest = max(p.numel for p in stage if p.muon)
+        assert 0 <= bf16_memory.muon_workspace - fp32_memory.muon_workspace <= 4 * largest
 
 def test_15b_k16_config_fits_an_80gb_gpu_at_its_own_layout():
     plan = planner.make_plan(_inputs("--model", "15b", "--ds-config", "ds_configs/gpu_15b_muloco_k16.json"))

@@ -5,7 +5,7 @@ six flag combinations (the `recipe` cases since updated for DiLoCo's K=1 outer m
 muloco block for streaming.max_overlap_steps, a new setting that only `overlap_steps: auto` reads, and for
 final_sync, on by default: a run whose last step is not a sync step now ends with one more; every
 elastic block for quorum_request_timeout_s, a new setting: a quorum request unanswered that long is
-asked again). A
+asked again; every muon block for ns_form, new, `auto`, and momentum_dtype, new, `float32`). A
 changed default or a value that takes another path shows up here as a changed run. The comparison's
 configs/compare/ are generated from the recipe and checked against it (tests/test_compare_configs.py)."""
 import dataclasses
@@ -65,7 +65,7 @@ def resolved_values(config: RunConfig) -> dict:
     if isinstance(p, MuonParams):
         optimizer.update(adamw_lr_factor=p.adamw_lr_factor, adamw_weight_decay_factor=p.adamw_weight_decay_factor,
                          muon={k: getattr(p, k) for k in ("momentum", "nesterov", "ns_schedule", "ns_steps", "ns_dtype",
-                                                          "lr_scaling")})
+                                                          "ns_form", "momentum_dtype", "lr_scaling")})
     values = {"batch": dataclasses.asdict(config.batch), "bf16": config.bf16, "ds_config": config.ds_config,
               "muloco": None if config.muloco is None else dataclasses.asdict(config.muloco), "optimizer": optimizer,
               "schedule": {**dataclasses.asdict(config.schedule), "clip_grad": config.clip_grad},

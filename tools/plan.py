@@ -14,7 +14,8 @@ Memory model (bytes per rank, the largest pipeline stage; this trainer keeps fp3
 runs bf16 as Megatron autocast over them):
   weights 4/param; bf16 weight copies autocast keeps for the backward 2/param (bf16 only);
   gradients 4/param (DeepSpeed without ZeRO keeps them in the parameter dtype);
-  Muon momentum 4 per Muon parameter; AdamW moments 8 per AdamW parameter;
+  Muon momentum 4 per Muon parameter (2 with muon.momentum_dtype bfloat16); AdamW moments 8 per
+  AdamW parameter;
   Muon step workspace: the peak of the step's transient buffers on the busiest rank, and Muon's bytes
   sent per rank per inner step (intra-worker, reported next to the gradient all-reduce, not in the
   wall-clock), both from trainer/optim/muon_comm_model.py, the formulas DistributedMuon executes;
@@ -80,6 +81,7 @@ from trainer.model.layout import layout_of  # noqa: E402
 from trainer.model.presets import PRESETS, ModelShape  # noqa: E402
 from trainer.model.stages import stage_layers  # noqa: E402
 from trainer.optim.config import MuonParams, OptimizerConfig  # noqa: E402
+from trainer.optim.muon import MOMENTUM_DTYPES  # noqa: E402
 from trainer.optim.muon_comm_model import MuonExchange, comm_dtype, grad_allreduce_bytes  # noqa: E402
 from trainer.optim.ownership import assign_owners  # noqa: E402
 from trainer.recipe import PAPER_VOCAB  # noqa: E402  the paper presets' counts match a Llama-3 vocabulary
@@ -266,13 +268,14 @@ def stage_memory(stage_index: int, stage: list[ShardParam], inputs: PlanInputs, 
     n = sum(p.numel for p in stage)
     muon = [p for p in stage if p.muon] if muon_inner else []
     n_muon = sum(p.numel for p in muon)
-    workspace = muon_bytes = 0
+    workspace = muon_bytes = momentum_size = 0
     if muon:
+        momentum_size = MOMENTUM_DTYPES[inputs.muon.momentum_dtype].itemsize
         exchange = MuonExchange.for_local_shards([p.name for p in muon], [p.shape for p in muon], shape, T,
-                                                 inputs.sizes.data, inputs.muon.ns_steps)
+                                                 inputs.sizes.data, inputs.muon.ns_steps, ns_form=inputs.muon.ns_form)
         element_size = comm_dtype(inputs.muon.ns_dtype).itemsize
         workspace = exchange.max_transient_bytes(element_size, element_size, [p.numel for p in muon],
-                                                 inputs.muon.nesterov)
+                                                 inputs.muon.nesterov, momentum_size)
         muon_bytes = exchange.max_bytes_sent(element_size).total
     s, b, h, a = inputs.seq_length, inputs.micro_batch, shape.hidden_size, shape.num_attention_heads
     per_layer = s * b * h * (10 + 24 / T + 5 * a * s / (h * T))
@@ -284,7 +287,7 @@ def stage_memory(stage_index: int, stage: list[ShardParam], inputs: PlanInputs, 
         weights=4 * n,
         bf16_weight_copies=2 * n if inputs.bf16 else 0,
         gradients=4 * n,
-        muon_momentum=4 * n_muon,
+        muon_momentum=momentum_size * n_muon,
         adamw_moments=8 * (n - n_muon),
         muon_workspace=workspace,
         activations=per_layer * layers * in_flight,

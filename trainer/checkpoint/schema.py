@@ -7,7 +7,8 @@ ones meta.json names, not that they make sense. So the tree is held to this run'
 - `model`: exactly this rank's parameter names, each a tensor of its parameter's shape and dtype
   (`copy_` would broadcast a smaller one), finite;
 - `optimizer`: this optimizer's param groups (same kinds and keys, finite non-negative
-  hyperparameters) and per-parameter state of known names, each tensor shaped like its parameter;
+  hyperparameters) and per-parameter state of known names, each tensor shaped like its parameter, in
+  its dtype or bf16 (Muon's momentum_dtype; the optimizer takes either as its own dtype);
 - `scheduler`, `engine`, `rng` and each `extra` component: the form of this run's own state (same
   keys, kinds, tensor shapes and dtypes; lists of the same length where this run's is not empty),
   numbers finite, counters equal to the step; RNG states a scratch generator accepts.
@@ -143,15 +144,18 @@ def _optimizer_problems(optimizer: Any, params: Mapping[str, torch.Tensor], own_
         else:
             for key, value in entries.items():
                 if isinstance(value, torch.Tensor):
-                    _tensor_like(value, params[name], f"{where}.{key}", problems)
+                    _tensor_like(value, params[name], f"{where}.{key}", problems, also_dtype=torch.bfloat16)
                 elif not (_is_number(value) and value >= 0):
                     problems.append(f"{where}.{key} must be a tensor or a number >= 0, got {_show(value)}")
     return problems
 
 
-def _tensor_like(value: Any, like: torch.Tensor, where: str, problems: list[str]) -> None:
-    if not isinstance(value, torch.Tensor) or value.dtype != like.dtype or value.shape != like.shape:
-        problems.append(f"{where} must be {_typed_kind(like)}, got {_typed_kind(value)}")
+def _tensor_like(value: Any, like: torch.Tensor, where: str, problems: list[str],
+                 also_dtype: torch.dtype | None = None) -> None:
+    if (not isinstance(value, torch.Tensor) or value.dtype not in (like.dtype, also_dtype)
+            or value.shape != like.shape):
+        also = f" (or {str(also_dtype).removeprefix('torch.')})" if also_dtype is not None else ""
+        problems.append(f"{where} must be {_typed_kind(like)}{also}, got {_typed_kind(value)}")
     elif value.is_floating_point() and not bool(torch.isfinite(value).all()):
         problems.append(f"{where} holds NaN or infinite values")
 

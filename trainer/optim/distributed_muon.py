@@ -64,13 +64,13 @@ class DistributedMuon:
         group = tp.group if tp.group is not None else dp.group
         self.device = comm.group_device(group) if group is not None else params[0].device
         self.exchange: MuonExchange | None = None
-        self._ns_steps: int | None = None
 
-    def _exchange(self, ns_steps: int) -> MuonExchange:
-        if self.exchange is None or self._ns_steps != ns_steps:
+    def _exchange(self, config: MuonConfig) -> MuonExchange:
+        """The plan for the config's Newton-Schulz (its FLOPs balance the owners), built once per form."""
+        x = self.exchange
+        if x is None or (x.ns_steps, x.ns_form) != (config.ns_steps, config.ns_form):
             self.exchange = MuonExchange.build(self.names, self.full_shapes, self.model_shape, self.tp.size,
-                                               self.dp.size, ns_steps, self.bucket_numel)
-            self._ns_steps = ns_steps
+                                               self.dp.size, config.ns_steps, self.bucket_numel, config.ns_form)
         return self.exchange
 
     def _local_pieces(self, i: int, local: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -182,7 +182,7 @@ class DistributedMuon:
     @torch.no_grad()
     def step(self, momentum_buffers: list[torch.Tensor], config: MuonConfig, lr: float, weight_decay: float) -> None:
         """One Muon step at this step's (scheduled) lr and weight decay."""
-        x = self._exchange(config.ns_steps)
+        x = self._exchange(config)
         dtype = comm_dtype(config.ns_dtype)
         in_flight = self._start_gather(x, 0, momentum_buffers, config, dtype) if x.buckets else None
         for b in range(len(x.buckets)):

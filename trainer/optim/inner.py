@@ -15,6 +15,7 @@ from trainer.model.presets import ModelShape
 from trainer.optim.config import OptimizerConfig
 from trainer.optim.distributed_muon import DistributedMuon, ShardGroup
 from trainer.optim.grad_norm import global_grad_norm, sum_partial_grads
+from trainer.optim.muon import MOMENTUM_DTYPES
 from trainer.optim.routing import Routing
 
 
@@ -70,14 +71,17 @@ class InnerOptimizer(torch.optim.Optimizer):
             if group["kind"] == "adamw":
                 self._adamw_step(group)
             else:
-                buffers = [self._state(p, "momentum_buffer") for p in group["params"]]
+                dtype = MOMENTUM_DTYPES[self.config.params.momentum_dtype]
+                buffers = [self._state(p, "momentum_buffer", dtype) for p in group["params"]]
                 # The ds_config's Muon params as loaded, at this step's scheduled lr.
                 self.muon.step(buffers, self.config.params, group["lr"], group["weight_decay"])
 
-    def _state(self, p, key: str) -> torch.Tensor:
+    def _state(self, p, key: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         state = self.state[p]
         if key not in state:
-            state[key] = torch.zeros_like(p, dtype=torch.float32)
+            state[key] = torch.zeros_like(p, dtype=dtype)
+        elif state[key].dtype != dtype:  # a checkpoint saved with the other muon.momentum_dtype: take it as ours
+            state[key] = state[key].to(dtype)
         return state[key]
 
     def _adamw_step(self, group) -> None:

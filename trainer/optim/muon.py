@@ -7,6 +7,9 @@ local parameters and is the reference every distributed variant is tested agains
 Momentum is the plain sum M = mu*M + G (as in the paper). torch.optim.Muon keeps the moving
 average B = mu*B + (1-mu)*G = (1-mu)*M instead; since Newton-Schulz normalizes its input the
 updates agree, but the stored buffers differ by that factor (1-mu).
+
+The buffer may be stored in bf16 (`momentum_dtype`, half the memory); the sum is still formed in
+fp32 each step and the direction is that fp32 sum, only the stored copy is rounded (to nearest).
 """
 from __future__ import annotations
 
@@ -19,12 +22,22 @@ from typing import Any, Literal, get_args
 import torch
 from torch import Tensor
 
-from trainer.optim.newton_schulz import DEFAULT_SCHEDULE, DEFAULT_STEPS, NSDtype, ScheduleName, orthogonalize
+from trainer.optim.newton_schulz import (
+    DEFAULT_SCHEDULE,
+    DEFAULT_STEPS,
+    NSDtype,
+    NSForm,
+    ScheduleName,
+    orthogonalize,
+)
 from trainer.typed_json import ConfigBlock, Problem, setting
 
 # How the step size of an (rows, cols) = (fan_out, fan_in) matrix is scaled.
 LRScaling = Literal["spectral_norm", "match_rms_adamw", "torch_original", "none"]
 LR_SCALINGS = get_args(LRScaling)
+
+MomentumDtype = Literal["float32", "bfloat16"]
+MOMENTUM_DTYPES: dict[MomentumDtype, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,12 @@ class MuonConfig(ConfigBlock):
                               "(3.4445, -4.7750, 2.0315, as torch.optim.Muon) or a list of (a, b, c)")
     ns_steps: int = setting(DEFAULT_STEPS, ge=1, doc="Newton-Schulz iterations (the schedule's last triple repeats)")
     ns_dtype: NSDtype = setting("float32", doc="Newton-Schulz compute dtype; Muon's exchange travels in it")
+    ns_form: NSForm = setting("auto", doc="Newton-Schulz form: `standard` (iterate on X), `gram` (iterate on the "
+                                          "small Gram matrix X X^T, restarted every 3 steps; same result), `auto` "
+                                          "(per matrix, the one with fewer FLOPs: Gram for rectangular, standard "
+                                          "for square)")
+    momentum_dtype: MomentumDtype = setting("float32", doc="dtype the momentum buffer is stored in; `bfloat16` "
+                                                           "halves it (the sum is still formed in fp32)")
     lr_scaling: LRScaling = setting("spectral_norm", doc="lr factor per matrix: `spectral_norm` sqrt(fan_out/fan_in) "
                                                          "(the paper's), `match_rms_adamw` 0.2 sqrt(max(fan_out, fan_in)), "
                                                          "`torch_original` sqrt(max(1, fan_out/fan_in)), `none`")
@@ -53,15 +72,20 @@ def update_momentum(buf: Tensor, grad: Tensor, momentum: float, nesterov: bool) 
     """Accumulate grad into buf in place (M = mu*M + G); return the direction to orthogonalize.
 
     The direction is M itself, or G + mu*M with Nesterov (torch.optim.Muon's Nesterov direction
-    up to the factor 1-mu, see the module docstring). Without Nesterov the returned tensor is buf.
+    up to the factor 1-mu, see the module docstring). Without Nesterov the returned tensor is buf
+    when buf is fp32, else the fp32 sum that buf holds rounded.
     """
-    buf.mul_(momentum).add_(grad)
-    return grad.add(buf, alpha=momentum) if nesterov else buf
+    total = buf.float()  # buf itself when it is fp32
+    total.mul_(momentum).add_(grad)
+    if total is not buf:
+        buf.copy_(total)
+    return grad.add(total, alpha=momentum) if nesterov else total
 
 
 def orthogonalize_direction(direction: Tensor, config: MuonConfig) -> Tensor:
-    """Newton-Schulz with the config's schedule, steps and dtype (2-D or a 3-D batch)."""
-    return orthogonalize(direction, schedule=config.ns_schedule, steps=config.ns_steps, dtype=config.ns_dtype)
+    """Newton-Schulz with the config's schedule, steps, dtype and form (2-D or a 3-D batch)."""
+    return orthogonalize(direction, schedule=config.ns_schedule, steps=config.ns_steps, dtype=config.ns_dtype,
+                         form=config.ns_form)
 
 
 def lr_scale(shape: Sequence[int], mode: str) -> float:
@@ -131,7 +155,7 @@ class Muon(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, dtype=MOMENTUM_DTYPES[config.momentum_dtype])
                 direction = update_momentum(state["momentum_buffer"], p.grad, config.momentum, config.nesterov)
                 ortho = orthogonalize_direction(direction, config)
                 apply_update(p, ortho, group["lr"], group["weight_decay"], lr_scale(p.shape, config.lr_scaling))

@@ -27,7 +27,7 @@ import torch
 
 from trainer.model.layout import Split, full_shape, layout_of, logical_shapes
 from trainer.model.presets import ModelShape
-from trainer.optim.newton_schulz import NS_DTYPES, newton_schulz_flops
+from trainer.optim.newton_schulz import NS_DTYPES, NSForm, newton_schulz_flops, newton_schulz_workspace_numel
 from trainer.optim.ownership import assign_owners
 
 
@@ -108,10 +108,12 @@ class MuonExchange:
     buckets: tuple[tuple[int, ...], ...]  # parameter indices per bucket
     tp: int
     dp: int
+    ns_steps: int
+    ns_form: NSForm  # the owners' Newton-Schulz, whose FLOPs balance them and whose workspace counts
 
     @classmethod
     def build(cls, names: Sequence[str], full_shapes: Sequence[tuple[int, ...]], model_shape: ModelShape,
-              tp: int, dp: int, ns_steps: int, bucket_numel: int) -> MuonExchange:
+              tp: int, dp: int, ns_steps: int, bucket_numel: int, ns_form: NSForm = "standard") -> MuonExchange:
         """Ownership is balanced by Newton-Schulz FLOPs within each bucket: buckets are processed one
         after the other, so a bucket's slowest owner is what the step waits for."""
         matrices = logical_matrices_of(names, full_shapes, model_shape)
@@ -119,21 +121,21 @@ class MuonExchange:
         owners, totals = [0] * len(matrices), [0.0] * (tp * dp)
         for bucket in buckets:
             members = [m for m, lm in enumerate(matrices) if lm.param_index in bucket]
-            costs = [newton_schulz_flops(matrices[m].shape, ns_steps) for m in members]
+            costs = [newton_schulz_flops(matrices[m].shape, ns_steps, ns_form) for m in members]
             # Ties (a bucket with fewer big matrices than owners) go to the owners with the least
             # work so far, which also spreads each rank's bytes over the step.
             for m, cost, owner in zip(members, costs, assign_owners(costs, tp * dp, totals)):
                 owners[m] = owner
                 totals[owner] += cost
-        return cls(tuple(matrices), tuple(owners), tuple(tuple(b) for b in buckets), tp, dp)
+        return cls(tuple(matrices), tuple(owners), tuple(tuple(b) for b in buckets), tp, dp, ns_steps, ns_form)
 
     @classmethod
     def for_local_shards(cls, names: Sequence[str], local_shapes: Sequence[tuple[int, ...]],
                          model_shape: ModelShape, tp: int, dp: int, ns_steps: int,
-                         bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> MuonExchange:
+                         bucket_numel: int = DEFAULT_BUCKET_NUMEL, ns_form: NSForm = "standard") -> MuonExchange:
         """The plan from one TP rank's shard shapes (what tools/plan.py reads off the model)."""
         full = [full_shape(tuple(s), layout_of(n), tp) for n, s in zip(names, local_shapes)]
-        return cls.build(names, full, model_shape, tp, dp, ns_steps, bucket_numel)
+        return cls.build(names, full, model_shape, tp, dp, ns_steps, bucket_numel, ns_form)
 
     @cached_property
     def _bucket_matrices(self) -> list[list[int]]:
@@ -182,16 +184,16 @@ class MuonExchange:
                    key=lambda b: b.total)
 
     def transient_bytes(self, data_rank: int, tp_rank: int, element_size: int, ns_element_size: int,
-                        local_numels: Sequence[int], nesterov: bool) -> int:
+                        local_numels: Sequence[int], nesterov: bool, momentum_element_size: int = 4) -> int:
         """Peak bytes of the buffers one step allocates beyond parameters, gradients and momentum,
         following `DistributedMuon.step`: while bucket b is orthogonalized and exchanged, bucket
         b+1's gather (its send buffer, this rank's replica's slot, and its receive buffer, the whole
         matrices it owns) is in flight. Phases of bucket b:
-          pack: bucket b-1's whole matrices are held while one parameter's fp32 direction (Nesterov)
-            and a copy of its pieces are packed into bucket b's gather;
+          pack: bucket b-1's whole matrices are held while one parameter's fp32 direction (Nesterov),
+            the fp32 sum of a momentum stored in bf16 and a copy of its pieces are packed into
+            bucket b's gather;
           orthogonalize: the owned whole matrices, the scatter's send buffer, this rank's slot and
-            Newton-Schulz's workspace for the largest owned matrix (X, its normalized copy and the
-            next iterate: 3 m n; A and B: 2 m^2, m the short side);
+            Newton-Schulz's workspace for the largest owned matrix (newton_schulz_workspace_numel);
           DP exchange: the own slot, its D-1 copies being sent and the D-1 slots received;
           apply: the D slots and two fp32 copies of the largest local parameter (its scaled pieces
             and the update assembled from them).
@@ -210,11 +212,12 @@ class MuonExchange:
         peak = 0
         for b, bucket in enumerate(self.buckets):
             in_flight = gather(b + 1)
-            ns = max((3 * math.prod(self.matrices[m].shape) + 2 * min(self.matrices[m].shape) ** 2
+            ns = max((newton_schulz_workspace_numel(self.matrices[m].shape, self.ns_steps, self.ns_form)
                       for m in self.owned(b, data_rank, tp_rank)), default=0) * ns_element_size
             slots = sum(slot(b, d) for d in range(self.dp))
             largest_local = max(local_numels[i] for i in bucket) * 4
-            pack = (owned_whole(b - 1) if b else 0) + gather(b) + largest_local * (2 if nesterov else 1)
+            fp32_copies = 1 + nesterov + (momentum_element_size < 4)
+            pack = (owned_whole(b - 1) if b else 0) + gather(b) + largest_local * fp32_copies
             peak = max(peak, pack,
                        in_flight + 2 * owned_whole(b) + slot(b, data_rank) + ns,
                        in_flight + slots + (self.dp - 1) * slot(b, data_rank),
@@ -222,8 +225,9 @@ class MuonExchange:
         return peak
 
     def max_transient_bytes(self, element_size: int, ns_element_size: int, local_numels: Sequence[int],
-                            nesterov: bool) -> int:
-        return max(self.transient_bytes(d, t, element_size, ns_element_size, local_numels, nesterov)
+                            nesterov: bool, momentum_element_size: int = 4) -> int:
+        return max(self.transient_bytes(d, t, element_size, ns_element_size, local_numels, nesterov,
+                                        momentum_element_size)
                    for d in range(self.dp) for t in range(self.tp))
 
 
