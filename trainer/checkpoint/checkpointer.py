@@ -374,8 +374,10 @@ class Checkpointer:
         if failed.item():
             self._fail(step, directory, f"rank 0: {error}" if error else "")
         if self.topology.rank == 0:
-            how = " (written in the background)" if self.config.async_save else ""
-            print(f"saved checkpoint {directory} in {time.perf_counter() - start:.2f}s{how}", flush=True)
+            seconds = time.perf_counter() - start
+            how = (f"(written in the background, published {seconds:.2f}s after its step)" if self.config.async_save
+                   else f"in {seconds:.2f}s")
+            print(f"saved checkpoint {directory} {how}", flush=True)
 
     def _write_iteration(self, directory: Path, state: dict, step: int) -> str:
         directory.mkdir(parents=True, exist_ok=True)
