@@ -6,9 +6,9 @@ python benchmarks/async_save_stall.py [--preset 150m] [--interval 4] [--saves 2]
 
 Each run trains (saves + 1) x interval steps (sequence length 128, one sequence) and saves at every
 interval; a run's end saves too (the trainer always does), so the measured window is steps 2 to the
-one before the last: it holds `saves` periodic saves, each followed by interval - 1 steps in the window
-(an asynchronous save's write overlaps them). The ratio is the mean step time (the step and its hooks:
-the save, or its host copy) over the window against the run without saves; runs alternate
+one before the last: with interval >= 2 it holds `saves` periodic saves, each followed by interval - 1
+steps in the window (an asynchronous save's write overlaps them). The ratio is the mean step time (the
+step and its hooks: the save, or its host copy) over the window against the run without saves; runs alternate
 (none, sync, async) `repeats` times, each ratio against the no-save run of its own round. The writer
 thread shares the machine's cores with training: the load average is printed with the numbers.
 The last line printed is JSON.
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="150m")
     p.add_argument("--interval", type=int, default=4, help="N: save every N steps")
-    p.add_argument("--saves", type=int, default=2, help="periodic saves inside the measured window")
+    p.add_argument("--saves", type=int, default=2, help="periodic saves before the last step's")
     p.add_argument("--repeats", type=int, default=1, help="rounds of (none, sync, async)")
     p.add_argument("--out", default=None, help="work folder (default: a temporary one, removed afterwards)")
     args = p.parse_args(argv)
@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     data = write_markov_dataset(str(work / "markov"), vocab_size=TINY_VOCAB)
     steps = (args.saves + 1) * args.interval
     window = slice(1, steps - 1)  # steps 2 .. steps - 1
+    saves_in_window = sum(1 for step in range(2, steps) if step % args.interval == 0)
     rounds = []
     for _ in range(args.repeats):
         means = {mode: statistics.mean(run(mode, args.preset, args.interval, steps, work, data)[window])
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     summary = {key: statistics.median(r[key] for r in rounds) for key in ("sync_ratio", "async_ratio")}
     print(json.dumps({"benchmark": "async_save_stall", "preset": args.preset, "interval": args.interval,
-                      "window_steps": steps - 2, "saves_in_window": args.saves, "rounds": rounds,
+                      "window_steps": steps - 2, "saves_in_window": saves_in_window, "rounds": rounds,
                       "median": summary}))
     return 0
 
