@@ -9,7 +9,9 @@ interval; a run's end saves too (the trainer always does), so the measured windo
 one before the last: with interval >= 2 it holds `saves` periodic saves, each followed by interval - 1
 steps in the window (an asynchronous save's write overlaps them). The ratio is the mean step time (the
 step and its hooks: the save, or its host copy) over the window against the run without saves; runs alternate
-(none, sync, async) `repeats` times, each ratio against the no-save run of its own round. The writer
+(none, sync, async) `repeats` times, each ratio against the no-save run of its own round. Also
+printed: the median time a save's hook held its step (`checkpoint_seconds`: the whole save, or the
+host copy plus any wait for the previous save), which the load of the machine disturbs less. The writer
 thread shares the machine's cores with training: the load average is printed with the numbers.
 The last line printed is JSON.
 """
@@ -37,18 +39,21 @@ MODES = ("none", "sync", "async")
 
 
 class TimedTrainer(Trainer):
-    """Records the wall time of each step, its step hooks included (where a save stalls training)."""
+    """Records the wall time of each step, its step hooks included (where a save stalls training), and
+    the seconds the checkpoint hook itself held the step (None: no save at that step)."""
 
     step_seconds: list[float] = []
+    save_seconds: list[float | None] = []
 
     def train_step(self):
         start = time.perf_counter()
         result = super().train_step()
         TimedTrainer.step_seconds.append(time.perf_counter() - start)
+        TimedTrainer.save_seconds.append(result.hook_values.get("checkpoint_seconds"))
         return result
 
 
-def run(mode: str, preset: str, interval: int, steps: int, work: Path, data: str) -> list[float]:
+def run(mode: str, preset: str, interval: int, steps: int, work: Path, data: str) -> tuple[list, list]:
     folder = work / mode
     shutil.rmtree(folder, ignore_errors=True)
     saves = [] if mode == "none" else ["--save", str(folder / "ckpt"), "--save-interval", str(interval),
@@ -58,10 +63,10 @@ def run(mode: str, preset: str, interval: int, steps: int, work: Path, data: str
                        "--log-interval", str(steps), *saves)
     flags[flags.index("tiny")] = preset
     flags[flags.index("--vocab-size") + 1] = str(VOCAB)
-    TimedTrainer.step_seconds = []
+    TimedTrainer.step_seconds, TimedTrainer.save_seconds = [], []
     run_trainer(flags, TimedTrainer)
     shutil.rmtree(folder, ignore_errors=True)
-    return list(TimedTrainer.step_seconds)
+    return TimedTrainer.step_seconds, TimedTrainer.save_seconds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,15 +88,20 @@ def main(argv: list[str] | None = None) -> int:
     saves_in_window = sum(1 for step in range(2, steps) if step % args.interval == 0)
     rounds = []
     for _ in range(args.repeats):
-        means = {mode: statistics.mean(run(mode, args.preset, args.interval, steps, work, data)[window])
-                 for mode in MODES}
+        means, held = {}, {}
+        for mode in MODES:
+            step_seconds, save_seconds = run(mode, args.preset, args.interval, steps, work, data)
+            means[mode] = statistics.mean(step_seconds[window])
+            held[mode] = statistics.median([s for s in save_seconds[window] if s is not None] or [0.0])
         rounds.append({**{f"{m}_step_s": means[m] for m in MODES},
                        "sync_ratio": means["sync"] / means["none"], "async_ratio": means["async"] / means["none"],
+                       "sync_save_held_s": held["sync"], "async_save_held_s": held["async"],
                        "load_average": os.getloadavg()[0]})
         r = rounds[-1]
         print(f"{args.preset}, save every {args.interval} steps: step {r['none_step_s']:.2f}s without saves | "
-              f"synchronous {r['sync_step_s']:.2f}s ({r['sync_ratio']:.2f}x) | asynchronous {r['async_step_s']:.2f}s "
-              f"({r['async_ratio']:.2f}x) | load average {r['load_average']:.1f}", flush=True)
+              f"synchronous {r['sync_step_s']:.2f}s ({r['sync_ratio']:.2f}x; a save holds its step "
+              f"{r['sync_save_held_s']:.2f}s) | asynchronous {r['async_step_s']:.2f}s ({r['async_ratio']:.2f}x; "
+              f"{r['async_save_held_s']:.2f}s) | load average {r['load_average']:.1f}", flush=True)
     if not args.out:
         shutil.rmtree(work, ignore_errors=True)
     summary = {key: statistics.median(r[key] for r in rounds) for key in ("sync_ratio", "async_ratio")}
