@@ -2,7 +2,7 @@
 same run without saves, synchronous (the default) and --async-save, at the 150m preset's shapes (the
 paper's ~128k vocabulary) on CPU in one process, the real trainer and Checkpointer.
 
-python benchmarks/async_save_stall.py [--preset 150m] [--interval 4] [--saves 2] [--repeats 1] [--out DIR]
+python benchmarks/async_save_stall.py [--preset 150m] [--interval 2] [--saves 3] [--repeats 1] [--out DIR]
 
 Each run trains (saves + 1) x interval steps (sequence length 128, one sequence) and saves at every
 interval; a run's end saves too (the trainer always does), so the measured window is steps 2 to the
@@ -72,8 +72,8 @@ def run(mode: str, preset: str, interval: int, steps: int, work: Path, data: str
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="150m")
-    p.add_argument("--interval", type=int, default=4, help="N: save every N steps")
-    p.add_argument("--saves", type=int, default=2, help="periodic saves before the last step's")
+    p.add_argument("--interval", type=int, default=2, help="N: save every N steps")
+    p.add_argument("--saves", type=int, default=3, help="periodic saves before the last step's")
     p.add_argument("--repeats", type=int, default=1, help="rounds of (none, sync, async)")
     p.add_argument("--out", default=None, help="work folder (default: a temporary one, removed afterwards)")
     args = p.parse_args(argv)
