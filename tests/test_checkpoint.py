@@ -1,4 +1,4 @@
-"""Checkpoints: exact resume at T=2 P=2 after a crash in the middle of a save (with --keep-last), and
+"""Checkpoints: exact resume at T=2 P=2 after a crash in the middle of an asynchronous save (with --keep-last), and
 for streaming MuLoCo K=2 with 2-bit compression and error feedback after a SIGTERM preemption that
 saves with a sync in flight, resharding to another T/P, and clear refusals of what cannot fit.
 Multi-process runs are tiny (6 steps) and launched by tests/_ckpt_runs.py."""
@@ -42,8 +42,10 @@ def test_resume_after_a_crash_mid_save_is_exact_at_t2_p2(base, tmp_path):
     ckpt = copy_iteration(ref / "ckpt", 3, tmp_path / "ckpt")
     resume = ("--load", str(ckpt), "--save", str(ckpt), "--save-interval", "1", *T2P2)
 
-    # Resume at step 3, save at 4, then rank 1 dies while writing step 5's checkpoint.
-    crashed = launch(base, 4, tmp_path / "run1", *resume, env={CRASH_ENV: "5:1"})
+    # Resume at step 3, save at 4, then rank 1 dies (os._exit, as kill -9: no clean-up) while writing step 5's
+    # checkpoint. The saves are asynchronous: step 4's is published when step 5's begins (at most one in
+    # flight); rank 1's writer thread dies mid-write while the ranks train on.
+    crashed = launch(base, 4, tmp_path / "run1", *resume, "--async-save", env={CRASH_ENV: "5:1"})
     assert crashed.returncode != 0
     assert latest_iteration(ckpt) == 4, "latest moved although a rank never finished its file"
     assert not (ckpt / "iter_0000005" / "complete").exists()
@@ -51,7 +53,8 @@ def test_resume_after_a_crash_mid_save_is_exact_at_t2_p2(base, tmp_path):
     reader = CheckpointReader(ckpt)  # the previous checkpoint is intact and loadable
     assert reader.meta.step == 4 and all(reader.rank_state(r)["step"] == 4 for r in range(4))
 
-    # Resume at step 4 (not a multiple of the reference's save interval) and finish, keeping the last 2.
+    # Resume at step 4 (not a multiple of the reference's save interval) and finish, keeping the last 2
+    # (synchronous saves: the state is the reference's whichever way it was saved).
     check(launch(base, 4, tmp_path / "run2", *resume, "--keep-last", "2"))
     assert not list(ckpt.glob("**/*.tmp.*")), "stale temporary files survived the next save"
     assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000005", "iter_0000006"]

@@ -39,7 +39,7 @@ def test_outer_loop_and_checkpointer_detach_when_the_block_ends_or_raises():
     outer._background = ThreadPoolExecutor(max_workers=1)
     outer._background.submit(lambda: None).result()  # its thread is running
     saver = Checkpointer.__new__(Checkpointer)
-    saver._after_step = lambda step: {"checkpoint_seconds": 0.5}
+    saver._after_step, saver._in_flight = lambda step: {"checkpoint_seconds": 0.5}, None
     with pytest.raises(RuntimeError):
         with attached_to_trainer(outer, trainer), saver.attached_to(trainer):
             assert trainer._run_step_hooks() == {"checkpoint_seconds": 0.5}

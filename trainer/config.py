@@ -91,6 +91,8 @@ class RunConfig(ConfigBlock):
     keep_last: int = setting(3, ge=1, flag="--keep-last",
                              doc="the newest N checkpoints stay, and always latest and the best validation loss")
     verify_checksums: bool = True
+    async_save: bool = setting(False, flag="--async-save",
+                               doc="write checkpoints in the background from a host copy (trainer/checkpoint/async_save.py)")
     hang_timeout_s: float = setting(1800.0, ge=0, flag="--hang-timeout-s", doc="0: no hang watchdog")
     startup_timeout_s: float | None = setting(None, gt=0, flag="--startup-timeout-s",
                                               doc="the watchdog's limit for start-up and resume (with the hang "
@@ -115,6 +117,8 @@ class RunConfig(ConfigBlock):
                                  ("--exit-duration-in-mins", self.exit_duration_in_mins is not None)) if on]
         if stops and not self.save:
             problems.append(("", f"{' and '.join(stops)} save a checkpoint before exiting: give --save DIR"))
+        if self.async_save and not self.save:
+            problems.append(("--async-save", "needs --save DIR"))
         for flag, given in (("--load-worker", self.load_worker is not None), ("--finetune", self.finetune),
                             ("--no-load-optim", not self.load_optim), ("--no-load-rng", not self.load_rng)):
             if given and not self.load:
@@ -216,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--keep-last", type=int, default=field_default(RunConfig, "keep_last"),
                    help="keep the newest N checkpoints, latest and the one of the best validation loss "
                         f"(default {field_default(RunConfig, 'keep_last')})")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background: training waits only for a copy of each rank's state "
+                        "in host memory (pinned on an accelerator); `latest` moves once every rank's file is "
+                        "written, at the next step; at most one save in flight; the run's end waits for the last")
     g.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
                    help="skip checking rank files against meta.json's SHA-256 on --load (saves a read at scale)")
     g = p.add_argument_group("faults and preemption")
@@ -320,7 +328,7 @@ def resolve(args: argparse.Namespace, world_size: int, checkpoint: CheckpointArg
 
 # RunConfig fields set by the flag of the same name.
 RUN_FLAGS = ("seed", "log_interval", "eval_interval", "eval_iters", "save", "load", "load_worker", "finetune",
-             "load_optim", "load_rng", "save_interval", "keep_last", "verify_checksums", "hang_timeout_s",
+             "load_optim", "load_rng", "save_interval", "keep_last", "verify_checksums", "async_save", "hang_timeout_s",
              "startup_timeout_s", "exit_signal_handler", "exit_interval",
              "exit_duration_in_mins", "distributed_backend", "worker_id")
 

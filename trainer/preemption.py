@@ -4,10 +4,11 @@ Clusters send SIGTERM some time before they take nodes back. With --exit-signal-
 only raises a flag; the current inner step finishes, and after it (a step hook, after the periodic
 checkpoint hook) every rank learns whether any rank was signalled, through one all-reduce of the flag
 over the world. So all ranks, in every worker, stop after the same step: they save a checkpoint
-(unless that step was just saved), the training loop ends, and each process exits 0. The same path
-serves Megatron's --exit-interval (after a step divisible by N; no collective needed) and
---exit-duration-in-mins (measured from when training started; ranks' clocks differ, so they agree
-through the same all-reduce). The cost of watching for SIGTERM or the duration is one all-reduce of
+(unless that step was just saved), the training loop ends, and each process exits 0 (with
+--async-save once that save is written and published). The same path serves Megatron's
+--exit-interval (after a step divisible by N; no collective needed) and --exit-duration-in-mins
+(measured from when training started; ranks' clocks differ, so they agree through the same
+all-reduce). The cost of watching for SIGTERM or the duration is one all-reduce of
 one number per step.
 """
 from __future__ import annotations

@@ -10,6 +10,7 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ import trainer.checkpoint.state as rank_state
 from tokenizer.identity import tokenizer_identity
 from tokenizer.interface import load_tokenizer, tokenizer_file
 from trainer import comm
+from trainer.checkpoint.async_save import BackgroundWrite, SaveInFlight
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.format import (COMPLETE, CheckpointMeta, CheckpointReader, iteration_dir,
                                        latest_iteration, prune, publish, rank_file, remove_incomplete)
@@ -253,6 +255,7 @@ class Checkpointer:
         self.param_of = {canonical[n]: p for n, p in trainer.model.named_parameters()}
         self.name_of = {p: n for n, p in self.param_of.items()}
         self.last_saved: int | None = None
+        self._in_flight: SaveInFlight | None = None  # --async-save: the save being written
         # Read once, at start: every save carries the tokenizer the run started with, even when its file
         # goes (--use-checkpoint-args' is a file of a --load iteration, which --keep-last may remove).
         tokenizer = config.data.tokenizer_model
@@ -260,10 +263,17 @@ class Checkpointer:
 
     @contextmanager
     def attached_to(self, trainer):
-        """Save at --save-interval steps and at the end while inside the block (a trainer step hook)."""
+        """Save at --save-interval steps and at the end while inside the block (a trainer step hook);
+        leaving it waits for an asynchronous save still in flight and publishes it (every rank leaves
+        together), unless the block ends in an error: then its writer is joined and nothing published."""
         handle = trainer.register_step_hook(self._after_step)
         try:
             yield self
+        except BaseException:
+            self._abandon_save()
+            raise
+        else:
+            self.wait_for_save()
         finally:
             handle.remove()
 
@@ -272,7 +282,9 @@ class Checkpointer:
     def _after_step(self, step: int) -> dict | None:
         interval = self.config.save_interval
         if step == self.config.schedule.train_iters or (interval and step % interval == 0):
-            return {"checkpoint_seconds": self.save(step)}
+            return {"checkpoint_seconds": self.save(step)}  # the seconds training waited
+        if self._in_flight is not None:
+            self._publish_if_written()
         return None
 
     def save_unless_saved(self, step: int) -> None:
@@ -294,26 +306,61 @@ class Checkpointer:
     def save(self, step: int) -> float:
         """Every rank writes its file; rank 0 then writes meta.json (with every file's SHA-256) and
         publishes. An OSError on any rank (full disk, read-only folder) stops every rank together after
-        one line from rank 0; temporary files are removed and `latest` is left as it was."""
+        one line from rank 0; temporary files are removed and `latest` is left as it was. With
+        --async-save the file is written in the background from a host copy and published at a later
+        step (trainer/checkpoint/async_save.py). Returns the seconds training waited."""
         start = time.perf_counter()
-        root = Path(self.config.save)
-        directory = iteration_dir(root, step)
+        self.wait_for_save()  # at most one save in flight
+        directory = iteration_dir(Path(self.config.save), step)
         rng = rank_state.capture_rng()  # the probe must not move any generator the run uses
         tokens = probe_tokens(self.vocab_size, min(PROBE_LENGTH, self.config.model.seq_length))
         logits = probe_logits(self.trainer.model, tokens)
         rank_state.restore_rng(rng)
         probe = None if logits is None else {"tokens": tokens, "logits": logits}
-        saved = rank_state.capture(self.trainer, self.name_of, probe)
+        # Asynchronous: a copy, since training changes the tensors while the file is written.
+        saved = rank_state.capture(self.trainer, self.name_of, probe, copy=self.config.async_save)
         one_model = rank_state.holds_global_weights(saved)
-
+        write = partial(self._write_iteration, directory, saved, step)
+        del saved  # only `write` holds the state: freed once written
+        self.last_saved = step
+        if self.config.async_save:
+            self._in_flight = SaveInFlight(step, directory, one_model, start,
+                                           BackgroundWrite(write, name=f"async-save-{step}"))
+            return time.perf_counter() - start
         digest, error = "", None
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            (directory / COMPLETE).unlink(missing_ok=True)  # re-saving a step: unpublished until done
-            digest = self._write_rank_file(rank_file(directory, self.topology.rank), saved, step)
+            digest = write()
         except OSError as err:  # its temporary file is already gone (write_durably)
             error = err
-        del saved
+        del write
+        self._finish(step, directory, digest, error, one_model, start)
+        return time.perf_counter() - start
+
+    def wait_for_save(self) -> None:
+        """Wait until the save in flight (if any) is written on this rank, then publish it as a
+        synchronous save is published. Every rank calls this together."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return
+        digest, error = in_flight.write.result()
+        self._finish(in_flight.step, in_flight.directory, digest, error, in_flight.one_model, in_flight.started)
+
+    def _publish_if_written(self) -> None:
+        """Publish the save in flight if every rank's writer has finished; else leave it (training goes on)."""
+        writing = comm.all_reduce(torch.tensor([0 if self._in_flight.write.done() else 1]))
+        if writing.item() == 0:
+            self.wait_for_save()
+
+    def _abandon_save(self) -> None:
+        """The run is ending in an error: let this rank's writer finish its file, publish nothing (the
+        other ranks may never reach the agreement; the next save removes the unpublished iteration)."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight.write.join()
+
+    def _finish(self, step: int, directory: Path, digest: str, error: OSError | None, one_model: bool,
+                start: float) -> None:
+        """Every rank, once its own file is written (or failed): agree, then rank 0 publishes."""
         outcome = self._agree_on_files(error, digest, one_model)  # also: every rank's file is durable
         if isinstance(outcome, str):
             self._fail(step, directory, outcome)
@@ -326,10 +373,16 @@ class Checkpointer:
         failed = comm.broadcast(torch.tensor([_errno(error) if error else 0]), src=0)
         if failed.item():
             self._fail(step, directory, f"rank 0: {error}" if error else "")
-        self.last_saved = step
         if self.topology.rank == 0:
-            print(f"saved checkpoint {directory} in {time.perf_counter() - start:.2f}s", flush=True)
-        return time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            how = (f"(written in the background, published {seconds:.2f}s after its step)" if self.config.async_save
+                   else f"in {seconds:.2f}s")
+            print(f"saved checkpoint {directory} {how}", flush=True)
+
+    def _write_iteration(self, directory: Path, state: dict, step: int) -> str:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / COMPLETE).unlink(missing_ok=True)  # re-saving a step: unpublished until done
+        return self._write_rank_file(rank_file(directory, self.topology.rank), state, step)
 
     def _write_rank_file(self, path: Path, state: dict, step: int) -> str:
         digest = []

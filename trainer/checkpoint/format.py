@@ -22,7 +22,9 @@ Saving (trainer/checkpoint/checkpointer.py): each rank writes its file under a t
 fsyncs and renames, hashing the bytes as they go; the ranks exchange their hashes (or their errors);
 rank 0 writes meta.json, then `complete`, then moves `latest` by rename, then removes leftovers of
 crashed saves and, with --keep-last N, all but the newest N complete checkpoints. A crash mid-save
-leaves the previous checkpoint and `latest` untouched. An OSError on any rank (full disk, read-only
+leaves the previous checkpoint and `latest` untouched. With --async-save the rank files are written
+by a background thread and the same agreement and publishing follow a few steps later
+(trainer/checkpoint/async_save.py). An OSError on any rank (full disk, read-only
 folder) ends every rank together with one `checkpoint error:` line: temporary files and the
 unpublished iteration are removed and `latest` still names the previous checkpoint.
 

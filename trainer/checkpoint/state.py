@@ -14,14 +14,34 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from trainer.checkpoint.errors import CheckpointError
 from trainer.schedule import ScheduleConfig, lr_multiplier
 
-def to_cpu(obj: Any) -> Any:
+
+def to_host(obj: Any, copy: bool = False) -> Any:
+    """`obj` with its containers rebuilt and every tensor on the host. With `copy`, each tensor is a
+    copy that training cannot change (an asynchronous save writes it while training goes on): an
+    accelerator's tensors go into pinned host memory (torch's caching host allocator reuses it from
+    one save to the next), copied asynchronously; the caller waits once for all (copy_to_host)."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
+        tensor = obj.detach()
+        if tensor.device.type == "cpu":
+            return tensor.clone() if copy else tensor
+        if not copy:
+            return tensor.cpu()
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
     if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
+        return {k: to_host(v, copy) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
+        return type(obj)(to_host(v, copy) for v in obj)
     return obj
+
+
+def copy_to_host(obj: Any) -> Any:
+    """`to_host(obj, copy=True)`, its asynchronous device-to-host copies finished."""
+    copied = to_host(obj, copy=True)
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        accelerator.synchronize()
+    return copied
 
 
 def capture_rng() -> dict:
@@ -86,10 +106,11 @@ def holds_global_weights(saved: dict) -> bool:
     return all(torch.equal(saved["model"][name], weight) for name, weight in outer["global_weights"].items())
 
 
-def capture(trainer, name_of: dict[torch.Tensor, str], probe: dict | None) -> dict:
-    """This rank's whole state at the end of step `trainer.step` (RNG first: nothing may draw before)."""
+def capture(trainer, name_of: dict[torch.Tensor, str], probe: dict | None, copy: bool = False) -> dict:
+    """This rank's whole state at the end of step `trainer.step` (RNG first: nothing may draw before),
+    on the host; with `copy`, in tensors of its own (see to_host), else CPU tensors may be the trainer's."""
     engine = trainer.engine
-    return to_cpu({
+    return (copy_to_host if copy else to_host)({
         "rng": capture_rng(),
         "step": trainer.step,
         "model": {name_of[p]: p for p in trainer.model.parameters()},
