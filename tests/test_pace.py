@@ -15,7 +15,7 @@ import torch
 from fake_wire import Board, FakeStatic, run_ranks
 from test_outer_sync import KEY, SHAPES, FakeClock, Worker, checksums, global_by_name
 from trainer.diloco.config import MuLoCoConfig
-from trainer.diloco.pace import Contribution, PaceConfig
+from trainer.diloco.pace import Contribution, PaceConfig, auto_deadline
 from trainer.errors import ConfigError
 from trainer.typed_json import load
 
@@ -155,6 +155,14 @@ def test_a_slowed_down_worker_sleeps_its_factor_after_each_inner_step():
     workers = run(config, [0.5, 0.5], 8)
     assert [w.clock() for w in workers] == [4.0, 0.5 + 7 * 1.5]
     assert [r["step_seconds"] for r in workers[0].worker.records] == [0.5, 0.5]
+
+
+def test_the_auto_deadline_waits_for_workers_at_full_speed_not_for_a_straggler():
+    def at(*seconds_per_step):
+        return [Contribution(4, 128.0, 0.4, 0.4, s) for s in seconds_per_step]
+    assert auto_deadline(at(1.0, 1.2, 2.0), 10) == 12.0  # 1.2 is within 25% of 1.0: its noise, not a straggler
+    assert auto_deadline(at(1.0, 1.3), 10) == 10.0
+    assert auto_deadline(at(0.0, 0.0), 10) is None
 
 
 def test_the_contribution_rides_the_header_and_a_malformed_one_skips_the_sync_for_everyone():

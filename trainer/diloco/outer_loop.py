@@ -268,7 +268,7 @@ class OuterLoop:
         deltas = [spec.layout.flatten([self.state.delta(i) for i in spec.indices]) for spec in self.buckets[fragment]]
         schedule = self.host.schedule_state() if self.host is not None else None
         step_seconds = self._recent_step_seconds()
-        contribution = self.pacer.contribution(self.host.tokens_per_step, step_seconds) if self.pacer else None
+        contribution = self.pacer.contribution(self.clock(), self.host.tokens_per_step) if self.pacer else None
         task = SyncTask(fragment, step, self.state.outer_step + 1, schedule, step_seconds, contribution)
         tau = 0 if final else self._overlap(fragment)
         if tau == 0:

@@ -5,9 +5,10 @@ Pacing (`muloco.pace`, `mode: "wall_clock"`). Each worker trains until the inter
 (`sync_interval`) inner steps, whichever comes first, then syncs: a slow worker contributes fewer
 inner steps instead of holding the others at the barrier. The deadline is measured on the worker's
 own clock from the end of the previous sync (every worker leaves a sync when its collective
-completes, so no clock agreement is needed); it is `interval_s`, or with `"auto"` H times the fastest
-worker's median inner step time, read from the previous sync's headers (so every worker sets the same
-one; the first interval has none: H steps everywhere). A worker stops once its next step would end
+completes, so no clock agreement is needed); it is `interval_s`, or with `"auto"` H times the wall time
+per inner step over the last interval of the slowest worker within 25% of the fastest, read from the
+previous sync's headers (so every worker sets the same one; the first interval has none: H steps
+everywhere). A worker stops once its next step would end
 more than half a step past the deadline.
 
 The run's position stays the nominal one: a worker that stops after n < H steps moves its step to the
@@ -19,7 +20,7 @@ is a resume of the fixed-H run (the deadline of the interval after it is the sav
 Contribution. With pacing the header of the exchange's first collective carries, after the skip
 vote's ballot, each worker's interval: inner steps n_k, tokens t_k, the summed inner lr S_k of the
 steps it took, the summed lr S_H of the interval's H nominal steps (the same on every worker), and its
-median inner step time.
+interval's wall time per inner step.
 
 The merge and its correction (in the spirit of AutoLoCo, arXiv 2609.36662, and of Decoupled DiLoCo's
 token weighting, arXiv 2604.21428; the formula is ours). A pseudogradient grows with the inner lr the
@@ -41,8 +42,9 @@ import torch
 
 from trainer.typed_json import ConfigBlock, setting
 
-CONTRIBUTION_VALUES = 5  # steps, tokens, lr_sum, interval_lr_sum, step_seconds (float64)
+CONTRIBUTION_VALUES = 5  # steps, tokens, lr_sum, interval_lr_sum, seconds_per_step (float64)
 CONTRIBUTION_BYTES = 8 * CONTRIBUTION_VALUES
+AUTO_PEERS = 1.25  # `interval_s: "auto"`: workers this close to the fastest count as at full speed
 
 
 @dataclass(frozen=True)
@@ -52,8 +54,8 @@ class PaceConfig(ConfigBlock):
                      "deadline or H steps, and the merge weights by tokens with the unequal-step correction")
     interval_s: float | Literal["auto"] = setting(
         "auto", gt=0, doc="the deadline, seconds after the previous sync ended on the worker's own clock; `auto`: H "
-                          "times the fastest worker's median inner step time at the previous sync (none before the "
-                          "first sync)")
+                          "times the wall time per inner step over the previous interval of the slowest worker within "
+                          "25% of the fastest (none before the first sync)")
     min_steps: int = setting(1, ge=1, doc="inner steps a worker takes in an interval whatever the deadline")
 
     @property
@@ -68,23 +70,23 @@ class Contribution:
     tokens: float  # tokens (samples for a DeepSpeed engine) they consumed
     lr_sum: float  # S_k: the summed inner lr of those steps
     interval_lr_sum: float  # S_H: the summed inner lr of the interval's H nominal steps
-    step_seconds: float  # the worker's median inner step time (0: not measured)
+    seconds_per_step: float  # its interval's wall time (previous sync's end to this one's start) per inner step
 
     def encode(self) -> torch.Tensor:
-        values = [float(self.steps), self.tokens, self.lr_sum, self.interval_lr_sum, self.step_seconds]
+        values = [float(self.steps), self.tokens, self.lr_sum, self.interval_lr_sum, self.seconds_per_step]
         return torch.tensor(values, dtype=torch.float64).view(torch.uint8)
 
     @classmethod
     def decode(cls, data: torch.Tensor) -> Contribution:
-        steps, tokens, lr_sum, interval_lr_sum, step_seconds = data.cpu().clone().view(torch.float64).tolist()
-        return cls(int(steps), tokens, lr_sum, interval_lr_sum, step_seconds)
+        steps, tokens, lr_sum, interval_lr_sum, seconds_per_step = data.cpu().clone().view(torch.float64).tolist()
+        return cls(int(steps), tokens, lr_sum, interval_lr_sum, seconds_per_step)
 
     def problem(self) -> str | None:
         """Why a received contribution cannot be merged (a weight from it would be meaningless)."""
-        values = (self.tokens, self.lr_sum, self.interval_lr_sum, self.step_seconds)
+        values = (self.tokens, self.lr_sum, self.interval_lr_sum, self.seconds_per_step)
         if self.steps < 1 or not all(v == v and abs(v) != float("inf") for v in values):
             return f"its contribution {self} is not a count of steps with finite sums"
-        if self.tokens <= 0 or self.lr_sum <= 0 or self.interval_lr_sum <= 0 or self.step_seconds < 0:
+        if self.tokens <= 0 or self.lr_sum <= 0 or self.interval_lr_sum <= 0 or self.seconds_per_step < 0:
             return f"its contribution {self} has a non-positive tokens or lr sum"
         return None
 
@@ -125,9 +127,14 @@ def momentum_exponent(contributions: list[Contribution]) -> float:
 
 
 def auto_deadline(contributions: list[Contribution], sync_interval: int) -> float | None:
-    """`interval_s: "auto"`: H times the fastest worker's median step time (None: none was measured)."""
-    measured = [c.step_seconds for c in contributions if c.step_seconds > 0]
-    return sync_interval * min(measured) if measured else None
+    """`interval_s: "auto"`: H times the wall time per inner step over the last interval (what the training
+    loop does between steps included) of the slowest worker at full speed, those within AUTO_PEERS of
+    the fastest: the noise between workers at full speed does not stop them short of H steps, and a
+    straggler beyond it does not hold them (None: nothing was measured)."""
+    measured = [c.seconds_per_step for c in contributions if c.seconds_per_step > 0]
+    if not measured:
+        return None
+    return sync_interval * max(r for r in measured if r <= AUTO_PEERS * min(measured))
 
 
 class Pacer:
@@ -159,13 +166,16 @@ class Pacer:
             self.interval_lr_sum += lr
 
     def due(self, now: float, step_seconds: float) -> bool:
-        """Whether the interval ends now: the next step would end over half a step past the deadline."""
+        """Whether the interval ends now: the next step (`step_seconds`, the worker's recent median) would
+        end over half a step past the deadline."""
         if self.deadline is None or self.steps < self.config.min_steps:
             return False
         return now - self.started + step_seconds / 2 > self.deadline
 
-    def contribution(self, tokens_per_step: float, step_seconds: float) -> Contribution:
-        return Contribution(self.steps, self.steps * tokens_per_step, self.lr_sum, self.interval_lr_sum, step_seconds)
+    def contribution(self, now: float, tokens_per_step: float) -> Contribution:
+        """The interval ending `now` (its sync starts)."""
+        return Contribution(self.steps, self.steps * tokens_per_step, self.lr_sum, self.interval_lr_sum,
+                            (now - self.started) / self.steps)
 
     def synced(self, contributions: list[Contribution]) -> None:
         """The next deadline, from the headers of the sync just done (the same on every worker)."""
