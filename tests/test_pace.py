@@ -148,6 +148,19 @@ def test_three_workers_of_10_7_and_4_steps_merge_by_tokens_with_the_unequal_step
         assert w.worker.trainer.engine.lr_scheduler.last_epoch == 20  # the schedule stepped past the skipped steps
 
 
+def test_a_deadline_shorter_than_a_step_still_lets_each_worker_take_min_steps():
+    """interval_s 0.5 s against steps of 1 s: every worker takes its min_steps (2) of each interval of 4,
+    then goes on from the sync's step; equal contributions are the plain average, and the momentum
+    decays by the lr the workers accumulated over the interval's."""
+    config = paced_config(pace=PaceConfig(mode="wall_clock", interval_s=0.5, min_steps=2))
+    workers = run(config, [1.0] * 3, 8)
+    assert [w.taken for w in workers] == [[1, 2, 5, 6]] * 3
+    exponents = [r["momentum_exponent"] for r in workers[0].worker.records]
+    assert exponents == pytest.approx([(1 + 1 / 2) / sum(1 / j for j in range(1, 5)),
+                                       (1 / 5 + 1 / 6) / sum(1 / j for j in range(5, 9))], rel=1e-12)
+    assert len(checksums([w.worker for w in workers])) == 1
+
+
 def test_a_slowed_down_worker_sleeps_its_factor_after_each_inner_step():
     """emulate_slowdown 3: every inner step after the first (the first has no start time) takes three
     times its own time on the worker's clock, which its records' step time shows."""
