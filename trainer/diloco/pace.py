@@ -103,9 +103,13 @@ class TokenWeights:
         return c.tokens / c.lr_sum
 
     def scale(self, kept: list[int]) -> float:
-        total = sum(self.contributions[k].tokens for k in kept)
-        mean_lr_sum = sum(self.contributions[k].tokens * self.contributions[k].lr_sum for k in kept) / total
-        return mean_lr_sum / total
+        contributions = [self.contributions[k] for k in kept]
+        return token_weighted_lr_sum(contributions) / sum(c.tokens for c in contributions)
+
+
+def token_weighted_lr_sum(contributions: list[Contribution]) -> float:
+    """S_bar = sum_k (t_k / T) S_k."""
+    return sum(c.tokens * c.lr_sum for c in contributions) / sum(c.tokens for c in contributions)
 
 
 def merge_weights(contributions: dict[int, Contribution]) -> TokenWeights | None:
@@ -121,9 +125,7 @@ def momentum_exponent(contributions: list[Contribution]) -> float:
     if len({(c.tokens, c.lr_sum) for c in contributions}) <= 1 and all(
             c.lr_sum == c.interval_lr_sum for c in contributions):
         return 1.0
-    total = sum(c.tokens for c in contributions)
-    mean_lr_sum = sum(c.tokens * c.lr_sum for c in contributions) / total
-    return mean_lr_sum / max(c.interval_lr_sum for c in contributions)
+    return token_weighted_lr_sum(contributions) / max(c.interval_lr_sum for c in contributions)
 
 
 def auto_deadline(contributions: list[Contribution], sync_interval: int) -> float | None:
