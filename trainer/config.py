@@ -123,6 +123,21 @@ class RunConfig(ConfigBlock):
                             ("--no-load-optim", not self.load_optim), ("--no-load-rng", not self.load_rng)):
             if given and not self.load:
                 problems.append((flag, "needs --load DIR"))
+        if self.muloco is not None and self.muloco.pace.paced:
+            problems += self._paced_problems(self.muloco.sync_interval)
+        return problems
+
+    def _paced_problems(self, interval: int) -> list[Problem]:
+        """Wall-clock pacing: workers take different numbers of inner steps between syncs (a slow one
+        jumps to the sync's step), so whatever every worker must do at one step happens at sync steps."""
+        problems = [(flag, f"({value}) must be a multiple of muloco.sync_interval ({interval}) with muloco.pace.mode "
+                           "'wall_clock': a worker that ends an interval early skips the steps before the sync")
+                    for flag, value in (("--save-interval", self.save_interval), ("--exit-interval", self.exit_interval))
+                    if value is not None and value % interval]
+        problems += [(flag, "is not supported with muloco.pace.mode 'wall_clock' yet: its all-reduce after every inner "
+                            "step needs every worker to take the same steps")
+                     for flag, on in (("--exit-signal-handler", self.exit_signal_handler),
+                                      ("--exit-duration-in-mins", self.exit_duration_in_mins is not None)) if on]
         return problems
 
     @property
@@ -159,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--worker-id", type=int, default=None,
                    help="elastic MuLoCo (muloco.elastic): this launch is worker k, a world of D x P x T ranks")
+    g.add_argument("--emulate-slowdown", type=float, nargs="+", default=None, metavar="F",
+                   help="one factor per worker: each worker sleeps after every inner step so it takes F times as long "
+                        "(muloco.emulate_slowdown; tests and benchmarks of unequal workers)")
     g.add_argument("--no-final-sync", dest="final_sync", action="store_const", const=False, default=None,
                    help="end the run without the last outer sync (muloco.final_sync false): its last checkpoint then "
                         "holds K models (export takes the global weights, or --worker k)")
@@ -270,12 +288,14 @@ def with_flags(raw: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str,
         if getattr(args, dest) is not None:
             set_path(raw, path, getattr(args, dest))
             origins[path] = _flag(dest)
-    if args.final_sync is not None:  # a setting of the muloco block only: it must not create one
+    # Settings of the muloco block only: a flag must not create one.
+    for key, flag in (("final_sync", "--no-final-sync"), ("emulate_slowdown", "--emulate-slowdown")):
+        if getattr(args, key) is None:
+            continue
         if not isinstance(raw.get("muloco"), dict):
-            raise ConfigError("--no-final-sync: the ds_config has no muloco block (a data-parallel run has no outer "
-                              "syncs)")
-        raw["muloco"]["final_sync"] = args.final_sync
-        origins["muloco.final_sync"] = "--no-final-sync"
+            raise ConfigError(f"{flag}: the ds_config has no muloco block (a data-parallel run has no outer syncs)")
+        raw["muloco"][key] = getattr(args, key)
+        origins[f"muloco.{key}"] = flag
     return raw, origins
 
 

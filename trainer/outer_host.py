@@ -66,6 +66,24 @@ class TrainerHost:
     def weights_written(self) -> None:
         pass  # the inner optimizer updates the parameters themselves: nothing derives from them
 
+    @property
+    def tokens_per_step(self) -> float:
+        config = self.trainer.config
+        return config.batch.per_worker * config.model.seq_length
+
+    def inner_lr(self) -> float:
+        return self.trainer.engine.optimizer.param_groups[0]["lr"]
+
+    def skip_to(self, step: int) -> list[float]:
+        # The schedule steps as the engine's step would have stepped it; the data position is the step.
+        engine, lrs = self.trainer.engine, []
+        while self.trainer.step < step:
+            lrs.append(self.inner_lr())
+            engine.lr_scheduler.step()
+            self.trainer.step += 1
+        engine.set_step(step)
+        return lrs
+
 
 @contextlib.contextmanager
 def attached_to_trainer(outer: OuterLoop, trainer):

@@ -50,7 +50,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -381,34 +381,52 @@ class _Decodings:
         return decoded
 
     def sum_in_rank_order(self, senders: Sequence[int], payloads: Callable[[int], torch.Tensor],
-                          compressor: Compressor, layout: Layout, device) -> tuple[torch.Tensor | None, list[int]]:
-        """(sum of the senders' decodings that pass, the senders summed). Sums in rank order, so every
-        rank does the same fp32 operations; only one decoding is alive besides the running sum."""
+                          compressor: Compressor, layout: Layout, device, weights: Weights | None = None
+                          ) -> tuple[torch.Tensor | None, list[int]]:
+        """(sum of the senders' decodings that pass, each times its `weights` factor when given, the
+        senders summed). Sums in rank order, so every rank does the same fp32 operations; only one
+        decoding is alive besides the running sum."""
         total, summed = None, []
         for sender in senders:
             if sender in self.failed:
                 continue
             decoded = self.decode(sender, compressor, payloads(sender), layout, device)
-            if decoded is not None:
+            if decoded is None:
+                continue
+            if weights is None:
                 total = decoded.clone() if total is None else total.add_(decoded)
-                summed.append(sender)
+            else:
+                factor = weights.factor(sender)
+                total = decoded.mul(factor) if total is None else total.add_(decoded, alpha=factor)
+            summed.append(sender)
         return total, summed
 
 
 def _average_over(kept: list[int], totals: list[tuple[torch.Tensor | None, list[int]]], buckets: Sequence[Bucket],
-                  layouts: Sequence[Layout], payloads: Callable[[int, int], torch.Tensor]) -> list[torch.Tensor]:
-    """Each bucket's average over the `kept` senders: the running sums where they hold exactly those
-    senders, else summed again (a sender rejected after its bucket was summed: rare, the failure path)."""
+                  layouts: Sequence[Layout], payloads: Callable[[int, int], torch.Tensor],
+                  weights: Weights | None) -> list[torch.Tensor]:
+    """Each bucket's average over the `kept` senders (plain, or the `weights`' merge): the running
+    sums where they hold exactly those senders, else summed again (a sender rejected after its bucket
+    was summed: rare, the failure path)."""
     averages = []
     for i, ((total, summed), bucket, layout) in enumerate(zip(totals, buckets, layouts)):
         if summed != kept:
             total, _ = _Decodings().sum_in_rank_order(kept, lambda r: payloads(r, i), bucket.compressor, layout,
-                                                      bucket.flat.device)
-        averages.append(total.div_(len(kept)))
+                                                      bucket.flat.device, weights)
+        averages.append(total.div_(len(kept)) if weights is None else total.mul_(weights.scale(kept)))
     return averages
 
 
+class Weights(Protocol):
+    """A weighted merge (trainer/diloco/pace.py): sum_k factor(k) x_k, times scale(kept senders)."""
+
+    def factor(self, sender: int) -> float: ...
+
+    def scale(self, kept: list[int]) -> float: ...
+
+
 Choose = Callable[[list["torch.Tensor | None"]], tuple[list[int], dict[int, str]]]
+Weigh = Callable[[list["torch.Tensor | None"]], "Weights | None"]  # the senders' headers -> their merge's weights
 
 
 def everyone(headers: list[torch.Tensor | None]) -> tuple[list[int], dict[int, str]]:
@@ -418,21 +436,23 @@ def everyone(headers: list[torch.Tensor | None]) -> tuple[list[int], dict[int, s
 
 def average_buckets(buckets: Sequence[Bucket], wire: Wire, collective: str, context: str,
                     header: torch.Tensor | None = None, choose: Choose = everyone,
-                    max_norm_ratio: float = math.inf, leave_out: bool = False) -> Exchanged:
+                    max_norm_ratio: float = math.inf, leave_out: bool = False, weigh: Weigh | None = None
+                    ) -> Exchanged:
     """Average each bucket over the senders `choose` picks from every rank's `header` (uint8, the same
     size on every rank, delivered with the first collective; it returns the senders and why each
     other rank is not one). Ranks not chosen still take part in the collectives and receive the
     average. Every chosen payload is checked (see the module docstring); with `leave_out` the average
     is over the senders that pass, else any rejection drops it (`averaged` is empty). Decoding happens
-    on each bucket's own device. With a header the collectives run even when there are no buckets."""
+    on each bucket's own device. With a header the collectives run even when there are no buckets.
+    `weigh` (when given) turns the headers into the weights of the merge (None from it: the plain average)."""
     header = torch.empty(0, dtype=torch.uint8) if header is None else header
     if collective == "all_gather":
-        return _all_gather_average(buckets, wire, context, header, choose, max_norm_ratio, leave_out)
-    return _reduce_scatter_average(buckets, wire, context, header, choose, max_norm_ratio, leave_out)
+        return _all_gather_average(buckets, wire, context, header, choose, max_norm_ratio, leave_out, weigh)
+    return _reduce_scatter_average(buckets, wire, context, header, choose, max_norm_ratio, leave_out, weigh)
 
 
 def _all_gather_average(buckets: Sequence[Bucket], wire: Wire, context: str, header: torch.Tensor, choose: Choose,
-                        max_norm_ratio: float, leave_out: bool) -> Exchanged:
+                        max_norm_ratio: float, leave_out: bool, weigh: Weigh | None) -> Exchanged:
     encoded = [_encode_chunks(bucket)[0] for bucket in buckets]
     layouts = [bucket.layout.chunks[0] for bucket in buckets]
     head = torch.cat([_claim(sum(squared_norm(e.decoded) for e in encoded)), header.cpu()])
@@ -445,9 +465,11 @@ def _all_gather_average(buckets: Sequence[Bucket], wire: Wire, context: str, hea
     headers = [parts[r][0][CLAIM_BYTES:] if r in parts else None for r in range(wire.size)]
 
     senders, left_out = choose(headers)
+    weights = weigh(headers) if weigh is not None else None
     decodings = _Decodings()
     decodings.failed.update({r: failed.get(r, AUTHENTICATION) for r in senders if r not in parts})
-    totals = [decodings.sum_in_rank_order(senders, lambda r: parts[r][i], bucket.compressor, layout, bucket.flat.device)
+    totals = [decodings.sum_in_rank_order(senders, lambda r: parts[r][i], bucket.compressor, layout, bucket.flat.device,
+                                          weights)
               for i, (bucket, layout) in enumerate(zip(buckets, layouts), start=1)]
     claims = {r: _read_claim(parts[r][0]) for r in senders if r in parts}
     rejected = _verdicts(senders, decodings.failed, decodings.measured, claims, max_norm_ratio)
@@ -455,13 +477,13 @@ def _all_gather_average(buckets: Sequence[Bucket], wire: Wire, context: str, hea
     rejected.update(left_out)
     if not kept or (rejected.keys() - left_out.keys() and not leave_out):
         return Exchanged([], headers, rejected)
-    averages = _average_over(kept, totals, buckets, layouts, lambda r, i: parts[r][i + 1])
+    averages = _average_over(kept, totals, buckets, layouts, lambda r, i: parts[r][i + 1], weights)
     return Exchanged([Averaged(average, bucket.flat - own.decoded)
                       for average, bucket, own in zip(averages, buckets, encoded)], headers, rejected)
 
 
 def _reduce_scatter_average(buckets: Sequence[Bucket], wire: Wire, context: str, header: torch.Tensor, choose: Choose,
-                            max_norm_ratio: float, leave_out: bool) -> Exchanged:
+                            max_norm_ratio: float, leave_out: bool, weigh: Weigh | None) -> Exchanged:
     size, me, n = wire.size, wire.rank, len(buckets)
     encoded = [_encode_chunks(bucket) for bucket in buckets]  # [bucket][chunk]
 
@@ -488,17 +510,18 @@ def _reduce_scatter_average(buckets: Sequence[Bucket], wire: Wire, context: str,
     # Phase 2: check the chunks this rank owns from the senders its headers choose, average them in
     # rank order and re-quantize.
     senders, left_out = choose(headers)
+    weights = weigh(headers) if weigh is not None else None
     owned = [chunks[i][me] for i in range(n)]
     decodings = _Decodings()
     decodings.failed.update({src: failed.get(src, AUTHENTICATION) for src in senders if src not in parts})
     totals = [decodings.sum_in_rank_order(senders, lambda src: parts[src][i], bucket.compressor, layout,
-                                          bucket.flat.device)
+                                          bucket.flat.device, weights)
               for i, (bucket, layout) in enumerate(zip(buckets, owned), start=1)]
     claims = {src: _read_claim(parts[src][0]) for src in senders if src in parts}
     verdicts = {**left_out, **_verdicts(senders, decodings.failed, decodings.measured, claims, max_norm_ratio)}
 
     def requantize(kept: list[int]) -> list[Encoded]:
-        averages = (_average_over(kept, totals, buckets, owned, lambda src, i: parts[src][i + 1]) if kept else
+        averages = (_average_over(kept, totals, buckets, owned, lambda src, i: parts[src][i + 1], weights) if kept else
                     [torch.zeros(sum(r * c for r, c in layout), device=b.flat.device) for b, layout in zip(buckets, owned)])
         return [bucket.compressor.encode_bucket(average, layout)
                 for bucket, average, layout in zip(buckets, averages, owned)]

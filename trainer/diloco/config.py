@@ -6,6 +6,7 @@
       "collective": "all_gather", "streaming": {"fragments": 1, "overlap_steps": 0}, ...
       "auth": {"key_file": "job.key", "job_id": "run-42"} | "none",   the job secret (trainer/diloco/auth.py)
       "elastic": {...}              each worker its own job, a fault-tolerant outer group (trainer/elastic/config.py)
+      "pace": {"mode": "wall_clock"}  workers of unequal speed sync on a deadline (trainer/diloco/pace.py)
     }
 
 Each key's meaning, default and range are its field's `setting` below (the README's reference is
@@ -26,6 +27,7 @@ from typing import Literal, get_args
 
 from trainer.diloco.auth import AuthConfig
 from trainer.diloco.link import SlowLink
+from trainer.diloco.pace import PaceConfig
 from trainer.elastic.config import ElasticConfig
 from trainer.typed_json import ConfigBlock, Problem, setting
 
@@ -109,6 +111,12 @@ class MuLoCoConfig(ConfigBlock):
                                                     "peers' median, or any NaN/Inf, skips the sync for everyone")
     link: SlowLink | None = setting(None, doc="emulate a slow link on one machine (benchmarks): "
                                               "`{\"bandwidth_gbit_s\": 10, \"latency_ms\": 50}`")
+    emulate_slowdown: tuple[float, ...] | None = setting(
+        None, doc="emulate workers of unequal speed on one machine (tests, benchmarks): one factor per worker, each "
+                  "worker sleeping after every inner step so it takes that many times as long (`--emulate-slowdown "
+                  "1 1 2`)")
+    pace: PaceConfig = setting(factory=PaceConfig, doc="when a sync comes: after H steps, or on a wall-clock deadline "
+                                                       "for workers of unequal speed (below)")
     identical_worker_data: bool = setting(False, doc="every worker reads worker 0's data (a test identity)")
     sync_timeout_s: float = setting(60.0, gt=0, doc="elastic workers: a peer silent this long is dropped from the sync")
     auth: AuthConfig | Literal["none"] = setting(
@@ -131,6 +139,21 @@ class MuLoCoConfig(ConfigBlock):
             key = "max_overlap_steps" if self.streaming.overlap_steps == "auto" else "overlap_steps"
             problems.append((f"streaming.{key}", f"({self.streaming.largest_overlap}) must be below "
                                                  f"sync_interval ({self.sync_interval})"))
+        if self.emulate_slowdown is not None and (len(self.emulate_slowdown) != self.workers or not all(
+                f >= 1 for f in self.emulate_slowdown)):
+            problems.append(("emulate_slowdown", f"must be one factor >= 1 per worker ({self.workers}), got "
+                                                 f"{list(self.emulate_slowdown)}"))
+        if self.pace.paced:
+            unsupported = [  # (key, what, why), each refused in one line rather than half supported
+                ("streaming.fragments", self.streaming.fragments > 1, f"({self.streaming.fragments})",
+                 "their staggered offsets assume every worker takes every step"),
+                ("streaming.overlap_steps", self.streaming.overlap_steps != 0, f"({self.streaming.overlap_steps!r})",
+                 "a sync in flight would land after a number of steps that differs between workers"),
+                ("elastic", self.elastic is not None, "(an elastic block)",
+                 "its quorum is asked for one inner step ahead of a sync whose step the deadline decides"),
+            ]
+            problems += [(key, f"{what} is not supported with pace.mode 'wall_clock' yet: {why}")
+                         for key, given, what, why in unsupported if given]
         if self.streaming.overlap_steps == "auto" and self.elastic is not None:
             problems.append(("streaming.overlap_steps", "'auto' is not supported with an elastic block yet (a worker "
                                                         "that catches up has not seen its peers' timings): set a number"))

@@ -39,7 +39,9 @@ compression group, 1-D tensors "vector", the rest "matrix"; fragments are contig
 parameters in module order, balanced by bytes (the same on every rank, also under ZeRO).
 
 The position of the run is `engine.global_steps`: a worker that catches up from its peers (the elastic
-mode) moves it and the lr schedule; a loop that draws its data by step should read it there.
+mode), or that ends an interval at its deadline (`muloco.pace`, wall-clock pacing), moves it and the
+lr schedule; a loop that draws its data by step should read it there, and with pacing loop
+`while engine.global_steps < last_step` (a slow worker takes fewer steps than the others).
 """
 from __future__ import annotations
 
@@ -197,6 +199,23 @@ class EngineHost:
                 group["lr"] = lr
         engine.global_steps = step
         engine.global_samples = step * engine.train_batch_size()
+
+    @property
+    def tokens_per_step(self) -> float:
+        return float(self.engine.train_batch_size())  # samples: the hook does not know the sequence length
+
+    def inner_lr(self) -> float:
+        return self.engine.optimizer.param_groups[0]["lr"]
+
+    def skip_to(self, step: int) -> list[float]:
+        engine, lrs = self.engine, []
+        while engine.global_steps < step:
+            lrs.append(self.inner_lr())
+            if engine.lr_scheduler is not None:
+                engine.lr_scheduler.step()
+            engine.global_steps += 1
+        engine.global_samples = step * engine.train_batch_size()
+        return lrs
 
     def weights_written(self) -> None:
         if hasattr(self.engine.optimizer, "update_lp_params"):  # the model's weights derive from the partitions

@@ -22,6 +22,11 @@ task at a time (syncs and metrics in the order every rank submits them), on the 
 groups, so it never interleaves with the training loop's collectives. One inner step before a sync
 launches, the membership is told (`prepare`): the elastic one asks for its quorum then.
 
+With wall-clock pacing (`pace.mode: "wall_clock"`, pace.py) a worker ends an interval at its deadline
+or after H steps, moves to the sync's step (`Host.skip_to`) and syncs with its interval's contribution
+in the header; the merge weights contributions by tokens and the outer momentum takes the correction
+for unequal step counts. `emulate_slowdown` makes a worker sleep after each inner step (benchmarks).
+
 A member that is behind (the elastic mode) receives a peer's state first (`peer_state`,
 `check_peer_state`, `load_peer_state`), then goes on from the peers' position (the host's step and
 lr schedule).
@@ -44,6 +49,7 @@ from trainer.diloco.collectives import Averaged
 from trainer.diloco.config import MuLoCoConfig
 from trainer.diloco.membership import Membership
 from trainer.diloco.outer_state import OuterState
+from trainer.diloco.pace import Pacer
 from trainer.diloco.plan import SyncedTensor, owned_by, plan_buckets, sync_offsets
 from trainer.diloco.sync import SyncBody, SyncResult, SyncTask
 from trainer.topology import Topology
@@ -65,6 +71,16 @@ class Host(Protocol):
     def weights_written(self) -> None:
         """The outer loop wrote the local weights outside an optimizer step's own update: refresh
         whatever the host derives from them (DeepSpeed's bf16 copies of its fp32 master partitions)."""
+
+    # Wall-clock pacing only (pace.py):
+    tokens_per_step: float  # what one inner step of this worker consumes (only ratios between workers matter)
+
+    def inner_lr(self) -> float:
+        """The lr the coming inner step uses (the first parameter group's: only ratios matter)."""
+
+    def skip_to(self, step: int) -> list[float]:
+        """Move the run forward to `step` as if the steps in between were taken (the lr schedule steps,
+        the data position follows the step); the lrs those steps would have used."""
 
 
 AUTO_FIRST_OVERLAP = 1  # `overlap_steps: "auto"`: a fragment's first sync, before any timing is known
@@ -88,9 +104,10 @@ def _done(result) -> Future:
 class OuterLoop:
     def __init__(self, config: MuLoCoConfig, tensors: list[SyncedTensor], topology: Topology,
                  log: Callable[[dict, int], None], membership: Membership, replicated: bool = True,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep):
         """`tensors` (plan.synced_tensors) are replicated over the worker's inner-DP replicas
-        (`replicated`), or each rank's own shard. `clock` times the inner steps and the syncs."""
+        (`replicated`), or each rank's own shard. `clock` times the inner steps, the syncs and the pacing's
+        deadlines; `sleep` waits out an emulated slowdown."""
         self.config, self.topology, self.log, self.membership = config, topology, log, membership
         self.tensors, self.replicated = tensors, replicated
         F = config.streaming.fragments
@@ -99,7 +116,9 @@ class OuterLoop:
         self.buckets = [plan_buckets(tensors, owned, fragment, config) for fragment in range(F)]
         self.offsets = sync_offsets(config.sync_interval, F)
         device = tensors[0].tensor.device if tensors else comm.compute_device()
-        self.clock = clock
+        self.clock, self.sleep = clock, sleep
+        self.slowdown = config.emulate_slowdown[topology.coords.worker] if config.emulate_slowdown else 1.0
+        self.pacer = Pacer(config.pace, config.sync_interval) if config.pace.paced else None
         self.body = SyncBody(config, self.buckets, device, membership, topology.sizes.ranks_per_worker, self._context,
                              clock)
         self.pending: list[_Pending] = []
@@ -122,6 +141,8 @@ class OuterLoop:
         self.host = host
         try:
             self.membership.join(self)
+            if self.pacer is not None:
+                self.pacer.start(self.clock(), host.inner_lr())
             yield self
             self.finish()  # a failed run skips this: its peers may never finish these syncs
         finally:
@@ -150,7 +171,11 @@ class OuterLoop:
 
     def after_inner_step(self, step: int) -> None:
         if self._step_started is not None:  # the inner step's own time, without the outer loop's
+            if self.slowdown != 1.0:  # an emulated slow worker: its step takes `slowdown` times as long
+                self.sleep((self.slowdown - 1.0) * (self.clock() - self._step_started))
             self._step_seconds.append(self.clock() - self._step_started)
+        if self.pacer is not None:
+            step = self._paced(step)
         self._hold_global.clear()  # the inner step moved every fragment's local weights
         self._log_statistics(wait=False)
         with self.state.lock:
@@ -170,6 +195,28 @@ class OuterLoop:
             if syncs_next or (step + 1 == last and self.config.final_sync):
                 self.membership.prepare(self._background, step + 1)
         self._step_started = self.clock()
+
+    def _paced(self, step: int) -> int:
+        """Wall-clock pacing: the step the run is at after inner step `step`, the sync's own step when
+        this worker's deadline has come (it moves there: `Host.skip_to`)."""
+        self.pacer.stepped(self.host.inner_lr())
+        sync_step = self._sync_step_from(step)
+        if sync_step is None or sync_step == step or not self.pacer.due(self.clock(), self._recent_step_seconds()):
+            return step
+        self.pacer.skipped(self.host.skip_to(sync_step))
+        return sync_step
+
+    def _sync_step_from(self, step: int) -> int | None:
+        """The step of the next sync at or after `step` (F = 1): the next multiple of H, or the run's
+        final sync; None when the run ends before another sync."""
+        interval, last = self.config.sync_interval, self.host.last_step
+        next_sync = -(-step // interval) * interval
+        if last is not None and last < next_sync:
+            return last if self.config.final_sync else None
+        return next_sync
+
+    def _recent_step_seconds(self) -> float:
+        return statistics.median(self._step_seconds) if self._step_seconds else 0.0
 
     def _apply_pending(self, entry: _Pending) -> None:
         waited = time.perf_counter()
@@ -220,8 +267,9 @@ class OuterLoop:
         """Start the fragment's sync after inner step `step`; a `final` one is blocking."""
         deltas = [spec.layout.flatten([self.state.delta(i) for i in spec.indices]) for spec in self.buckets[fragment]]
         schedule = self.host.schedule_state() if self.host is not None else None
-        step_seconds = statistics.median(self._step_seconds) if self._step_seconds else 0.0
-        task = SyncTask(fragment, step, self.state.outer_step + 1, schedule, step_seconds)
+        step_seconds = self._recent_step_seconds()
+        contribution = self.pacer.contribution(self.clock(), self.host.tokens_per_step) if self.pacer else None
+        task = SyncTask(fragment, step, self.state.outer_step + 1, schedule, step_seconds, contribution)
         tau = 0 if final else self._overlap(fragment)
         if tau == 0:
             self.flush_metrics()  # their reduction shares the wires with this sync
@@ -229,6 +277,9 @@ class OuterLoop:
             if final:
                 result.record["final_sync"] = True
             self.apply(result, overlapped=False)
+            if self.pacer is not None:  # the next interval starts when this sync has ended
+                self.pacer.synced(result.contributions or [])
+                self.pacer.start(self.clock(), self.host.inner_lr())
         else:
             self.pending.append(_Pending(step + tau, task, deltas, self._background.submit(self.sync, task, deltas)))
 
@@ -263,11 +314,13 @@ class OuterLoop:
             if result.averaged is None:
                 state.skipped += 1
             else:
+                # pace.py's correction: the momentum decays per interval's worth of accumulated inner lr
+                mu = c.outer_momentum if result.momentum_exponent == 1.0 else c.outer_momentum ** result.momentum_exponent
                 for spec, averaged in zip(specs, result.averaged):
                     if spec.error_feedback:
                         spec.error_feedback.keep(averaged.residual)
                     for i, average in zip(spec.indices, spec.layout.unflatten(averaged.average)):
-                        state.take_step(i, average, c.outer_lr, c.outer_momentum, c.nesterov)
+                        state.take_step(i, average, c.outer_lr, mu, c.nesterov)
                 state.outer_step += 1
         if result.caught_up is not None:
             self._go_on_from(result.caught_up)
@@ -436,6 +489,8 @@ class OuterLoop:
                 saved["step"] = entry.task.step
             state["overlap_needed"] = {str(f): float(t.result().get("overlap_needed") or 0.0)
                                        for f, t in sorted(self._timings.items())}
+        if self.pacer is not None:  # the deadline of the interval after a resume (None: not set yet)
+            state["pace_deadline_s"] = self.pacer.deadline
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -446,6 +501,11 @@ class OuterLoop:
         if set(state["global_weights"]) != set(owned) or set(state["momentum"]) != set(owned) or (
                 feedback and set(feedback) != with_feedback):
             raise ValueError("outer-loop checkpoint holds different parameters than this rank owns")
+        deadline = state.get("pace_deadline_s")  # absent: a checkpoint of a run without pacing
+        if self.pacer is not None and deadline is not None:
+            if not isinstance(deadline, float) or not 0 < deadline < math.inf:
+                raise ValueError(f"outer-loop checkpoint's pace_deadline_s {deadline!r} is not a positive number")
+            self.pacer.deadline = deadline
         self.state.load_tensors(state)
         for specs in self.buckets:
             for spec in specs:

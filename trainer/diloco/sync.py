@@ -9,7 +9,9 @@
    (the ballot; in the elastic mode the member's whole row) riding in its first collective: the
    membership (membership.py) decides from the headers who contributes and whether the sync is
    applied, so with the all-gather collective the whole decision costs one cross-datacenter round
-   trip. The encoder's residual is the new error-feedback buffer;
+   trip. With wall-clock pacing each header also carries the worker's contribution (its inner steps,
+   tokens and lr sums: pace.py), which weights the merge and corrects the outer momentum. The
+   encoder's residual is the new error-feedback buffer;
 4. the result (applied by the outer loop) and its metrics (sync_metrics.py), reduced by a function
    the loop runs in its background thread after the result is applied, so their round trip is off
    the critical path. It also checks that every worker rejected the same payloads (a skipped sync
@@ -31,7 +33,8 @@ from trainer import comm
 from trainer.diloco import vote
 from trainer.diloco.collectives import Averaged, Bucket, BucketLayout, average_buckets, squared_norm
 from trainer.diloco.config import MuLoCoConfig
-from trainer.diloco.membership import Membership, Session
+from trainer.diloco.membership import Decision, Membership, Session
+from trainer.diloco.pace import CONTRIBUTION_BYTES, Contribution, merge_weights, momentum_exponent
 from trainer.diloco.plan import BucketSpec
 from trainer.diloco.sync_metrics import LocalSums, sync_record, verdict_digest
 
@@ -45,6 +48,7 @@ class SyncTask:
     outer_step: int
     scheduler: dict | None  # the lr schedule's state at `step` (None: a replay from a checkpoint, or no schedule)
     step_seconds: float = 0.0  # this rank's recent inner step time (0: not measured)
+    contribution: Contribution | None = None  # this worker's interval (wall-clock pacing; None: fixed H)
 
 
 @dataclass
@@ -54,6 +58,8 @@ class SyncResult:
     record: dict  # what the sync logs
     statistics: Callable[[], dict] | None = None  # the rest of the record, reduced off the critical path
     caught_up: SyncTask | None = None  # the peers' sync this member received their state for
+    contributions: list[Contribution] | None = None  # every worker's interval, in rank order (pacing)
+    momentum_exponent: float = 1.0  # the outer momentum decays as mu ** this (pace.py's correction)
 
 
 def _relayout(flat: torch.Tensor, source: BucketLayout, target: BucketLayout) -> torch.Tensor:
@@ -104,18 +110,29 @@ class SyncBody:
         # Reduce-scatter cuts each bucket into one chunk per member: a quorum of fewer than K members
         # (elastic) exchanges the buckets re-cut for its size, and the results come back in K chunks.
         cut = [_recut(b, session.wire.size) for b in buckets]
-        exchanged = average_buckets(cut, session.wire, self.config.collective, context,
-                                    header=session.header(ballot, task.step, task.fragment), choose=session.choose,
-                                    max_norm_ratio=self.config.max_norm_ratio, leave_out=session.leave_out)
+        header, choose, weigh = session.header(ballot, task.step, task.fragment), session.choose, None
+        if task.contribution is not None:  # the contribution rides after the membership's header
+            header = torch.cat([header, task.contribution.encode()])
+            choose = lambda headers: session.choose(_membership_part(headers))  # noqa: E731
+            weigh = _merge_weights
+        exchanged = average_buckets(cut, session.wire, self.config.collective, context, header=header, choose=choose,
+                                    max_norm_ratio=self.config.max_norm_ratio, leave_out=session.leave_out, weigh=weigh)
         exchanged.averaged = [Averaged(_relayout(a.average, c.layout, b.layout), _relayout(a.residual, c.layout, b.layout))
                               for a, c, b in zip(exchanged.averaged, cut, buckets)]
         exchange = session.wire.take_stats()
+        contributions = None
+        if task.contribution is not None:
+            contributions = _contributions(exchanged.headers)
+            exchanged.headers = _membership_part(exchanged.headers)
         decision = session.decide(exchanged)
+        exponent = 1.0 if contributions is None else _judge_contributions(decision, contributions)
         record = {"outer_step": task.outer_step, "fragment": task.fragment, "step": task.step, **decision.record,
                   "pseudograd_norm": statistics.fmean(decision.norms) if decision.skipped is None else None,
                   "round_trips": exchange.round_trips, "sync_seconds": self.clock() - start[0],
                   # what the sync's time went to: the (emulated) link, and this thread's own work
                   "link_seconds": exchange.link_seconds, "sync_cpu_seconds": time.thread_time() - start[1]}
+        if contributions is not None:
+            record.update(inner_steps=[c.steps for c in contributions.values()], momentum_exponent=exponent)
         averaged = None
         if decision.skipped is not None:
             record["skipped"] = decision.skipped
@@ -141,7 +158,38 @@ class SyncBody:
                                   decision.norms if averaged is not None else [], context)
             return {**record, **reduced, **background}
         # A skipped sync's metrics round runs too: it checks that every worker skipped it.
-        return SyncResult(task.fragment, averaged, record, reduce_metrics, caught_up)
+        return SyncResult(task.fragment, averaged, record, reduce_metrics, caught_up,
+                          None if contributions is None else list(contributions.values()), exponent)
+
+
+def _membership_part(headers: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """The headers without the contributions that ride after them."""
+    return [h if h is None else h[:-CONTRIBUTION_BYTES] for h in headers]
+
+
+def _contributions(headers: list[torch.Tensor | None]) -> dict[int, Contribution]:
+    return {r: Contribution.decode(h[-CONTRIBUTION_BYTES:]) for r, h in enumerate(headers) if h is not None}
+
+
+def _merge_weights(headers: list[torch.Tensor | None]):
+    """The merge's weights from the senders' contributions (None: the plain average, also when one is
+    malformed: the sync is then skipped by `_judge_contributions`)."""
+    contributions = _contributions(headers)
+    if any(c.problem() for c in contributions.values()):
+        return None
+    return merge_weights(contributions)
+
+
+def _judge_contributions(decision: Decision, contributions: dict[int, Contribution]) -> float:
+    """The momentum exponent of the contributors; a malformed contribution skips the sync for everyone."""
+    if decision.skipped is None:
+        problems = [f"worker {k}: " + (contributions[k].problem() if k in contributions else "no contribution")
+                    for k in decision.contributors if k not in contributions or contributions[k].problem()]
+        if problems:
+            decision.skipped = "; ".join(problems)
+    if decision.skipped is not None:
+        return 1.0
+    return momentum_exponent([contributions[k] for k in decision.contributors])
 
 
 def _vote_share(specs: list[BucketSpec], deltas: list[torch.Tensor]) -> tuple[bool, float]:
