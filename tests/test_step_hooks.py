@@ -33,7 +33,7 @@ def test_hooks_run_in_order_and_remove():
 def test_outer_loop_and_checkpointer_detach_when_the_block_ends_or_raises():
     trainer, synced = bare_trainer(step=3), []
     outer = OuterLoop.__new__(OuterLoop)
-    outer.after_inner_step = synced.append
+    outer.after_inner_step, outer.pacer = synced.append, None  # fixed-H syncs: no pacing
     left = []
     outer.membership = SimpleNamespace(join=lambda loop: None, leave=lambda: left.append(True))
     outer._background = ThreadPoolExecutor(max_workers=1)
