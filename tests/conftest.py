@@ -11,6 +11,8 @@ import pytest
 
 from trainer.diloco.auth import KEY_FILE_ENV, write_new_key
 
+pytest_plugins = ["launch_tier"]  # the `launch` mark and its check (tests/launch_tier.py)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_CORPUS = REPO_ROOT / "corpus" / "shakespeare"
 

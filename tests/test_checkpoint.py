@@ -37,6 +37,7 @@ def copy_iteration(src_ckpt: Path, step: int, dst_ckpt: Path) -> Path:
     return dst_ckpt
 
 
+@pytest.mark.launch
 def test_resume_after_a_crash_mid_save_is_exact_at_t2_p2(base, tmp_path):
     ref = reference_checkpoint(base)
     ckpt = copy_iteration(ref / "ckpt", 3, tmp_path / "ckpt")
@@ -67,6 +68,7 @@ def test_resume_after_a_crash_mid_save_is_exact_at_t2_p2(base, tmp_path):
         assert_same_state(a, b)
 
 
+@pytest.mark.launch
 def test_resume_at_another_tensor_and_pipeline_size_reshards(base, tmp_path):
     ref = reference_checkpoint(base)
     ckpt = copy_iteration(ref / "ckpt", 3, tmp_path / "ckpt")
@@ -97,6 +99,7 @@ def muloco_k2(base, tmp_path_factory) -> tuple[Path, Path]:
     return ds_config, work / "full"
 
 
+@pytest.mark.launch
 def test_muloco_k2_streaming_2bit_error_feedback_preempted_by_sigterm_resumes_exactly(base, muloco_k2, tmp_path):
     # Whatever step the preemption stops at, one sync is in flight when it saves.
     ds_config, full = muloco_k2
@@ -126,6 +129,7 @@ def test_muloco_k2_streaming_2bit_error_feedback_preempted_by_sigterm_resumes_ex
         assert_same_state(a, b)  # includes the outer weights, momentum and error-feedback buffers
 
 
+@pytest.mark.launch
 def test_a_run_ends_with_its_final_sync_so_its_last_checkpoint_is_one_model(muloco_k2):
     _, full = muloco_k2
     reader = CheckpointReader(full / "ckpt")
@@ -142,6 +146,7 @@ def test_a_run_ends_with_its_final_sync_so_its_last_checkpoint_is_one_model(mulo
     assert [r["step"] for r in syncs] == list(range(1, TRAIN_ITERS + 1)) and not any(r.get("final_sync") for r in syncs)
 
 
+@pytest.mark.launch
 def test_an_export_between_syncs_takes_the_global_weights_or_the_worker_asked_for(muloco_k2, tmp_path):
     from safetensors.torch import load_file
 

@@ -22,7 +22,8 @@ from trainer.checkpoint.format import rank_file, sha256_of
 from trainer.checkpoint.rank_file import read_rank_file, to_plain, write_rank_file
 from trainer.folder_lock import LOCK_FILE, FolderLock, JobLocks
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.launch, pytest.mark.timeout(900)]  # every test here starts processes
+
 TRAIN_ITERS = 10_000  # the first job would train for long after its launcher is killed: orphans would show
 SAVE_INTERVAL = 4
 ORPHAN_DEADLINE_S = 10

@@ -128,6 +128,7 @@ def test_the_outer_loop_knows_nothing_of_the_megatron_model():
             for m, imports in outer.items() if any(i.startswith("trainer.model") for i in imports)} == {}
 
 
+@pytest.mark.launch
 def test_ruff_finds_nothing():
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     if not Path(ruff).exists():

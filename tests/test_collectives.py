@@ -40,10 +40,12 @@ def out_dir(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("workers", [2, 4])
+@pytest.mark.launch
 def test_collectives_agree_bitwise_match_reference_and_count_bytes(workers, out_dir):
     launch(workers, out_dir)
 
 
+@pytest.mark.launch
 def test_reduce_scatter_bytes_stay_flat_while_all_gather_grows(out_dir):
     k2, k4 = launch(2, out_dir), launch(4, out_dir)
     payload = k2["payload"]

@@ -12,6 +12,8 @@ from tools.compare.launch import Data, launch, run_config, trainer_flags
 from tools.compare.protocol import Method, RunSpec, Settings
 from trainer.checkpoint.format import complete_iterations
 
+pytestmark = pytest.mark.launch  # every test here starts processes (tests/launch_tier.py)
+
 SETTINGS = Settings(steps=6, sync_interval=2, warmup=1, global_batch=4, eval_batches=1)
 
 

@@ -250,6 +250,7 @@ def test_no_final_sync_sets_the_muloco_block_and_needs_one(tmp_path):
     (GOOD, ["--distributed-backend", "nccl"],  # refused before the process group is made
      "configuration error: --distributed-backend nccl needs an accelerator: use gloo on CPU"),
 ], ids=["bad value", "nccl on CPU"])
+@pytest.mark.launch
 def test_entry_point_prints_one_configuration_error_line(tmp_path, ds, flags, line):
     """A world of one through the real entry point: exit 2, one line, nothing written."""
     path = tmp_path / "ds.json"

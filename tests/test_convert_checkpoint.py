@@ -17,9 +17,9 @@ from tools.convert_checkpoint.merge import recorded_probe
 from trainer.checkpoint import CheckpointReader
 from trainer.checkpoint.rank_file import read_rank_file, to_plain, write_rank_file
 
-# Several launches per test, each bounded by its own timeout; on a shared 2-core machine the
-# default 600 s per test is too tight for three 4-rank launches.
-pytestmark = pytest.mark.timeout(1800)
+# Every test here starts processes. Several launches per test, each bounded by its own timeout; on a
+# shared 2-core machine the default 600 s per test is too tight for three 4-rank launches.
+pytestmark = [pytest.mark.launch, pytest.mark.timeout(1800)]
 CONVERT_TIMEOUT_S = 300
 
 

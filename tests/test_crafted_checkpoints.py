@@ -27,7 +27,8 @@ from trainer.checkpoint.format import rank_file, sha256_of
 from trainer.checkpoint.rank_file import read_rank_file, to_plain, write_rank_file
 from trainer.checkpoint.schema import checked_rank_state
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.launch, pytest.mark.timeout(900)]  # every test here starts processes
+
 STEP = 3
 RANK = 1  # not rank 0: the finding was a damaged file on another rank
 EMBEDDING = "embedding.word_embeddings.weight"

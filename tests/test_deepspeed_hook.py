@@ -128,6 +128,7 @@ def relative_errors(weights: dict, expected: dict) -> dict[str, float]:
 
 @pytest.mark.parametrize("inner", ["adamw", "muon"])
 @pytest.mark.parametrize("zero", [0, 1, 2])
+@pytest.mark.launch
 def test_the_hook_on_a_deepspeed_engine_is_diloco_computed_by_hand(results, zero, inner):
     expected = cached_reference(inner)
     for rank in range(K * D):
@@ -138,6 +139,7 @@ def test_the_hook_on_a_deepspeed_engine_is_diloco_computed_by_hand(results, zero
         assert len(got["checksums"]) == STEPS // H + 1  # outer steps 0..3 were seen
 
 
+@pytest.mark.launch
 def test_one_worker_with_outer_lr_one_and_no_momentum_is_plain_deepspeed_training(results):
     for rank in range(4):
         plain, hooked = load(results, "k1_plain", rank), load(results, "k1_identity", rank)
@@ -149,6 +151,7 @@ def test_one_worker_with_outer_lr_one_and_no_momentum_is_plain_deepspeed_trainin
                                          # F=2 fragments every H: 6 launched, all applied (the last at the
                                          # last step), and fragment 0's final sync
                                          ("k2_streaming_zero1", 2 * STEPS // H + 1)])
+@pytest.mark.launch
 def test_compressed_syncs_leave_every_worker_with_bit_identical_global_weights(results, case, syncs):
     runs = [load(results, case, rank) for rank in range(K * D)]
     for d in range(D):  # the same shard in both workers, after every inner step (two syncs may land in one)
@@ -165,6 +168,7 @@ def test_compressed_syncs_leave_every_worker_with_bit_identical_global_weights(r
     ("no_mpu", r"data-parallel group is ranks \[0, 1, 2, 3\], not this worker's .*pass mpu=workers.mpu"),
     ("attached_twice", "already attached to this engine"),
 ])
+@pytest.mark.launch
 def test_a_bad_setup_is_one_line_on_every_rank(results, case, message):
     import re
     for rank in range(K * D):

@@ -50,6 +50,7 @@ def cases(tmp_path_factory) -> list[dict]:
             for case in rank_cases]
 
 
+@pytest.mark.launch
 def test_equals_single_process_muon_per_logical_matrix(cases):
     assert {(c["T"], c["D"], c["ns_dtype"], c["ns_form"], c["momentum_dtype"]) for c in cases} == {
         (t, d, *case) for t, d in [(4, 1), (2, 2), (1, 4)]
@@ -59,6 +60,7 @@ def test_equals_single_process_muon_per_logical_matrix(cases):
     assert not failures, failures
 
 
+@pytest.mark.launch
 def test_counted_bytes_equal_the_formula_on_every_rank(cases):
     for c in cases:
         assert c["counted_bytes"] > 0, c

@@ -250,6 +250,7 @@ def _records(syncs: dict[int, dict]) -> list[dict]:
     return [syncs[n]["record"] for n in sorted(syncs)]
 
 
+@pytest.mark.launch
 def test_while_a_worker_is_down_the_outer_step_averages_exactly_the_survivors_pseudogradients(scenario):
     w0, w1 = scenario.syncs("w0"), scenario.syncs("w1")
     n = min(k for k, s in w0.items() if "deltas" in s and s["record"]["missing"] == [2])
@@ -278,6 +279,7 @@ def sync_step(outer_step: int) -> int:
     return outer_step * SYNC_INTERVAL // FRAGMENTS
 
 
+@pytest.mark.launch
 def test_survivors_apply_every_outer_step_once_and_the_restarted_worker_rejoins_bit_identical(scenario):
     w0, w2b = scenario.syncs("w0"), scenario.syncs("w2b")
     steps = [r["outer_step"] for r in _records(w0)]
@@ -303,6 +305,7 @@ def test_survivors_apply_every_outer_step_once_and_the_restarted_worker_rejoins_
         assert w0[n]["record"]["workers_in_sync"] == 3
 
 
+@pytest.mark.launch
 def test_a_frozen_worker_is_dropped_after_the_sync_timeout_and_the_run_finishes(scenario):
     assert scenario.returncodes == {"w0": 0, "w2b": 0}, scenario.logs()
     w0 = _records(scenario.syncs("w0"))
@@ -316,6 +319,7 @@ def test_a_frozen_worker_is_dropped_after_the_sync_timeout_and_the_run_finishes(
     assert scenario.syncs("w2b")[w0[-1]["outer_step"]]["sha_after"] == scenario.syncs("w0")[w0[-1]["outer_step"]]["sha_after"]
 
 
+@pytest.mark.launch
 def test_a_nonfinite_pseudogradient_is_left_out_while_the_others_proceed(scenario):
     w0, w1 = scenario.syncs("w0"), scenario.syncs("w1")
     n = next(n for n in sorted(w0) if w0[n]["record"]["step"] == 2 * SYNC_INTERVAL)  # NAN_AT
@@ -327,6 +331,7 @@ def test_a_nonfinite_pseudogradient_is_left_out_while_the_others_proceed(scenari
     assert after["left_out"] == {} and after["workers_in_sync"] == len(after["quorum"])
 
 
+@pytest.mark.launch
 def test_a_stranger_without_the_secret_never_joins_and_nobody_heals_from_it(scenario):
     assert scenario.stranger_refusals >= 3 and scenario.stranger_admitted == 0
     assert "refused" in scenario.jobs["lighthouse"].log.read_text()
@@ -335,6 +340,7 @@ def test_a_stranger_without_the_secret_never_joins_and_nobody_heals_from_it(scen
             assert 9 not in record["quorum"] and "unauthenticated" not in record, (name, record)
 
 
+@pytest.mark.launch
 def test_a_worker_restarted_during_a_trickle_flood_rejoins_soon_after_it_and_the_gateway_logs_a_few_lines(scenario):
     started, asked, ended, opened = scenario.flood
     assert started < asked and ended - asked >= FLOOD_S and opened > FLOOD_CONNECTIONS  # it asked during the flood
@@ -348,6 +354,7 @@ def test_a_worker_restarted_during_a_trickle_flood_rejoins_soon_after_it_and_the
     assert len(counts) <= 1 + (scenario.span[1] - scenario.span[0]) / REFUSAL_LOG_INTERVAL_S
 
 
+@pytest.mark.launch
 def test_a_worker_whose_lighthouse_never_answers_stops_with_one_line_naming_it(scenario):
     lost = scenario.jobs["lost"]
     text = lost.log.read_text()

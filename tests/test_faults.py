@@ -59,6 +59,7 @@ class _CreatesMarker:
         return open, (str(self.marker), "w")
 
 
+@pytest.mark.launch
 def test_a_crafted_pickle_in_place_of_a_rank_file_runs_nothing(base, tmp_path, capsys):
     ckpt = _checkpoint_copy(base, tmp_path / "ckpt")
     marker = tmp_path / "pwned"
@@ -80,6 +81,7 @@ def test_a_crafted_pickle_in_place_of_a_rank_file_runs_nothing(base, tmp_path, c
     assert not marker.exists()
 
 
+@pytest.mark.launch
 def test_a_flipped_byte_inside_tensor_data_is_caught(base, tmp_path, capsys):
     ckpt = _checkpoint_copy(base, tmp_path / "ckpt")
     path = rank_file(ckpt / "iter_0000006", 1)
@@ -136,6 +138,7 @@ def test_keep_last_keeps_the_checkpoint_of_the_best_validation_loss(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000004", "iter_0000008"]
 
 
+@pytest.mark.launch
 def test_a_full_disk_on_one_rank_fails_in_one_line_and_keeps_the_previous_checkpoint(base, tmp_path):
     ckpt = tmp_path / "ckpt"
     result = launch(base, 2, tmp_path / "run", "--save", str(ckpt), "--save-interval", "2",
@@ -153,6 +156,7 @@ def test_a_full_disk_on_one_rank_fails_in_one_line_and_keeps_the_previous_checkp
     assert all(reader.rank_state(r)["step"] == 2 for r in range(2))
 
 
+@pytest.mark.launch
 def test_a_frozen_rank_ends_the_job_with_a_hang_line(base, tmp_path):
     run = Launch(base, 2, tmp_path / "run", "--hang-timeout-s", str(HANG_TIMEOUT_S), train_iters=100_000)
     try:
@@ -176,6 +180,7 @@ def test_a_frozen_rank_ends_the_job_with_a_hang_line(base, tmp_path):
     print(hang[0])  # shown with -s: what an operator sees
 
 
+@pytest.mark.launch
 def test_the_watchdog_names_where_a_stuck_thread_waits(tmp_path):
     script = ("import time\nfrom trainer.watchdog import Watchdog\n"
               "w = Watchdog(0.5, 'rank 7', poll_s=0.05)\nw.start()\nw.pet(4)\ntime.sleep(30)\n")

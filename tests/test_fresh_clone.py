@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO_ROOT
 
-pytestmark = pytest.mark.timeout(1500)
+pytestmark = [pytest.mark.launch, pytest.mark.timeout(1500)]  # every test here starts processes
 
 
 def test_sample_corpus_tests_pass_in_a_fresh_clone(tmp_path):

@@ -40,6 +40,7 @@ def _check_env() -> dict:
 
 
 @pytest.mark.timeout(1200)
+@pytest.mark.launch
 def test_gpu_check_passes_on_cpu(tmp_path):
     result = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--cpu", "--out", str(tmp_path)],
                             cwd=tmp_path, env=_check_env(), capture_output=True, text=True, timeout=1100)
@@ -87,6 +88,7 @@ def test_each_stage_gets_the_smaller_of_its_cap_and_what_is_left():
     assert min(s.cap_s["gpu"] for s in gpu_check.STAGES) >= gpu_check.MIN_STAGE_S and gpu_check.GPU.budget_s == 360
 
 
+@pytest.mark.launch
 def test_a_spent_budget_starts_no_stage_and_reports_each(tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--cpu", "--budget-s", "1",
                              "--out", str(tmp_path)], cwd=tmp_path, env=_check_env(), capture_output=True, text=True,
@@ -137,6 +139,7 @@ def _wait_until_gone(processes: list[psutil.Process], timeout_s: float = 30) -> 
 
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.launch
 def test_a_killed_check_leaves_no_process_behind(tmp_path, how):
     """SIGTERM (the device tool's timeout): the check kills its stage's processes and writes the
     report; SIGKILL: its children die with it (they are in its session, bound to its life), and the

@@ -37,6 +37,7 @@ def test_the_warm_start_stops_while_the_branches_still_fit():
 
 @pytest.mark.trains
 @pytest.mark.timeout(240)
+@pytest.mark.launch
 def test_one_simulated_worker_retraces_the_reference_exactly(tmp_path):
     """K=1: the one worker's branch starts from the restored start state (weights, optimizer state, lr
     schedule, RNG) on the reference's data, so its pseudogradient IS the reference's: a cosine of 1 on

@@ -14,6 +14,7 @@ import sys
 import textwrap
 import time
 
+import pytest
 import torch.distributed as dist
 
 from trainer.config import DataConfig
@@ -112,6 +113,7 @@ def _rank(tmp_path, rank: int, timeout_s: float) -> subprocess.Popen:
     return process
 
 
+@pytest.mark.launch
 def test_the_firing_rank_names_the_stopped_one_and_the_whole_job_ends(tmp_path):
     stopped, waiting = _rank(tmp_path, 1, 60), _rank(tmp_path, 2, 60)  # would wait a minute on their own
     try:
@@ -133,6 +135,7 @@ def test_the_firing_rank_names_the_stopped_one_and_the_whole_job_ends(tmp_path):
             process.wait()
 
 
+@pytest.mark.launch
 def test_start_up_is_watched_with_its_own_timeout(tmp_path):
     script = ("import time\nfrom trainer.watchdog import Watchdog\n"
               "w = Watchdog(100, 'rank 3', poll_s=0.05)\n"

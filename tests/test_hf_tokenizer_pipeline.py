@@ -15,7 +15,7 @@ from dataprep.shards import read_documents, resolve_inputs
 from tokenizer.identity import tokenizer_identity
 from tokenizer.interface import load_tokenizer
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.launch, pytest.mark.timeout(900)]  # every test here starts processes
 
 
 @pytest.mark.trains

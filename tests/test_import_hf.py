@@ -122,6 +122,7 @@ def _env() -> dict:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.launch
 def test_import_at_t2p2_verifies_against_transformers(t2p2_imports, arch):
     ckpt, output, code = t2p2_imports[arch]
     assert code == 0 and "verify passed" in output, output
@@ -140,6 +141,7 @@ def test_import_at_t2p2_verifies_against_transformers(t2p2_imports, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.launch
 def test_import_at_t1p1_verifies_in_process(hf_models, tmp_path, capsys, arch):
     code, output = run_convert(capsys, "--from-hf", str(hf_models[arch]), "--save", str(tmp_path / "ckpt"), "--verify")
     assert code == 0 and "verify passed" in output, output
@@ -150,6 +152,7 @@ def test_import_at_t1p1_verifies_in_process(hf_models, tmp_path, capsys, arch):
     assert torch.equal(embedding[ROWS:], embedding[ROWS - 1].expand(1152 - ROWS, -1))  # Megatron's padding
 
 
+@pytest.mark.launch
 def test_verify_fails_when_the_source_differs_from_the_import(hf_models, t2p2_imports, tmp_path):
     """Both checks can fail: the T=2 P=2 import against its source with one layer's gate and up swapped."""
     from safetensors.torch import load_file, save_file
@@ -174,6 +177,7 @@ def test_a_tokenizer_with_more_ids_than_rows_is_refused(hf_tokenizer_dir, tmp_pa
         import_hf(folder, tmp_path / "ckpt", 1, 1)
 
 
+@pytest.mark.launch
 def test_tied_embeddings_are_refused_unless_untied(hf_tokenizer_dir, tmp_path, capsys):  # noqa: F811
     folder = write_hf_model(tmp_path / "tied", "qwen3", hf_tokenizer_dir, tie_word_embeddings=True)
     with pytest.raises(HfFolderError, match="tie_word_embeddings is true.*--untie-embeddings"):
@@ -241,6 +245,7 @@ def test_what_the_trainer_cannot_represent_is_refused_by_name(hf_models, tmp_pat
     assert not (tmp_path / "ckpt").exists()  # refused before anything was written
 
 
+@pytest.mark.launch
 def test_an_extra_tensor_and_an_occupied_save_folder_are_refused(hf_models, tmp_path, t2p2_imports):
     from safetensors.torch import load_file, save_file
 
@@ -287,6 +292,7 @@ def _export_and_load(ckpt: Path, out: Path, hf_folder: Path) -> str:
     return result.stdout
 
 
+@pytest.mark.launch
 def test_muloco_k2_at_t2_from_a_t2p2_import_starts_every_worker_from_its_weights(
         base, hf_models, t2p2_imports, tmp_path):
     """K=2 x T=2 x P=1 from the T=2 P=2 import: each worker takes the weights, resharded to one stage."""
@@ -320,6 +326,7 @@ def test_muloco_k2_at_t2_from_a_t2p2_import_starts_every_worker_from_its_weights
 
 
 @pytest.mark.parametrize("arch", ["llama", "paper"])
+@pytest.mark.launch
 def test_import_train_export_round_trip_at_t2p2(base, hf_models, t2p2_imports, tmp_path, arch):
     """Also the export of a T=2 P=2 paper-architecture checkpoint (pre+post norms, document masking) as
     Gemma3ForCausalLM: --verify checks transformers' logits against the trainer's, and the trainer's
@@ -336,6 +343,7 @@ def test_import_train_export_round_trip_at_t2p2(base, hf_models, t2p2_imports, t
 # -- the trainer's flags ------------------------------------------------------------------------------
 
 
+@pytest.mark.launch
 def test_finetune_then_resume_without_optimizer_and_rng(base, tmp_path):
     """--finetune from the trainer's own T=2 P=2 checkpoint (step 6) at T=1: with a step too small to move
     an fp32 weight, step 1's weights are the checkpoint's exactly and the optimizer is fresh. Then a
@@ -391,6 +399,7 @@ def _as_tuples(value):
     return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
+@pytest.mark.launch
 def test_weights_start_refusals_name_what_differs(t2p2_imports):
     meta = CheckpointReader(t2p2_imports["llama"][0]).meta
     check_weights_start(meta, 0, replace(meta.model, seq_length=64, init_std=0.01), 1152)  # not in the weights
@@ -411,6 +420,7 @@ def _resolved(argv, world_size: int):
     return resolve(args, world_size, checkpoint_args(args.load) if args.use_checkpoint_args else None)
 
 
+@pytest.mark.launch
 def test_flags_resolve_through_the_config(t2p2_imports, hf_models, tmp_path):
     from trainer.data import check_model_vocabulary
     from trainer.errors import ConfigError
@@ -436,6 +446,7 @@ def test_flags_resolve_through_the_config(t2p2_imports, hf_models, tmp_path):
         _resolved([*args, "--load", str(tmp_path), "--use-checkpoint-args"], 1)
 
 
+@pytest.mark.launch
 def test_saves_carry_the_saved_tokenizer_after_its_iteration_is_gone(t2p2_imports, tmp_path):
     """--load DIR --save DIR --keep-last 1 --use-checkpoint-args: the run's tokenizer is a file of the
     imported iteration, which the first prune removes; every later save still carries it."""
@@ -462,6 +473,7 @@ def test_saves_carry_the_saved_tokenizer_after_its_iteration_is_gone(t2p2_import
     assert (directory / CheckpointReader(ckpt).meta.tokenizer_model).read_bytes() == original
 
 
+@pytest.mark.launch
 def test_a_weights_start_refuses_another_tokenizer(t2p2_imports, hf_models, tmp_path):
     from trainer.checkpoint.checkpointer import _check_same_tokenizer
 

@@ -64,6 +64,7 @@ def _root_at(src: Path, dst: Path, step: int) -> Path:
     return dst
 
 
+@pytest.mark.launch
 def test_worker_of_a_k2_checkpoint_continues_its_run(dp_run, tmp_path):
     base = dp_run
     _as_two_workers(base / "ckpt", tmp_path / "k2", 4)
@@ -82,6 +83,7 @@ def _logged_lrs(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["lr"] for r in records if "lr" in r}
 
 
+@pytest.mark.launch
 def test_muloco_run_starts_its_outer_loop_at_the_loaded_weights(dp_run, tmp_path):
     """K=2 workers from the DP run's step 4, half its lr, sync at step 6: from zero momentum the outer
     Nesterov step is theta_new = theta_start - outer_lr (1 + mu) m with m the averaged pseudogradient,

@@ -179,12 +179,14 @@ def assert_same_compressed_run(actual: list[dict], expected: list[dict], workers
             assert flipped <= FLIP_FRACTION, f"worker {k} {name} after the first sync: {flipped:.2%} of entries differ"
 
 
+@pytest.mark.launch
 def test_k1_with_outer_lr_1_and_no_momentum_is_inner_only_training(workdir):
     outer, plain = dumps(workdir, "k1_noop_outer"), dumps(workdir, "inner_only")
     assert sync_steps(outer) == [H, 2 * H]  # the hook did sync
     assert_same_run(outer, plain, workers=1)
 
 
+@pytest.mark.launch
 def test_k2_with_identical_worker_data_reproduces_k1(workdir):
     k1, k2 = dumps(workdir, "k1"), dumps(workdir, "k2_identical_data")
     assert sync_steps(k2) == [H, 2 * H]
@@ -194,6 +196,7 @@ def test_k2_with_identical_worker_data_reproduces_k1(workdir):
                             f"K=2 worker {worker} vs K=1")
 
 
+@pytest.mark.launch
 def test_uncompressed_outer_step_is_nesterov_sgd_on_the_plain_average(workdir):
     """theta <- theta - lr (avg + mu m), m <- mu m + avg, avg = mean_k (theta - theta_k), in float64."""
     run = dumps(workdir, "k2")
@@ -214,6 +217,7 @@ def test_uncompressed_outer_step_is_nesterov_sgd_on_the_plain_average(workdir):
 
 @pytest.mark.parametrize("name", ["k2", "k2_4bit", "k2_identical_data", "k2_poisoned", "k2_t2_4bit", "k2_p2_4bit",
                                   "k2_d2_4bit"])
+@pytest.mark.launch
 def test_every_rank_holds_bit_identical_shards_after_every_sync(workdir, name):
     """Rank r of worker 0 and the ranks holding the same shard in worker 1 (and, with D=2, in every
     inner replica) hold the same bits after each sync."""
@@ -231,15 +235,18 @@ def test_every_rank_holds_bit_identical_shards_after_every_sync(workdir, name):
 
 
 @pytest.mark.parametrize("name, reference", [("k2_t2", "k2"), ("k2_p2", "k2")])
+@pytest.mark.launch
 def test_parallelism_inside_a_worker_does_not_change_the_run(workdir, name, reference):
     assert_same_run(dumps(workdir, name), dumps(workdir, reference), workers=2)
 
 
 @pytest.mark.parametrize("name", ["k2_t2_4bit", "k2_p2_4bit", "k2_d2_4bit"])
+@pytest.mark.launch
 def test_parallelism_inside_a_worker_does_not_change_a_compressed_run(workdir, name):
     assert_same_compressed_run(dumps(workdir, name), dumps(workdir, "k2_4bit"), workers=2)
 
 
+@pytest.mark.launch
 def test_compressed_sync_sends_fewer_bytes_and_changes_the_result(workdir):
     plain, compressed = outer_records(workdir, "k2"), outer_records(workdir, "k2_4bit")
     assert [r["compression_error"] for r in plain] == [0.0, 0.0]
@@ -251,6 +258,7 @@ def test_compressed_sync_sends_fewer_bytes_and_changes_the_result(workdir):
     assert any(float((final[n] - exact[n]).norm()) > WEIGHT_RTOL * float(exact[n].norm()) for n in final)
 
 
+@pytest.mark.launch
 def test_paper_error_feedback_is_plain_error_feedback_at_the_squared_outer_lr(workdir):
     """ef_form "paper" sends e = beta e + lr delta and steps its average at lr again: at lr 0.5 (scaling
     by it is exact in fp32) the run is bit for bit the plain-EF run at lr 0.25."""
@@ -266,6 +274,7 @@ def test_paper_error_feedback_is_plain_error_feedback_at_the_squared_outer_lr(wo
     assert errors[0] == errors[1] and all(0 < e < 1 for e in errors[0])
 
 
+@pytest.mark.launch
 def test_nonfinite_or_outlier_worker_skips_the_sync_for_everyone_and_training_goes_on(workdir):
     run = dumps(workdir, "k2_poisoned")
     init = {k: worker_weights(run, k, "init") for k in (0, 1)}
@@ -294,6 +303,7 @@ def first_fragment(name: str) -> bool:
     return "embedding" in parts or ("layers" in parts and int(parts[parts.index("layers") + 1]) < 2)
 
 
+@pytest.mark.launch
 def test_streaming_fragments_sync_in_turn_with_overlap_over_reduce_scatter(workdir):
     run = dumps(workdir, "k2_streaming")
     # Launched after steps 2 (fragment 0), 4 (fragment 1), 6 (fragment 0); applied one step later. At the
@@ -312,6 +322,7 @@ def test_streaming_fragments_sync_in_turn_with_overlap_over_reduce_scatter(workd
         assert all(map(math.isfinite, losses)) and losses[-1] < losses[0] - 0.3
 
 
+@pytest.mark.launch
 def test_cli_k2_t2_four_bit_error_feedback_run_learns_and_logs_outer_syncs(workdir):
     run_dir = workdir / "cli"
     launch = deepspeed_launch(PRETRAIN, 4, [

@@ -16,6 +16,8 @@ from trainer.model.layout import logical_matrices
 from trainer.model.presets import PRESETS
 from trainer_harness import REPO_ROOT, TINY_VOCAB, LaunchResult, deepspeed_launch
 
+pytestmark = pytest.mark.launch  # every test here starts processes (tests/launch_tier.py)
+
 PROBE = REPO_ROOT / "tests" / "_parallel_probe.py"
 # (ranks, flags): every layout trains the same 4 sequences per step in micro-batches of 2, so T=1
 # accumulates 2 micro-batches where D=2 gives one to each replica.

@@ -118,6 +118,7 @@ def test_uneven_15b_layouts_on_8_gpu_nodes():
                          "--tensor", "2", "--pipeline", "1"]) == 1
 
 
+@pytest.mark.launch
 def test_sync_bytes_equal_the_trainers_collectives(tmp_path, repo_root):
     """K=2 x D=2, a reduce-scatter at 2 bits; the all-gather at T=2 and 4 bits is checked on
     test_outer_loop's CLI run, which launches it anyway."""

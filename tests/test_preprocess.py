@@ -55,6 +55,7 @@ def shakespeare_dataset(shakespeare: Path, sentencepiece_model: Path, tmp_path_f
     return f"{prefix}_text_document"
 
 
+@pytest.mark.launch
 def test_shakespeare_readable_by_megatron(shakespeare_dataset: str, shakespeare: Path, sentencepiece_model: Path):  # noqa: F811
     dataset = IndexedDataset(shakespeare_dataset)
     texts = non_empty_documents(shakespeare / "train")
@@ -89,6 +90,7 @@ def messy_corpus(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("chunking", [[], ["--workers", "2", "--chunk-mb", "0.00002"]], ids=["per_shard", "chunk_per_line"])
+@pytest.mark.launch
 def test_bad_records_are_counted_and_good_neighbours_kept(
     messy_corpus: Path, sentencepiece_model: Path, tmp_path: Path, capsys, chunking  # noqa: F811
 ):
@@ -116,6 +118,7 @@ def test_bad_records_are_counted_and_good_neighbours_kept(
 
 
 @pytest.mark.parametrize("chunking", [[], ["--chunk-mb", "0.00002"]], ids=["per_shard", "chunk_per_line"])
+@pytest.mark.launch
 def test_strict_fails_on_first_bad_record(messy_corpus: Path, sentencepiece_model: Path, tmp_path: Path, capsys,  # noqa: F811
                                           chunking):
     prefix = tmp_path / "strict"
@@ -133,6 +136,7 @@ def test_input_matching_nothing_is_an_error(sentencepiece_model: Path, tmp_path:
     assert code != 0 and pattern in err
 
 
+@pytest.mark.launch
 def test_changed_json_key_invalidates_parts(sentencepiece_model: Path, tmp_path: Path, capsys):  # noqa: F811
     shard = tmp_path / "both.jsonl"
     shard.write_text(json.dumps({"text": "alpha", "body": "beta gamma"}) + "\n")
@@ -146,6 +150,7 @@ def test_changed_json_key_invalidates_parts(sentencepiece_model: Path, tmp_path:
     assert dataset[0].tolist()[:-1] == tokenizer.encode("beta gamma")
 
 
+@pytest.mark.launch
 def test_demo_corpus_feeds_preprocessing(sentencepiece_model: Path, tmp_path: Path, capsys):  # noqa: F811
     counts = build_demo_corpus(DemoCorpusConfig(tmp_path / "demo", max_mb=0.3, train_shards=2))
     assert counts["train"] > 10 and counts["valid"] > 0
@@ -215,6 +220,7 @@ def same_files(a: str, b: str) -> bool:
     return all(Path(a + suffix).read_bytes() == Path(b + suffix).read_bytes() for suffix in (".bin", ".idx", ".meta.json"))
 
 
+@pytest.mark.launch
 def test_chunked_with_two_workers_is_byte_identical_to_one_pass(
     mixed_corpus: Path, one_chunk_per_shard: str, sentencepiece_model: Path, tmp_path: Path, capsys  # noqa: F811
 ):
@@ -234,6 +240,7 @@ def test_chunked_with_two_workers_is_byte_identical_to_one_pass(
         assert dataset[index].tolist() == tokenizer.encode(expected) + [tokenizer.eod_id]
 
 
+@pytest.mark.launch
 def test_resume_after_kill_redoes_only_unfinished_chunks(
     mixed_corpus: Path, one_chunk_per_shard: str, sentencepiece_model: Path, tmp_path: Path, capsys, monkeypatch  # noqa: F811
 ):
@@ -267,6 +274,7 @@ def test_resume_after_kill_redoes_only_unfinished_chunks(
 # Unreadable shards, empty results, and the metadata the trainer checks.
 
 
+@pytest.mark.launch
 def test_unreadable_shards_are_reported_and_skipped(sentencepiece_model: Path, tmp_path: Path, capsys):  # noqa: F811
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -306,6 +314,7 @@ def test_a_utf8_byte_order_mark_is_not_a_malformed_record(tmp_path: Path):
     assert bad == []
 
 
+@pytest.mark.launch
 def test_meta_json_records_the_largest_token_id(shakespeare_dataset: str, sentencepiece_model: Path):  # noqa: F811
     meta = json.loads(Path(f"{shakespeare_dataset}.meta.json").read_text())
     tokens = np.fromfile(f"{shakespeare_dataset}.bin", dtype=np.uint16)
@@ -319,6 +328,7 @@ def test_meta_json_records_the_largest_token_id(shakespeare_dataset: str, senten
     assert read_dataset_meta(shakespeare_dataset).max_token_id == meta["max_token_id"]
 
 
+@pytest.mark.launch
 def test_megatron_flag_spellings(sentencepiece_model: Path, tmp_path: Path, capsys):  # noqa: F811
     shard = tmp_path / "both.jsonl"
     shard.write_text(json.dumps({"text": "alpha", "body": "beta gamma"}) + "\n")

@@ -66,6 +66,7 @@ def long_records(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("chunking", [[], ["--workers", "2", "--chunk-mb", "0.00002"]], ids=["per_shard", "chunk_per_line"])
+@pytest.mark.launch
 def test_an_over_long_record_is_a_bad_record_with_file_and_line(long_records, sentencepiece_model, tmp_path, capsys,  # noqa: F811
                                                                  chunking):
     prefix = tmp_path / "out" / "long"
@@ -107,6 +108,7 @@ def _write_bomb(path: Path) -> None:
 
 
 @pytest.mark.parametrize("suffix", [".jsonl.gz", ".jsonl.zstd"])
+@pytest.mark.launch
 def test_a_bomb_streams_within_a_memory_limit(tmp_path, suffix):
     bomb = tmp_path / f"bomb{suffix}"
     _write_bomb(bomb)

@@ -104,6 +104,7 @@ def dataset_files(folder: Path) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in sorted(folder.glob("cc_*_text_document.*"))}
 
 
+@pytest.mark.launch
 def test_three_partitions_write_byte_identical_files_to_one(
         one_partition: Path, three_partitions, bucket_corpus: Path, sentencepiece_model: Path):  # noqa: F811
     folder, outputs = three_partitions
@@ -132,6 +133,7 @@ def test_three_partitions_write_byte_identical_files_to_one(
     assert written == expected
 
 
+@pytest.mark.launch
 def test_manifests_count_documents_tokens_and_dropped_records_per_bucket(one_partition: Path, three_partitions):
     folder, outputs = three_partitions
     reference = read_manifest(one_partition / "cc_partition-00000-of-00001.json").buckets()
@@ -162,6 +164,7 @@ def blend_lines(path: Path) -> list[tuple[float, str]]:
 
 
 @pytest.mark.trains
+@pytest.mark.launch
 def test_merge_writes_a_token_weighted_blend_that_trains(one_partition: Path, three_partitions,
                                                          sentencepiece_model: Path, tmp_path: Path, capsys):  # noqa: F811
     folder, _ = three_partitions
@@ -194,6 +197,7 @@ def copy_manifests(folder: Path, into: Path) -> list[Path]:
     return [Path(shutil.copy(path, into)) for path in sorted(folder.glob("cc_partition-*-of-00003.json"))]
 
 
+@pytest.mark.launch
 def test_merge_refuses_a_shard_covered_twice_or_not_at_all(three_partitions, tmp_path: Path, capsys):
     folder, _ = three_partitions
     manifests = copy_manifests(folder, tmp_path / "copies")
@@ -223,6 +227,7 @@ def test_merge_refuses_a_shard_covered_twice_or_not_at_all(three_partitions, tmp
     assert not (tmp_path / "blend").exists()
 
 
+@pytest.mark.launch
 def test_merge_refuses_unfinished_partitions_other_runs_and_changed_files(three_partitions, tmp_path: Path, capsys):
     folder, _ = three_partitions
     manifests = copy_manifests(folder, tmp_path / "copies")
@@ -253,6 +258,7 @@ def test_merge_refuses_unfinished_partitions_other_runs_and_changed_files(three_
     assert code == 1 and "output file" in out and "is missing" in out
 
 
+@pytest.mark.launch
 def test_a_killed_partition_resumes_its_unfinished_groups(one_partition: Path, bucket_corpus: Path,
                                                           sentencepiece_model: Path, tmp_path: Path,  # noqa: F811
                                                           capsys, monkeypatch, no_slurm):

@@ -19,6 +19,7 @@ def data(tmp_path_factory):
     return write_markov_dataset(str(tmp_path_factory.mktemp("cli") / "markov"), vocab_size=TINY_VOCAB)
 
 
+@pytest.mark.launch
 def test_impossible_size_exits_with_a_clear_message(data, tmp_path):
     result = deepspeed_launch(PRETRAIN, 2, tiny_flags(data, tmp_path / "run", "muon",
                                                       "--tensor-model-parallel-size", "4"), timeout_s=FAIL_FAST_S,
@@ -32,6 +33,7 @@ def test_impossible_size_exits_with_a_clear_message(data, tmp_path):
     assert not (tmp_path / "run").exists(), "nothing may be written before the configuration is known good"
 
 
+@pytest.mark.launch
 def test_short_tensor_parallel_run_writes_its_run_dir_and_learns(data, tmp_path):
     run_dir = tmp_path / "run"
     deepspeed_launch(PRETRAIN, 2, tiny_flags(

@@ -108,6 +108,7 @@ def _checkout(folder: Path, corpus: Path) -> None:
 
 
 @pytest.mark.trains
+@pytest.mark.launch
 def test_the_usage_block_runs_top_to_bottom(tmp_path, shakespeare):
     checkout = tmp_path / "checkout"
     checkout.mkdir()

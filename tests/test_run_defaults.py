@@ -17,6 +17,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from trainer.metrics import tensorboard_tag
 from trainer.schedule import ScheduleConfig
 
+pytestmark = pytest.mark.launch  # every test here starts processes (tests/launch_tier.py)
+
 PROBE = textwrap.dedent("""
     import sys
     sys.path.insert(0, "tests")

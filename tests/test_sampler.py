@@ -97,6 +97,7 @@ def test_identical_workers_read_worker_zeros_stream():
                 assert identical.sample_indices(step, micro) == reference.sample_indices(step, micro)
 
 
+@pytest.mark.launch
 def test_micro_batches_have_trainer_shapes(prefixes, tokenizer, tmp_path):
     datasets = build(tokenizer, tmp_path, [prefixes["train"]])
     batches = list(micro_batches(datasets.train, every_position()[-1], STEPS - 1))
@@ -108,6 +109,7 @@ def test_micro_batches_have_trainer_shapes(prefixes, tokenizer, tmp_path):
         assert torch.equal(mb["tokens"][:, 1:], mb["labels"][:, :-1])  # labels are the next tokens
 
 
+@pytest.mark.launch
 def test_builds_are_deterministic_and_resume_exactly(prefixes, tokenizer, tmp_path):
     uninterrupted = build(tokenizer, tmp_path, [prefixes["train"]], cache="first")
     stream = [step_tokens(uninterrupted.train, step) for step in range(STEPS)]
@@ -120,6 +122,7 @@ def test_builds_are_deterministic_and_resume_exactly(prefixes, tokenizer, tmp_pa
     assert not torch.equal(worker0["tokens"], worker1["tokens"])
 
 
+@pytest.mark.launch
 def test_longer_run_keeps_the_stream_within_one_epoch(prefixes, tokenizer, tmp_path):
     """Extending --train-iters on resume is safe while the run stays within one epoch (Megatron
     reshuffles everything when the number of epochs changes)."""
@@ -138,6 +141,7 @@ def _packed_stream(dataset, documents: IndexedDataset) -> np.ndarray:
     return np.concatenate([documents[int(doc)] for doc in dataset.document_index])
 
 
+@pytest.mark.launch
 def test_packed_samples_equal_megatron_indexed_dataset(prefixes, tokenizer, tmp_path):
     train = build(tokenizer, tmp_path, [prefixes["train"]]).train
     documents = IndexedDataset(prefixes["train"])
@@ -150,6 +154,7 @@ def test_packed_samples_equal_megatron_indexed_dataset(prefixes, tokenizer, tmp_
         assert bool(sample["loss_mask"].all())
 
 
+@pytest.mark.launch
 def test_validation_split_holds_other_documents(prefixes, tokenizer, tmp_path):
     datasets = build(tokenizer, tmp_path, [prefixes["train"]])  # --split 98,2,0
     train_docs, valid_docs = set(datasets.train.indices.tolist()), set(datasets.valid.indices.tolist())
@@ -158,6 +163,7 @@ def test_validation_split_holds_other_documents(prefixes, tokenizer, tmp_path):
     assert set(datasets.valid.document_index.tolist()) <= valid_docs
 
 
+@pytest.mark.launch
 def test_valid_data_path_and_validation_batches(prefixes, tokenizer, tmp_path):
     eval_iters = 2
     datasets = build(tokenizer, tmp_path, [prefixes["train"]], [prefixes["valid"]],
@@ -177,6 +183,7 @@ def test_valid_data_path_and_validation_batches(prefixes, tokenizer, tmp_path):
     assert sorted(map(tuple, all_samples.tolist())) == sorted(map(tuple, expected.tolist()))
 
 
+@pytest.mark.launch
 def test_per_split_data_args_file_builds_what_the_flags_build(prefixes, tokenizer, tmp_path):
     splits = tmp_path / "splits.json"
     splits.write_text(json.dumps({"train": [prefixes["train"]], "valid": prefixes["valid"]}))
@@ -188,6 +195,7 @@ def test_per_split_data_args_file_builds_what_the_flags_build(prefixes, tokenize
         assert len(ours) == len(theirs) and torch.equal(ours[len(ours) - 1]["tokens"], theirs[len(theirs) - 1]["tokens"])
 
 
+@pytest.mark.launch
 def test_weighted_blend_of_two_prefixes(prefixes, tokenizer, tmp_path):
     train = build(tokenizer, tmp_path, ["0.3", prefixes["train"], "0.7", prefixes["valid"]]).train
     assert 0 <= len(train) - STEPS * BATCH.global_batch <= 1  # each source's share is rounded up
@@ -199,6 +207,7 @@ def test_weighted_blend_of_two_prefixes(prefixes, tokenizer, tmp_path):
         assert torch.equal(train[index]["tokens"], source[train.dataset_sample_index[index]]["tokens"])
 
 
+@pytest.mark.launch
 def test_training_past_one_epoch_builds_more_epochs(prefixes, tokenizer, tmp_path):
     one_epoch = len(build(tokenizer, tmp_path, [prefixes["train"]], train_samples=1, cache="one").train)
     steps = (5 * one_epoch // 2) // BATCH.global_batch  # two and a half epochs
@@ -208,6 +217,7 @@ def test_training_past_one_epoch_builds_more_epochs(prefixes, tokenizer, tmp_pat
     assert len(list(micro_batches(train, every_position()[-1], steps - 1))) == BATCH.gradient_accumulation_steps
 
 
+@pytest.mark.launch
 def test_reading_past_the_built_dataset_raises(prefixes, tokenizer, tmp_path):
     # A weighted blend is built for exactly the requested samples, so the next step is past its end.
     train = build(tokenizer, tmp_path, ["1", prefixes["train"], "1", prefixes["valid"]]).train
@@ -241,6 +251,7 @@ def _build_with_a_slow_scanner(rank: int, store: str, tokenizer: TokenizerInfo, 
     dist.destroy_process_group()
 
 
+@pytest.mark.launch
 def test_no_rank_writes_the_cache_while_another_still_scans_it(prefixes, tokenizer, tmp_path):
     """Megatron builds the cache on rank 0 while the others wait; a rank still scanning the cache for
     unsafe files must not meet a half-written one (a race a 4-rank CI run once lost)."""
