@@ -53,7 +53,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-BASE_CONFIG = REPO_ROOT / "ds_configs" / "cpu_tiny_muloco.json"
+from benchmarks.timed_runs import timed_trainer, write_config  # noqa: E402
+
 SLOW_LINK = {"bandwidth_gbit_s": 1, "latency_ms": 50}
 FOUR_BIT_EF = {"method": "statistical", "bits": 4, "error_feedback": True}
 
@@ -141,24 +142,9 @@ def train_one(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
-    from trainer.config import build_parser, resolve
     from trainer.comm import COLLECTIVE_TIMEOUT
+    from trainer.config import build_parser, resolve
     from trainer.run import run
-    from trainer.training import Trainer
-
-    class TimedTrainer(Trainer):
-        """Writes this rank's wall clock after every step (outer hook included) to step_times.rank<R>.json."""
-
-        def train(self) -> dict:
-            self.step_times = []
-            summary = super().train()
-            Path(self.config.run_dir, f"step_times.rank{dist.get_rank()}.json").write_text(json.dumps(self.step_times))
-            return summary
-
-        def train_step(self):
-            result = super().train_step()
-            self.step_times.append(time.perf_counter())
-            return result
 
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=COLLECTIVE_TIMEOUT)
     workdir, i = Path(args.workdir), args.run_index
@@ -173,12 +159,7 @@ def train_one(args: argparse.Namespace) -> None:
         "--vocab-size", "1000", "--train-iters", str(steps(args)), "--seq-length", str(args.seq_length),
         "--micro-batch-size", "4", "--log-interval", str(args.sync_interval), "--eval-interval", "0",
         "--run-dir", str(run_dir), *(["--worker-id", str(args.worker_id)] if elastic else [])])
-    run(resolve(flags, dist.get_world_size()), TimedTrainer)
-
-
-def write_config(path: Path, muloco: dict) -> None:
-    base = {k: v for k, v in json.loads(BASE_CONFIG.read_text()).items() if k != "muloco"}
-    path.write_text(json.dumps({**base, "muloco": muloco}))
+    run(resolve(flags, dist.get_world_size()), timed_trainer())
 
 
 def read_run(run_dir: Path, sync_interval: int) -> tuple[float, list[dict]]:
@@ -188,7 +169,7 @@ def read_run(run_dir: Path, sync_interval: int) -> tuple[float, list[dict]]:
     records = [json.loads(line) for line in (dirs[0] / "metrics.jsonl").read_text().splitlines()]
     first = next(r for r in records if "tokens_per_s" in r)
     tokens_per_step = first["tokens"] // first["step"]
-    per_rank = [json.loads(path.read_text()) for d in dirs for path in sorted(d.glob("step_times.rank*.json"))]
+    per_rank = [json.loads(path.read_text())["times"] for d in dirs for path in sorted(d.glob("step_times.rank*.json"))]
     measured = len(per_rank[0]) - sync_interval  # steps after the first window
     slowest = max(times[-1] - times[sync_interval - 1] for times in per_rank)
     return measured * tokens_per_step / slowest, [r for r in records if "outer_step" in r]

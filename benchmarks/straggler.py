@@ -33,7 +33,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-BASE_CONFIG = REPO_ROOT / "ds_configs" / "cpu_tiny_muloco.json"
+from benchmarks.timed_runs import timed_trainer, write_config  # noqa: E402
+
 WORKERS = 3
 SLOW_LINK = {"bandwidth_gbit_s": 1, "latency_ms": 50}
 FOUR_BIT_EF = {"method": "statistical", "bits": 4, "error_feedback": True}
@@ -72,43 +73,19 @@ def train_one(args: argparse.Namespace) -> None:
     from trainer.comm import COLLECTIVE_TIMEOUT
     from trainer.config import build_parser, resolve
     from trainer.run import run
-    from trainer.training import Trainer
-
-    class TimedTrainer(Trainer):
-        """Writes this rank's wall clock after every inner step it took (step hooks included) and the time of
-        its step hooks (the outer sync, with its wait for the other workers)."""
-
-        def train(self) -> dict:
-            self.step_times, self.hook_seconds = [], []
-            summary = super().train()
-            Path(self.config.run_dir, f"step_times.rank{dist.get_rank()}.json").write_text(
-                json.dumps({"times": self.step_times, "hooks": self.hook_seconds}))
-            return summary
-
-        def train_step(self):
-            result = super().train_step()
-            self.step_times.append(time.perf_counter())
-            return result
-
-        def _run_step_hooks(self) -> dict:
-            started = time.perf_counter()
-            values = super()._run_step_hooks()
-            self.hook_seconds.append(time.perf_counter() - started)
-            return values
 
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=COLLECTIVE_TIMEOUT)
     workdir = Path(args.workdir)
     ds_path = workdir / f"{args.case}.json"
     if dist.get_rank() == 0:
-        base = {k: v for k, v in json.loads(BASE_CONFIG.read_text()).items() if k != "muloco"}
-        ds_path.write_text(json.dumps({**base, "muloco": muloco_block(args.case, args.sync_interval)}))
+        write_config(ds_path, muloco_block(args.case, args.sync_interval))
     dist.barrier()
     flags = build_parser().parse_args([
         "--ds_config", str(ds_path), "--model", args.model, "--data-path", str(workdir / "markov"),
         "--vocab-size", "1000", "--train-iters", str(args.steps), "--seq-length", str(args.seq_length),
         "--micro-batch-size", "4", "--log-interval", str(args.sync_interval), "--eval-interval", str(args.steps),
         "--eval-iters", "8", "--lr-warmup-iters", str(args.sync_interval), "--run-dir", str(workdir / args.case)])
-    run(resolve(flags, dist.get_world_size()), TimedTrainer)
+    run(resolve(flags, dist.get_world_size()), timed_trainer())
 
 
 def launch(args: argparse.Namespace, case: str, steps: int, workdir: str, env: dict) -> dict:
