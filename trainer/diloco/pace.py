@@ -112,18 +112,21 @@ def token_weighted_lr_sum(contributions: list[Contribution]) -> float:
     return sum(c.tokens * c.lr_sum for c in contributions) / sum(c.tokens for c in contributions)
 
 
+def _alike(contributions) -> bool:
+    """Every contribution holds the same tokens and lr sum (their merge is the plain average)."""
+    return len({(c.tokens, c.lr_sum) for c in contributions}) <= 1
+
+
 def merge_weights(contributions: dict[int, Contribution]) -> TokenWeights | None:
-    """The weights of a sync's merge; None when every contribution holds the same tokens and lr sum:
-    the plain average (today's arithmetic, bit for bit)."""
-    same = len({(c.tokens, c.lr_sum) for c in contributions.values()}) <= 1
-    return None if same else TokenWeights(contributions)
+    """The weights of a sync's merge; None when the contributions are alike: the plain average
+    (today's arithmetic, bit for bit)."""
+    return None if _alike(contributions.values()) else TokenWeights(contributions)
 
 
 def momentum_exponent(contributions: list[Contribution]) -> float:
     """S_bar / S_H of the contributors: the outer momentum decays as mu ** this (exactly 1.0 when
     every contributor ran the interval's H steps with the same lrs)."""
-    if len({(c.tokens, c.lr_sum) for c in contributions}) <= 1 and all(
-            c.lr_sum == c.interval_lr_sum for c in contributions):
+    if _alike(contributions) and all(c.lr_sum == c.interval_lr_sum for c in contributions):
         return 1.0
     return token_weighted_lr_sum(contributions) / max(c.interval_lr_sum for c in contributions)
 
