@@ -54,8 +54,11 @@ def test_at_start_up_the_rank_still_computing_is_named_before_the_ones_waiting_f
     for record, board in zip(records, boards):
         board.publish(record.description, None, "start-up", time.time() - 60, record.doing)
     watchdog = Watchdog(600, "rank 0", poll_s=0.2, board=boards[0])
-    watchdog.enter("start-up", 60)
-    line = watchdog.hang_line(61, watchdog._stopped_first())
+    try:
+        watchdog.enter("start-up", 60)
+        line = watchdog.hang_line(61, watchdog._stopped_first())
+    finally:  # entering armed faulthandler's backstop, which would end this process 90 s later
+        watchdog.stop()
     assert re.fullmatch(r"hang detected: rank 1 is still busy \(start-up for 6\d s: in megatron/core/datasets/"
                         r"gpt_dataset\.py:712 \(_get_num_epochs\)\); rank 0 made no progress for 61 s during "
                         r"start-up before the first step: not running", line), line
