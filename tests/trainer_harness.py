@@ -93,9 +93,7 @@ def init_distributed() -> None:
     from trainer import comm
 
     os.environ.update(EXTENSIONS_ENV)
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+    comm.one_rank_without_launcher()
     comm.init_distributed(comm.default_backend())
 
 
