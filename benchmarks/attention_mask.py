@@ -15,16 +15,14 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.data import document_ids  # noqa: E402
-from trainer.model.attention import SDPAttention  # noqa: E402
-from trainer.model.builder import transformer_config  # noqa: E402
-from trainer.model.presets import PRESETS  # noqa: E402
+from trainer.data import document_ids
+from trainer.model.attention import SDPAttention
+from trainer.model.builder import transformer_config
+from trainer.model.presets import PRESETS
 
 EOD = 0
 

@@ -19,11 +19,9 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "tests"))
 
-from trainer.training import Trainer  # noqa: E402
-from trainer_harness import TINY_VOCAB, init_distributed, run_trainer, tiny_flags  # noqa: E402
+from trainer.training import Trainer
+from tools.trainer_runs import TINY_VOCAB, init_distributed, run_trainer, tiny_flags
 
 
 def _status_kib(field: str) -> int:
@@ -97,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--presets", nargs="+", default=["tiny", "150m"])
     p.add_argument("--out", default=None, help="work folder (default: a temporary one, removed afterwards)")
     args = p.parse_args(argv)
-    from synthetic_data import write_markov_dataset
+    from tools.synthetic_data import write_markov_dataset
 
     work = Path(args.out or tempfile.mkdtemp(prefix="checkpoint_io_"))
     work.mkdir(parents=True, exist_ok=True)

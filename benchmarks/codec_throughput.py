@@ -13,12 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
 
 SETTINGS = {
     "statistical 2-bit": {"method": "statistical", "bits": 2},

@@ -19,12 +19,11 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
 
-import torch.distributed as dist  # noqa: E402
+import torch.distributed as dist
 
-from trainer.config import BatchConfig, DataConfig  # noqa: E402
-from trainer.data import StreamPosition, build_datasets, micro_batches, tokenizer_info  # noqa: E402
+from trainer.config import BatchConfig, DataConfig
+from trainer.data import StreamPosition, build_datasets, micro_batches, tokenizer_info
 
 DEMO = REPO_ROOT / "demo_data"
 

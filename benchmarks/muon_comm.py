@@ -31,13 +31,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.trainer_harness import TINY_VOCAB, deepspeed_launch, tiny_flags  # noqa: E402
-from trainer.ds_config import load_ds_config  # noqa: E402
-from trainer.model.presets import PRESETS  # noqa: E402
-from trainer.optim.muon import MOMENTUM_DTYPES  # noqa: E402
-from trainer.optim.muon_comm_model import MuonExchange, comm_dtype, grad_allreduce_bytes  # noqa: E402
+from tools.trainer_runs import TINY_VOCAB, deepspeed_launch, tiny_flags
+from trainer.ds_config import load_ds_config
+from trainer.model.presets import PRESETS
+from trainer.optim.muon import MOMENTUM_DTYPES
+from trainer.optim.muon_comm_model import MuonExchange, comm_dtype, grad_allreduce_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
@@ -50,7 +49,7 @@ def probe(out_dir: Path, flags: list[str]) -> None:
     """Train like pretrain.py, counting the bytes of every collective DistributedMuon.step calls."""
     import torch.distributed as dist
 
-    from tests.trainer_harness import init_distributed, run_trainer
+    from tools.trainer_runs import init_distributed, run_trainer
     from trainer import comm
     from trainer.optim.distributed_muon import DistributedMuon
     from trainer.training import Trainer
@@ -100,7 +99,7 @@ def previous_design_bytes(local_muon_numel: int, tensor: int, data: int) -> int:
 
 
 def measure_tiny(steps: int) -> dict:
-    from tests.synthetic_data import write_markov_dataset
+    from tools.synthetic_data import write_markov_dataset
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -31,13 +31,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.muon_ownership import muon_parameters  # noqa: E402
-from trainer.model.presets import PRESETS  # noqa: E402
-from trainer.optim.distributed_muon import DistributedMuon, ShardGroup  # noqa: E402
-from trainer.optim.muon import MOMENTUM_DTYPES, MuonConfig  # noqa: E402
-from trainer.optim.muon_comm_model import DEFAULT_BUCKET_NUMEL, MuonExchange, comm_dtype  # noqa: E402
+from muon_ownership import muon_parameters
+from trainer.model.presets import PRESETS
+from trainer.optim.distributed_muon import DistributedMuon, ShardGroup
+from trainer.optim.muon import MOMENTUM_DTYPES, MuonConfig
+from trainer.optim.muon_comm_model import DEFAULT_BUCKET_NUMEL, MuonExchange, comm_dtype
 
 DTYPES = ("float32", "bfloat16")
 WHOLE_RANK_CONFIGS = (("150m", "ds_configs/gpu_150m_dp_muon.json"), ("15b", "ds_configs/gpu_15b_muloco_k16.json"))

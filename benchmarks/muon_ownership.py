@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.model.presets import PRESETS, ModelShape  # noqa: E402
-from trainer.optim.newton_schulz import NAMED_SCHEDULES, NS_DTYPES, newton_schulz_flops, orthogonalize  # noqa: E402
-from trainer.optim.muon_comm_model import DEFAULT_BUCKET_NUMEL, MuonExchange  # noqa: E402
+from trainer.model.presets import PRESETS, ModelShape
+from trainer.optim.newton_schulz import NAMED_SCHEDULES, NS_DTYPES, newton_schulz_flops, orthogonalize
+from trainer.optim.muon_comm_model import DEFAULT_BUCKET_NUMEL, MuonExchange
 
 # A 1.76b layer takes about a minute of Newton-Schulz on 2 CPU cores, so by default presets wider
 # than this are cut to one layer.

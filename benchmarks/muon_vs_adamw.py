@@ -15,10 +15,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.synthetic_data import write_markov_dataset  # noqa: E402
-from tests.trainer_harness import TINY_VOCAB, init_distributed, run_trainer, tiny_flags  # noqa: E402
+from tools.synthetic_data import write_markov_dataset
+from tools.trainer_runs import TINY_VOCAB, init_distributed, run_trainer, tiny_flags
 
 EVAL_ITERS = 16  # 64 validation sequences of 128 tokens
 

@@ -29,18 +29,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.model.presets import PRESETS, ModelShape  # noqa: E402
-from trainer.optim import newton_schulz  # noqa: E402
-from trainer.optim.newton_schulz import (  # noqa: E402
+from trainer.model.presets import PRESETS, ModelShape
+from trainer.optim import newton_schulz
+from trainer.optim.newton_schulz import (
     DEFAULT_SCHEDULE,
     DEFAULT_STEPS,
     NS_DTYPES,

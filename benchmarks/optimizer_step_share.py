@@ -15,13 +15,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from tests.synthetic_data import write_markov_dataset  # noqa: E402
-from tests.trainer_harness import TINY_VOCAB, init_distributed, run_trainer, tiny_flags  # noqa: E402
-from trainer.training import Trainer  # noqa: E402
+from tools.synthetic_data import write_markov_dataset
+from tools.trainer_runs import TINY_VOCAB, init_distributed, run_trainer, tiny_flags
+from trainer.training import Trainer
 
 WARMUP_STEPS = 5
 

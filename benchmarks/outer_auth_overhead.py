@@ -21,7 +21,6 @@ import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
 
 COMPRESSIONS = {
     "statistical 4-bit + EF": {"method": "statistical", "bits": 4, "error_feedback": True},
@@ -43,7 +42,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.outer_worker import worker_model
+    from outer_worker import worker_model
     from trainer.diloco.auth import JobKey
     from trainer.diloco.config import CompressionConfig
     from trainer.diloco.config import MuLoCoConfig

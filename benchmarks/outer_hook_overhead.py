@@ -51,9 +51,8 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.timed_runs import timed_trainer, write_config  # noqa: E402
+from timed_runs import timed_trainer, write_config
 
 SLOW_LINK = {"bandwidth_gbit_s": 1, "latency_ms": 50}
 FOUR_BIT_EF = {"method": "statistical", "bits": 4, "error_feedback": True}
@@ -215,8 +214,7 @@ def main() -> None:
     if "LOCAL_RANK" in os.environ:
         train_one(args)
         return
-    sys.path.insert(0, str(REPO_ROOT / "tests"))
-    from synthetic_data import write_markov_dataset
+    from tools.synthetic_data import write_markov_dataset
 
     from trainer.diloco.auth import KEY_FILE_ENV, write_new_key
 

@@ -23,7 +23,6 @@ import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
 
 COMPRESSIONS = {
     "none": {"method": "none"},
@@ -60,7 +59,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.outer_worker import worker_model
+    from outer_worker import worker_model
     from trainer.diloco.config import CompressionConfig, MuLoCoConfig
     from trainer.diloco.membership import StaticMembership
     from trainer.diloco.outer_loop import OuterLoop

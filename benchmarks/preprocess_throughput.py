@@ -38,13 +38,12 @@ from pathlib import Path
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread: the limit is per thread
 
-import zstandard  # noqa: E402
+import zstandard
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dataprep.shards import resolve_inputs  # noqa: E402
-from tokenizer.train import TokenizerTrainingConfig, train_tokenizer  # noqa: E402
-from tools.preprocess_data import ENCODE_BATCH_DOCUMENTS, PreprocessConfig, run_preprocess  # noqa: E402
+from dataprep.shards import resolve_inputs
+from tokenizer.train import TokenizerTrainingConfig, train_tokenizer
+from tools.preprocess_data import ENCODE_BATCH_DOCUMENTS, PreprocessConfig, run_preprocess
 
 SAMPLE_CORPUS = Path(__file__).resolve().parents[1] / "corpus" / "shakespeare"
 MANY_FILES = 32

@@ -20,11 +20,10 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
 
-from trainer.checkpoint.format import sha256_of  # noqa: E402
-from trainer.checkpoint.rank_file import read_rank_file, to_plain, write_rank_file  # noqa: E402
-from trainer.model.presets import PRESETS  # noqa: E402
+from trainer.checkpoint.format import sha256_of
+from trainer.checkpoint.rank_file import read_rank_file, to_plain, write_rank_file
+from trainer.model.presets import PRESETS
 
 
 def preset_state(vocab: int) -> dict:

@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from tools.compare.launch import prepare_data  # noqa: E402
-from tools.compare.protocol import DEFAULT_CORPUS  # noqa: E402
+from tools.compare.launch import prepare_data
+from tools.compare.protocol import DEFAULT_CORPUS
 
 BENCHMARKS = Path(__file__).resolve().parent
 # Small, documented settings per script: a few minutes each on 2 CPU cores.

@@ -12,15 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.diloco.compression import Compressor  # noqa: E402
-from trainer.diloco.config import CompressionConfig  # noqa: E402
+from trainer.diloco.compression import Compressor
+from trainer.diloco.config import CompressionConfig
 
 ROUNDINGS = ("centred", "paper")
 

@@ -31,9 +31,8 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.timed_runs import timed_trainer, write_config  # noqa: E402
+from timed_runs import timed_trainer, write_config
 
 WORKERS = 3
 SLOW_LINK = {"bandwidth_gbit_s": 1, "latency_ms": 50}
@@ -122,8 +121,7 @@ def main() -> None:
     if "LOCAL_RANK" in os.environ:
         train_one(args)
         return
-    sys.path.insert(0, str(REPO_ROOT / "tests"))
-    from synthetic_data import write_markov_dataset
+    from tools.synthetic_data import write_markov_dataset
 
     from trainer.diloco.auth import KEY_FILE_ENV, write_new_key
 

@@ -18,10 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.synthetic_data import write_markov_dataset  # noqa: E402
-from tests.trainer_harness import PRETRAIN, TINY_VOCAB, deepspeed_launch, read_metrics, tiny_flags  # noqa: E402
+from tools.synthetic_data import write_markov_dataset
+from tools.trainer_runs import PRETRAIN, TINY_VOCAB, deepspeed_launch, read_metrics, tiny_flags
 
 LOG_INTERVAL = 5
 

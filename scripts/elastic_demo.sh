@@ -33,7 +33,7 @@ trap cleanup EXIT INT TERM
 
 rm -rf "$WORK" && mkdir -p "$WORK"
 echo "[elastic 1/4] data: a learnable synthetic token stream -> $WORK/markov"
-python -c "import sys; sys.path.insert(0, 'tests'); from synthetic_data import write_markov_dataset; write_markov_dataset('$WORK/markov')"
+python tools/synthetic_data.py "$WORK/markov"
 
 # One secret for the lighthouse and every worker: nobody without it can join or send a message.
 python -m trainer.diloco.auth new-key "$WORK/job.key"

@@ -55,7 +55,6 @@ from pathlib import Path
 from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 PEAK_TFLOPS = 790.0  # dense bf16 peak measured on the H200 the check runs on
 BF16_LOSS_TOLERANCE = 1e-2  # relative, for a resume against a run without deterministic kernels
@@ -533,7 +532,7 @@ class Check:
         that orthogonalizes one layer of the preset fastest: Q, K, V, O square, gate and up tall, down wide."""
         import torch
 
-        from benchmarks.newton_schulz_forms import benchmark_shape, shape_classes
+        from newton_schulz_forms import benchmark_shape, shape_classes
         from trainer.model.presets import PRESETS
 
         dtype = shipped_config(muon_config)["optimizer"]["params"].get("ns_dtype", "float32")

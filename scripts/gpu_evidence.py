@@ -36,9 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_check  # noqa: E402  the device runs' shared machinery: budget, processes, report
-from gpu_check import REPO, STARTED_ENV, Budget, ReportFiles, Stage  # noqa: E402
+import gpu_check  # the device runs' shared machinery (budget, processes, report), beside this script
+from gpu_check import REPO, STARTED_ENV, Budget, ReportFiles, Stage
 
 WORKERS = 8  # K
 SYNC_INTERVAL = 30  # H

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 import torch
-from trainer_harness import EXTENSIONS_ENV, launch_port
+from tools.trainer_runs import launch_port
+from tools.trainer_runs import EXTENSIONS_ENV
 
 from trainer.checkpoint.rank_file import read_rank_file, to_plain
 
@@ -26,8 +27,7 @@ TRAIN_ITERS = 6
 def dataset(base: Path) -> str:
     prefix = base / "markov"
     if not prefix.with_suffix(".idx").exists():
-        sys.path.insert(0, str(REPO_ROOT / "tests"))
-        from synthetic_data import write_markov_dataset
+        from tools.synthetic_data import write_markov_dataset
 
         write_markov_dataset(str(prefix), vocab_size=1000)
     return str(prefix)

@@ -22,14 +22,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-import trainer.run  # noqa: E402
-from tests.trainer_harness import init_distributed, run_trainer  # noqa: E402
-from trainer.comm import close_distributed  # noqa: E402
-from trainer.diloco.outer_loop import OuterLoop  # noqa: E402
+import trainer.run
+from tools.trainer_runs import init_distributed, run_trainer
+from trainer.comm import close_distributed
+from trainer.diloco.outer_loop import OuterLoop
 
 ARGS = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher's comes first
 OUT = Path(ARGS[0])

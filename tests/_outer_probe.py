@@ -18,21 +18,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from tests._probe_common import rank_identity, shard_state  # noqa: E402
-from tests.trainer_harness import init_distributed, run_trainer  # noqa: E402
-from trainer.comm import close_distributed  # noqa: E402
-from trainer.data import StreamPosition  # noqa: E402
-from trainer.model.builder import canonical_names  # noqa: E402
-from trainer.training import Trainer  # noqa: E402
+from tests._probe_common import rank_identity, shard_state
+from tools.trainer_runs import init_distributed, run_trainer
+from trainer.comm import close_distributed
+from trainer.data import StreamPosition
+from trainer.model.builder import canonical_names
+from trainer.training import Trainer
 
 
 def probe_trainer(case: dict, dump_path: Path) -> type[Trainer]:

@@ -10,20 +10,18 @@ T=1 layout under its global name, gathered over TP and PP) before training and a
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from megatron.core import parallel_state as mps  # noqa: E402
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mps
 
-from tests.trainer_harness import DS_CONFIGS, init_distributed, run_trainer  # noqa: E402
-from trainer.comm import close_distributed  # noqa: E402
-from trainer.model.builder import canonical_names  # noqa: E402
-from trainer.model.layout import Split, layout_of, unshard  # noqa: E402
-from trainer.training import Trainer  # noqa: E402
+from tools.trainer_runs import DS_CONFIGS, init_distributed, run_trainer
+from trainer.comm import close_distributed
+from trainer.model.builder import canonical_names
+from trainer.model.layout import Split, layout_of, unshard
+from trainer.training import Trainer
 
 
 @torch.no_grad()

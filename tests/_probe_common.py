@@ -1,5 +1,5 @@
 """Weight dumps of multi-process probes (scripts that run real trainings under a launcher and dump
-what the tests compare; tests/trainer_harness.py launches and assembles the runs). The API only
+what the tests compare; tools/trainer_runs.py launches and assembles the runs). The API only
 grows: add, never change.
 
 A probe rank dumps one dict: `rank_identity(topology)` (rank, coords, sizes) plus "snapshots", a

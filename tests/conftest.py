@@ -15,6 +15,9 @@ pytest_plugins = ["launch_tier"]  # the `launch` mark and its check (tests/launc
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_CORPUS = REPO_ROOT / "corpus" / "shakespeare"
+# Every process the suite starts imports this checkout, whichever one the environment's editable
+# install names (a second worktree sharing the venv): no script edits sys.path.
+os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -24,7 +27,7 @@ def remove_own_shared_memory_files():
     end of the session, remove those of this session's launches (named by their master ports), and
     nobody else's: other jobs may share this machine."""
     yield
-    from trainer_harness import LAUNCH_PORTS, shared_memory_files
+    from tools.trainer_runs import LAUNCH_PORTS, shared_memory_files
 
     for port in LAUNCH_PORTS:
         for path in shared_memory_files(port):
@@ -55,6 +58,12 @@ def repo_root() -> Path:
 def shakespeare() -> Path:
     """The Nemotron-CC-layout sample corpus (train/ and valid/ folders of .jsonl.zstd shards)."""
     return SAMPLE_CORPUS
+
+
+def pytest_sessionstart(session):
+    # On a machine where matplotlib has never run, its first import builds a font cache by running
+    # fc-list: a process, which the in-process tier refuses inside whichever unmarked test plots first.
+    import matplotlib.font_manager  # noqa: F401
 
 
 def pytest_addoption(parser):

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from trainer_harness import TINY_VOCAB, megatron_world_of_one, tiny_model
+from megatron_world import megatron_world_of_one, tiny_model
+from tools.trainer_runs import TINY_VOCAB
 
 import trainer.checkpoint.checkpointer as checkpointer_module
 from trainer import comm

@@ -7,7 +7,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from trainer.model.attention import SDPAttention
 from trainer.model.builder import transformer_config
 from trainer.model.presets import PRESETS
-from trainer_harness import megatron_world_of_one
+from megatron_world import megatron_world_of_one
 
 
 def test_sdpa_matches_megatron_dot_product_attention_with_gqa():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from _ckpt_runs import REPO_ROOT, Launch, alive, check, dataset, launch
-from trainer_harness import shared_memory_files
+from tools.trainer_runs import shared_memory_files
 
 from trainer.checkpoint import CheckpointReader, latest_iteration
 from trainer.checkpoint.format import rank_file, sha256_of
@@ -175,8 +175,7 @@ def test_a_folder_is_refused_while_its_job_lives_and_taken_over_once_it_is_gone(
 
 SHUTDOWN_PROBE = textwrap.dedent("""
     import json, sys, threading
-    sys.path.insert(0, "tests")
-    from trainer_harness import init_distributed, run_trainer
+    from tools.trainer_runs import init_distributed, run_trainer
     from trainer.comm import close_distributed
     from trainer.training import Trainer
 

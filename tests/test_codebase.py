@@ -160,3 +160,31 @@ def test_collectives_are_called_only_through_the_group_module():
                         and node.func.value.id == "dist"):
                     offenders.append(f"{relative}:{node.lineno} dist.{node.func.attr}")
     assert offenders == [], "call trainer.comm instead:\n" + "\n".join(offenders)
+
+
+# Where sys.path edits would hide a missing install: the installed packages, and the scripts and
+# benchmarks that run on them (tests start their processes with PYTHONPATH, tests/conftest.py).
+IMPORTABLE_FROM_THE_INSTALL = ("trainer", "tools", "tokenizer", "dataprep", "megatron_patches", "benchmarks",
+                               "scripts", "examples")
+
+
+def _edits_sys_path(source: str) -> list[int]:
+    """Lines that mutate sys.path (insert, append, extend, assignment), in Python code or in a shell
+    script's `python -c`."""
+    return [n for n, line in enumerate(source.splitlines(), 1)
+            if any(f"sys.path.{verb}" in line for verb in ("insert", "append", "extend", "remove"))
+            or "sys.path =" in line or "sys.path[" in line]
+
+
+def test_the_edit_finder_finds_an_edit():
+    assert _edits_sys_path("import sys\nsys.path.insert(0, 'x')\n") == [2]
+    assert _edits_sys_path("python -c \"import sys; sys.path.append('tests')\"") == [1]
+    assert _edits_sys_path("print(sys.path)\n") == []
+
+
+def test_no_module_or_script_edits_sys_path():
+    offenders = [f"{path.relative_to(ROOT)}:{line}"
+                 for folder in IMPORTABLE_FROM_THE_INSTALL
+                 for path in sorted((ROOT / folder).rglob("*")) if path.suffix in (".py", ".sh")
+                 for line in _edits_sys_path(path.read_text())]
+    assert offenders == [], "import from the installed package instead:\n" + "\n".join(offenders)

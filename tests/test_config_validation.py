@@ -21,7 +21,7 @@ from trainer.errors import ConfigError
 from trainer.optim.config import AdamWParams
 from trainer.optim.muon import MuonConfig
 from trainer.pretrain import STARTUP_ERRORS, checked_config
-from trainer_harness import free_port
+from tools.trainer_runs import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = json.loads((ROOT / "ds_configs" / "cpu_tiny_muloco.json").read_text())

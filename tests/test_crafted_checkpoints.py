@@ -317,7 +317,7 @@ WEIGHTS_CASES = {
 
 def _start_from_weights(root: Path) -> torch.nn.Module:
     """A T=1 P=1 run of the checkpoint's model given --load ROOT --finetune, as the entry point starts it."""
-    from trainer_harness import megatron_world_of_one
+    from megatron_world import megatron_world_of_one
 
     from trainer.checkpoint.checkpointer import start_from_weights
     from trainer.checkpoint.format import checkpoint_args

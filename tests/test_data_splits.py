@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from synthetic_data import write_markov_dataset
+from tools.synthetic_data import write_markov_dataset
 
 from trainer.config import DataConfig, build_parser
 from trainer.data import TokenizerInfo, build_datasets

@@ -21,7 +21,8 @@ import torch
 from trainer.diloco.deepspeed_hook import Workers, attach
 from trainer.errors import ConfigError
 from trainer.topology import ParallelSizes, RankCoordinates, Topology
-from trainer_harness import REPO_ROOT, deepspeed_launch, shared_memory_files
+from tools.trainer_runs import deepspeed_launch, shared_memory_files
+from tools.trainer_runs import REPO_ROOT
 
 PROBE = REPO_ROOT / "tests" / "_deepspeed_hook_probe.py"
 K, D, H, STEPS, VOCAB, SEQ, MICRO = 2, 2, 3, 9, 128, 16, 2

@@ -35,8 +35,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from synthetic_data import write_markov_dataset
-from trainer_harness import EXTENSIONS_ENV, REPO_ROOT, TINY_VOCAB, free_port
+from tools.synthetic_data import write_markov_dataset
+from tools.trainer_runs import free_port
+from tools.trainer_runs import EXTENSIONS_ENV, REPO_ROOT, TINY_VOCAB
 
 from trainer.elastic.tunnel import REFUSAL_LOG_INTERVAL_S
 

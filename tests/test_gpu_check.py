@@ -5,7 +5,6 @@ it cannot rot between the sessions that have a GPU. The GPU-only defects are sho
 the meta device for the CUDA device Megatron allocates its buffers on, CPU bf16 autocast for Megatron's
 CUDA autocast, a fake accelerator with fewer devices than processes."""
 import contextlib
-import importlib.util
 import json
 import os
 import signal
@@ -19,20 +18,14 @@ import psutil
 import pytest
 import torch
 
-from trainer_harness import TINY_VOCAB, megatron_world_of_one, tiny_model
+from script_modules import load_script
+from megatron_world import megatron_world_of_one, tiny_model
+from tools.trainer_runs import TINY_VOCAB
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load_gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_check = _load_gpu_check()
+gpu_check = load_script("gpu_check")
 
 
 def _check_env() -> dict:

@@ -2,25 +2,15 @@
 trainer processes at a tiny size. The whole run rehearses on CPU with `bash scripts/gpu_evidence.sh
 --cpu` (minutes; scripts/gpu_twin.sh runs it on the GPU image's packages)."""
 import dataclasses
-import importlib.util
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from script_modules import load_script
 from tools.compare.simulated_workers import BranchPlan, StepCost, warm_start_continues
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _load_gpu_evidence():
-    sys.path.insert(0, str(REPO / "scripts"))  # where it imports gpu_check from
-    spec = importlib.util.spec_from_file_location("gpu_evidence", REPO / "scripts" / "gpu_evidence.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_warm_start_stops_while_the_branches_still_fit():
@@ -42,7 +32,8 @@ def test_one_simulated_worker_retraces_the_reference_exactly(tmp_path):
     """K=1: the one worker's branch starts from the restored start state (weights, optimizer state, lr
     schedule, RNG) on the reference's data, so its pseudogradient IS the reference's: a cosine of 1 on
     every hidden matrix, the same norm."""
-    gpu_evidence = _load_gpu_evidence()
+    load_script("gpu_check")  # what gpu_evidence.py imports from beside it
+    gpu_evidence = load_script("gpu_evidence")
     mode = dataclasses.replace(gpu_evidence.CPU, global_batch=4, micro=2, max_warm_steps=2)
     evidence = gpu_evidence.Evidence(mode, tmp_path)
     evidence.start_stage(200.0)  # a few seconds' work, on a 2-core machine that others may share

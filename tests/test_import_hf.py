@@ -23,7 +23,7 @@ import pytest
 import torch
 from _ckpt_runs import REPO_ROOT, check, dataset, launch, losses, reference_checkpoint
 from test_tokenizer import hf_tokenizer_dir  # noqa: F401 - shared session fixture
-from trainer_harness import EXTENSIONS_ENV
+from tools.trainer_runs import EXTENSIONS_ENV
 
 from tokenizer.interface import load_tokenizer
 from tools.convert_checkpoint.__main__ import main as convert_main

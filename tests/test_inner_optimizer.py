@@ -14,7 +14,7 @@ from trainer.optim.inner import InnerOptimizer
 from trainer.optim.muon import Muon, MuonConfig
 from trainer.optim.routing import route_parameters
 from trainer.typed_json import load
-from trainer_harness import megatron_world_of_one, tiny_model
+from megatron_world import megatron_world_of_one, tiny_model
 
 SHAPE = PRESETS["tiny"]
 STEPS = 2  # the second step exercises the momentum buffers

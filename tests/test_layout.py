@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from trainer.model.layout import (Split, from_logical_matrices, full_shape, layout_of, logical_matrices,
                                   logical_shapes, shard, unshard)
 from trainer.model.presets import PRESETS
-from trainer_harness import megatron_world_of_one, tiny_model
+from megatron_world import megatron_world_of_one, tiny_model
 
 SHAPE = PRESETS["tiny"]  # 4 heads in 2 query groups (GQA), head dim 32, hidden 128, ffn 352
 H, HD, G, FFN = SHAPE.hidden_size, SHAPE.kv_channels, SHAPE.query_groups, SHAPE.ffn_hidden_size

@@ -17,8 +17,9 @@ import torch
 
 from tools import plan as planner
 from _probe_common import load_rank_dumps, worker_weights
-from synthetic_data import write_markov_dataset
-from trainer_harness import PRETRAIN, REPO_ROOT, LaunchResult, deepspeed_launch, read_metrics, shared_memory_files
+from tools.synthetic_data import write_markov_dataset
+from tools.trainer_runs import PRETRAIN, LaunchResult, deepspeed_launch, read_metrics, shared_memory_files
+from tools.trainer_runs import REPO_ROOT
 
 PROBE = REPO_ROOT / "tests" / "_outer_probe.py"
 MULOCO_CONFIG = REPO_ROOT / "ds_configs" / "cpu_tiny_muloco.json"

@@ -6,8 +6,9 @@ against a plain computation, its initialisation, its routing, and its Hugging Fa
 import pytest
 import torch
 
-from synthetic_data import write_markov_dataset
-from trainer_harness import TINY_VOCAB, megatron_world_of_one
+from tools.synthetic_data import write_markov_dataset
+from megatron_world import megatron_world_of_one
+from tools.trainer_runs import TINY_VOCAB
 from trainer.config import BatchConfig, DataConfig
 from trainer.model.presets import PRESETS
 

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from synthetic_data import write_markov_dataset
+from tools.synthetic_data import write_markov_dataset
 from trainer.model.layout import logical_matrices
 from trainer.model.presets import PRESETS
-from trainer_harness import REPO_ROOT, TINY_VOCAB, LaunchResult, deepspeed_launch
+from tools.trainer_runs import LaunchResult, deepspeed_launch
+from tools.trainer_runs import REPO_ROOT, TINY_VOCAB
 
 pytestmark = pytest.mark.launch  # every test here starts processes (tests/launch_tier.py)
 

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from tools import plan as planner
-from trainer_harness import PRETRAIN, TINY_VOCAB, deepspeed_launch, megatron_world_of_one, read_metrics
-from synthetic_data import write_markov_dataset
+from megatron_world import megatron_world_of_one
+from tools.trainer_runs import PRETRAIN, deepspeed_launch, read_metrics
+from tools.trainer_runs import TINY_VOCAB
+from tools.synthetic_data import write_markov_dataset
 from trainer.model.presets import PRESETS, parameter_count
 
 PRESETS_UP_TO_1_76B = ["tiny", "150m", "416m", "914m", "1.76b"]

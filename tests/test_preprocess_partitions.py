@@ -17,7 +17,8 @@ import pytest
 import zstandard
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from test_tokenizer import sentencepiece_model  # noqa: F401 - shared session fixture
-from trainer_harness import DS_CONFIGS, PRETRAIN, REPO_ROOT, deepspeed_launch, read_metrics
+from tools.trainer_runs import PRETRAIN, deepspeed_launch, read_metrics
+from tools.trainer_runs import DS_CONFIGS, REPO_ROOT
 
 from dataprep.dataset_meta import read_dataset_meta
 from dataprep.manifest import read_manifest

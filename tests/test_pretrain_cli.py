@@ -6,8 +6,9 @@ import re
 
 import pytest
 
-from synthetic_data import write_markov_dataset
-from trainer_harness import PRETRAIN, TINY_VOCAB, deepspeed_launch, read_metrics, tiny_flags
+from tools.synthetic_data import write_markov_dataset
+from tools.trainer_runs import PRETRAIN, deepspeed_launch, read_metrics
+from tools.trainer_runs import TINY_VOCAB, tiny_flags
 
 # Far below LAUNCH_TIMEOUT_S: a rank waiting in a collective for a peer that already quit would hang.
 FAIL_FAST_S = 120

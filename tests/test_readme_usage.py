@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO_ROOT
-from trainer_harness import EXTENSIONS_ENV, launch_port
+from tools.trainer_runs import launch_port
+from tools.trainer_runs import EXTENSIONS_ENV
 
 README = REPO_ROOT / "README.md"
 # (pattern, replacement, why): the tiny sizes a test can afford, on one CPU rank.

@@ -21,8 +21,7 @@ pytestmark = pytest.mark.launch  # every test here starts processes (tests/launc
 
 PROBE = textwrap.dedent("""
     import sys
-    sys.path.insert(0, "tests")
-    from trainer_harness import init_distributed, run_trainer
+    from tools.trainer_runs import init_distributed, run_trainer
     from trainer.comm import close_distributed
 
     init_distributed()

@@ -13,15 +13,13 @@ import argparse
 import dataclasses
 import json
 import re
-import sys
 import types
 import typing
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.ds_config import DsConfig  # noqa: E402
-from trainer.typed_json import ConfigBlock, describe, spec_of  # noqa: E402
+from trainer.ds_config import DsConfig
+from trainer.typed_json import ConfigBlock, describe, spec_of
 
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 BEGIN = "<!-- config-reference:begin (python tools/config_reference.py --write rewrites this section) -->"

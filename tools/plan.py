@@ -66,27 +66,26 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.config import check_model_shape  # noqa: E402
-from trainer.diloco.collectives import row_split  # noqa: E402
-from trainer.diloco.auth import TAG_BYTES  # noqa: E402
-from trainer.diloco.collectives import CLAIM_BYTES  # noqa: E402
-from trainer.diloco.compression import Compressor, compression_group, rows_shape  # noqa: E402
-from trainer.diloco.config import CompressionConfig, MuLoCoConfig  # noqa: E402
-from trainer.diloco.vote import BALLOT_BYTES  # noqa: E402
-from trainer.ds_config import LayoutConfig, load_ds_config, read_json_object  # noqa: E402
-from trainer.errors import ConfigError, TopologyError  # noqa: E402
-from trainer.model.layout import layout_of  # noqa: E402
-from trainer.model.presets import PRESETS, ModelShape  # noqa: E402
-from trainer.model.stages import stage_layers  # noqa: E402
-from trainer.optim.config import MuonParams, OptimizerConfig  # noqa: E402
-from trainer.optim.muon import MOMENTUM_DTYPES  # noqa: E402
-from trainer.optim.muon_comm_model import MuonExchange, comm_dtype, grad_allreduce_bytes  # noqa: E402
-from trainer.optim.ownership import assign_owners  # noqa: E402
+from trainer.config import check_model_shape
+from trainer.diloco.collectives import row_split
+from trainer.diloco.auth import TAG_BYTES
+from trainer.diloco.collectives import CLAIM_BYTES
+from trainer.diloco.compression import Compressor, compression_group, rows_shape
+from trainer.diloco.config import CompressionConfig, MuLoCoConfig
+from trainer.diloco.vote import BALLOT_BYTES
+from trainer.ds_config import LayoutConfig, load_ds_config, read_json_object
+from trainer.errors import ConfigError, TopologyError
+from trainer.model.layout import layout_of
+from trainer.model.presets import PRESETS, ModelShape
+from trainer.model.stages import stage_layers
+from trainer.optim.config import MuonParams, OptimizerConfig
+from trainer.optim.muon import MOMENTUM_DTYPES
+from trainer.optim.muon_comm_model import MuonExchange, comm_dtype, grad_allreduce_bytes
+from trainer.optim.ownership import assign_owners
 from trainer.recipe import PAPER_VOCAB  # noqa: E402  the paper presets' counts match a Llama-3 vocabulary
-from trainer.topology import ParallelSizes  # noqa: E402
-from trainer.typed_json import set_path  # noqa: E402
+from trainer.topology import ParallelSizes
+from trainer.typed_json import set_path
 
 GIB = 1024 ** 3
 

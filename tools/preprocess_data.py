@@ -55,8 +55,6 @@ from typing import Self
 
 import numpy as np
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 with warnings.catch_warnings():  # megatron warns about GPU kernels that preprocessing never uses
     warnings.simplefilter("ignore")

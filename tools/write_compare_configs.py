@@ -13,15 +13,12 @@ results/compare/README.md). tests/test_compare_configs.py checks every config ag
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.compare.methods import METHODS, MethodSpec  # noqa: E402
-from tools.compare.protocol import CONFIG_DIR, LR_GRIDS, MODEL, Settings  # noqa: E402
-from tools.write_gpu_configs import muloco_block, optimizer_block  # noqa: E402
-from trainer.recipe import TOKENS_PER_PARAMETER, WARMUP_ITERS, WEIGHT_DECAY_BASE_BATCH, paper_recipe  # noqa: E402
+from tools.compare.methods import METHODS, MethodSpec
+from tools.compare.protocol import CONFIG_DIR, LR_GRIDS, MODEL, Settings
+from tools.write_gpu_configs import muloco_block, optimizer_block
+from trainer.recipe import TOKENS_PER_PARAMETER, WARMUP_ITERS, WEIGHT_DECAY_BASE_BATCH, paper_recipe
 
 COMMAND = "python tools/write_compare_configs.py"
 RECIPE_PRESET = "150m"  # the paper's smallest model: its rules stand in for the tiny shape's

@@ -9,16 +9,14 @@ tests/test_recipe.py checks every shipped GPU config against this catalogue.
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.diloco.config import MuLoCoConfig  # noqa: E402
-from trainer.optim.config import MuonParams  # noqa: E402
-from trainer.recipe import Recipe, paper_recipe, unpublished_lr  # noqa: E402
+from trainer.diloco.config import MuLoCoConfig
+from trainer.optim.config import MuonParams
+from trainer.recipe import Recipe, paper_recipe, unpublished_lr
 
 DS_CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
 COMMAND = "python tools/write_gpu_configs.py"

@@ -8,25 +8,22 @@ from __future__ import annotations
 import os
 import sys
 from contextlib import nullcontext
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch.distributed as dist  # noqa: E402
+import torch.distributed as dist
 
-from trainer import comm  # noqa: E402
-from trainer.config import RunConfig, build_parser, check_environment, resolve  # noqa: E402
-from trainer.data import check_data, check_model_vocabulary, index_cache_dir, refuse_unsafe_index_cache  # noqa: E402
-from trainer.data_splits import check_splits_hold_a_sample  # noqa: E402
-from trainer.diloco.collectives import CollectiveError  # noqa: E402
-from trainer.checkpoint.format import checkpoint_args  # noqa: E402
-from trainer.durable import check_output_folders  # noqa: E402
-from trainer.errors import ConfigError, TopologyError  # noqa: E402
-from trainer.failures import stop_together  # noqa: E402
-from trainer.folder_lock import JobLocks  # noqa: E402
-from trainer.parent_watch import ParentWatch, launched  # noqa: E402
-from trainer.threads import apply_thread_default  # noqa: E402
+from trainer import comm
+from trainer.config import RunConfig, build_parser, check_environment, resolve
+from trainer.data import check_data, check_model_vocabulary, index_cache_dir, refuse_unsafe_index_cache
+from trainer.data_splits import check_splits_hold_a_sample
+from trainer.diloco.collectives import CollectiveError
+from trainer.checkpoint.format import checkpoint_args
+from trainer.durable import check_output_folders
+from trainer.errors import ConfigError, TopologyError
+from trainer.failures import stop_together
+from trainer.folder_lock import JobLocks
+from trainer.parent_watch import ParentWatch, launched
+from trainer.threads import apply_thread_default
 
 # What a bad setting, size, file or folder raises while the config is checked.
 STARTUP_ERRORS = (ConfigError, TopologyError, FileNotFoundError, ValueError)

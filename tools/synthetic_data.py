@@ -1,7 +1,12 @@
 """Small learnable token datasets in Megatron's indexed format, written with megatron-core's own
 IndexedDatasetBuilder: each document walks a fixed random successor table with some noise, so a
-model can learn it and the loss goes down within a few dozen steps."""
+model can learn it and the loss goes down within a few dozen steps (tests, benchmarks, demos):
+
+    python tools/synthetic_data.py PREFIX [--vocab-size 1000] [--num-docs 400]
+"""
 from __future__ import annotations
+
+import argparse
 
 import numpy as np
 import torch
@@ -24,3 +29,17 @@ def write_markov_dataset(prefix: str, vocab_size: int = 1000, num_docs: int = 40
         builder.end_document()
     builder.finalize(prefix + ".idx")
     return prefix
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="write a learnable synthetic token dataset (PREFIX.bin, PREFIX.idx)")
+    p.add_argument("prefix")
+    p.add_argument("--vocab-size", type=int, default=1000)
+    p.add_argument("--num-docs", type=int, default=400)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    print(write_markov_dataset(args.prefix, args.vocab_size, args.num_docs, seed=args.seed))
+
+
+if __name__ == "__main__":
+    main()

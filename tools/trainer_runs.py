@@ -1,6 +1,7 @@
-"""Running the real trainer from tests and benchmarks: the deepspeed launcher on a private port with
-a timeout that kills every rank, runs assembled by trainer.run inside the current process, the run
-dir's metrics, and the real tiny Megatron model in a single-process world."""
+"""The real trainer run from tests and benchmarks on the tiny preset: launched by deepspeed on a
+private port with a timeout that kills every rank, or assembled exactly as trainer/pretrain.py
+assembles it inside the calling process (a world of one outside a launcher); and a run's metrics.
+The tiny preset's flags name this checkout's ds_configs/ (the package is installed editable)."""
 from __future__ import annotations
 
 import json
@@ -9,20 +10,52 @@ import signal
 import socket
 import subprocess
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PRETRAIN = REPO_ROOT / "trainer" / "pretrain.py"
 DS_CONFIGS = {name: REPO_ROOT / "ds_configs" / f"cpu_tiny_{name}.json" for name in ("muon", "adamw")}
 TINY_VOCAB = 1000
+PRETRAIN = REPO_ROOT / "trainer" / "pretrain.py"
 LAUNCH_TIMEOUT_S = 300
 # deepspeed.init_distributed JIT-builds a CPU communication op under one lock in the torch extensions
 # cache; virtual environments sharing the default cache rebuild it for each other (minutes, every
 # rank of every run waiting), so each environment keeps its own.
 EXTENSIONS_ENV = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
                                                          str(Path(sys.prefix) / "torch_extensions"))}
+
+
+def tiny_flags(data_prefix: str | Path, run_dir: str | Path, optimizer: str, *extra: str) -> list[str]:
+    """pretrain.py flags for the tiny preset on a synthetic dataset of vocabulary TINY_VOCAB
+    (tools/synthetic_data.py)."""
+    return ["--ds_config", str(DS_CONFIGS[optimizer]), "--model", "tiny", "--data-path", str(data_prefix),
+            "--vocab-size", str(TINY_VOCAB), "--run-dir", str(run_dir), *extra]
+
+
+def init_distributed() -> None:
+    """As pretrain.py does; outside a launcher this process becomes a world of one."""
+    from trainer import comm
+
+    os.environ.update(EXTENSIONS_ENV)
+    comm.one_rank_without_launcher()
+    comm.init_distributed(comm.default_backend())
+
+
+def run_trainer(flags: list[str], trainer_class=None) -> dict:
+    """One run from pretrain.py's flags, in this process (after init_distributed); Megatron's groups
+    are torn down afterwards so that the next run can build its own."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mps
+
+    from trainer.config import build_parser, resolve
+    from trainer.run import run
+    from trainer.training import Trainer
+
+    config = resolve(build_parser().parse_args(flags), dist.get_world_size())
+    try:
+        return run(config, trainer_class or Trainer)
+    finally:
+        mps.destroy_model_parallel()
 
 
 def free_port() -> int:
@@ -46,12 +79,6 @@ def launch_port() -> int:
 def shared_memory_files(port: int) -> list[Path]:
     """DeepSpeed's CPU all-reduce files of the launch on `port` (deepspeed_allreduce_buffer_UID_ADDR_PORT_RANK)."""
     return sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
-
-
-def tiny_flags(data_prefix: str | Path, run_dir: str | Path, optimizer: str, *extra: str) -> list[str]:
-    """pretrain.py flags for the tiny preset on a synthetic dataset of vocabulary TINY_VOCAB."""
-    return ["--ds_config", str(DS_CONFIGS[optimizer]), "--model", "tiny", "--data-path", str(data_prefix),
-            "--vocab-size", str(TINY_VOCAB), "--run-dir", str(run_dir), *extra]
 
 
 @dataclass
@@ -88,62 +115,5 @@ def deepspeed_launch(script: str | Path, num_ranks: int, args: list[str],
     return LaunchResult(proc.returncode, output, port)
 
 
-def init_distributed() -> None:
-    """As pretrain.py does; outside a launcher this process becomes a world of one."""
-    from trainer import comm
-
-    os.environ.update(EXTENSIONS_ENV)
-    comm.one_rank_without_launcher()
-    comm.init_distributed(comm.default_backend())
-
-
-def run_trainer(flags: list[str], trainer_class=None) -> dict:
-    """One run exactly as pretrain.py assembles it, in this process (after init_distributed);
-    Megatron's groups are torn down afterwards so that the next run can build its own."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mps
-
-    from trainer.config import build_parser, resolve
-    from trainer.run import run
-    from trainer.training import Trainer
-
-    config = resolve(build_parser().parse_args(flags), dist.get_world_size())
-    try:
-        return run(config, trainer_class or Trainer)
-    finally:
-        mps.destroy_model_parallel()
-
-
 def read_metrics(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
-
-
-@contextmanager
-def megatron_world_of_one(seed: int = 1234):
-    """A single-process gloo world with Megatron's groups (T = P = D = 1) and the CPU shims, for
-    building the real model inside a test."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mps
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from megatron_patches import apply_cpu_shims_if_needed
-
-    apply_cpu_shims_if_needed()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    mps.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
-    model_parallel_cuda_manual_seed(seed)
-    try:
-        yield
-    finally:
-        mps.destroy_model_parallel()
-        dist.destroy_process_group()
-
-
-def tiny_model(seed: int = 1234):
-    """The tiny preset's GPTModel with the trainer's initial weights (inside megatron_world_of_one)."""
-    from trainer.model.builder import build_model, initialize_weights, padded_vocab_size
-    from trainer.model.presets import PRESETS
-
-    model = build_model(PRESETS["tiny"], padded_vocab_size(TINY_VOCAB, 1))
-    initialize_weights(model, PRESETS["tiny"], seed)
-    return model
