@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import comm
-from trainer.model.layout import layout_of, logical_matrices, shard
+from trainer.model.sharding import sharding_of, logical_matrices, shard
 from trainer.model.presets import ModelShape
 from trainer.optim.distributed_muon import DistributedMuon, ShardGroup
 from trainer.optim.muon import MOMENTUM_DTYPES, Muon, MuonConfig
@@ -60,7 +60,7 @@ def reference(config: MuonConfig) -> list[dict[str, torch.Tensor]]:
 
 
 def run_case(T: int, D: int, config: MuonConfig, tp_group, dp_group, tp_rank: int, dp_rank: int) -> dict:
-    params = [torch.nn.Parameter(shard(p, layout_of(n), tp_rank, T).clone())
+    params = [torch.nn.Parameter(shard(p, sharding_of(n), tp_rank, T).clone())
               for n, p in zip(NAMES, full_params())]
     muon = DistributedMuon(NAMES, params, SHAPE, ShardGroup.of(tp_group), ShardGroup.of(dp_group),
                            bucket_numel=BUCKET_NUMEL)
@@ -68,11 +68,11 @@ def run_case(T: int, D: int, config: MuonConfig, tp_group, dp_group, tp_rank: in
     with comm.counting_bytes_sent() as counted:
         for step in range(STEPS):
             for n, p, g in zip(NAMES, params, full_grads(step)):
-                p.grad = shard(g, layout_of(n), tp_rank, T).clone()
+                p.grad = shard(g, sharding_of(n), tp_rank, T).clone()
             muon.step(buffers, config, LR, WEIGHT_DECAY)
     gaps = []  # ||w - w_ref|| / ||w_ref - w_0|| on this rank's piece of each logical matrix
     for n, p, p0, ref_parts in zip(NAMES, params, full_params(), reference(config)):
-        def piece(whole: torch.Tensor, dim: int = layout_of(n).partition_dim) -> torch.Tensor:
+        def piece(whole: torch.Tensor, dim: int = sharding_of(n).partition_dim) -> torch.Tensor:
             return whole.chunk(T, dim=dim)[tp_rank]  # this TP rank's piece of a logical matrix
 
         local = logical_matrices(n, p.detach(), muon.local_shape)

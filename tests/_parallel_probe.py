@@ -4,7 +4,7 @@
 
 For each inner optimizer (muon, adamw) it assembles a run exactly as trainer/run.py does, then
 records on global rank 0, into RUN_ROOT/OPTIMIZER/probe.pt, the full model (every parameter in its
-T=1 layout under its global name, gathered over TP and PP) before training and after each of
+T=1 form under its global name, gathered over TP and PP) before training and after each of
 --train-iters optimizer steps, with each step's loss and gradient norm.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from megatron.core import parallel_state as mps
 from tools.trainer_runs import DS_CONFIGS, init_distributed, run_trainer
 from trainer.comm import close_distributed
 from trainer.model.builder import canonical_names
-from trainer.model.layout import Split, layout_of, unshard
+from trainer.model.sharding import Split, sharding_of, unshard
 from trainer.training import Trainer
 
 
@@ -34,10 +34,10 @@ def full_weights(model: torch.nn.Module) -> dict | None:
     for name, p in model.named_parameters():
         shards = [torch.empty_like(p) for _ in range(tp)]
         dist.all_gather(shards, p.detach().contiguous(), group=tp_group)
-        layout = layout_of(name)
-        if layout.split is Split.REPLICATED:
+        sharding = sharding_of(name)
+        if sharding.split is Split.REPLICATED:
             gap = max([gap] + [float((s - shards[0]).abs().max()) for s in shards])
-        local[names[name]] = unshard(shards, layout)
+        local[names[name]] = unshard(shards, sharding)
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object((local, gap), gathered, dst=0)
     if dist.get_rank() != 0:

@@ -6,7 +6,7 @@ A probe rank dumps one dict: `rank_identity(topology)` (rank, coords, sizes) plu
 dict label -> `shard_state(...)` (its *shard* of the weights under canonical names: global layer
 indices, the same at every pipeline size), plus whatever else the probe records. `worker_weights`
 reassembles one worker's full T=1 weights from those dumps: tensor-parallel shards through
-trainer.model.layout.unshard, pipeline stages by canonical name.
+trainer.model.sharding.unshard, pipeline stages by canonical name.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def load_rank_dumps(folder: Path) -> list[dict]:
 
 def worker_weights(dumps: list[dict], worker: int, snapshot: str, data_rank: int = 0) -> dict[str, torch.Tensor]:
     """Worker `worker`'s full (T=1 layout) weights at `snapshot`, from inner-DP replica `data_rank`."""
-    from trainer.model.layout import layout_of, unshard
+    from trainer.model.sharding import sharding_of, unshard
 
     shards: dict[str, dict[int, torch.Tensor]] = {}
     for dump in dumps:
@@ -50,4 +50,4 @@ def worker_weights(dumps: list[dict], worker: int, snapshot: str, data_rank: int
         for name, tensor in dump["snapshots"][snapshot].items():
             shards.setdefault(name, {})[c["tensor"]] = tensor
     assert shards, f"no dumps of worker {worker}"
-    return {name: unshard([by_tp[t] for t in sorted(by_tp)], layout_of(name)) for name, by_tp in sorted(shards.items())}
+    return {name: unshard([by_tp[t] for t in sorted(by_tp)], sharding_of(name)) for name, by_tp in sorted(shards.items())}

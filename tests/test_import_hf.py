@@ -34,7 +34,7 @@ from trainer.checkpoint import CheckpointError, CheckpointReader
 from trainer.checkpoint.checkpointer import check_weights_start
 from trainer.checkpoint.format import sha256_of
 from trainer.checkpoint.rank_file import read_rank_file, to_plain, write_rank_file
-from trainer.model.layout import layout_of, shard
+from trainer.model.sharding import sharding_of, shard
 from trainer.model.presets import ModelShape
 
 pytestmark = pytest.mark.timeout(1800)
@@ -318,7 +318,7 @@ def test_muloco_k2_at_t2_from_a_t2p2_import_starts_every_worker_from_its_weights
         assert set(global_weights) == set(state["model"]) == set(stage_of)
         for name, weight in global_weights.items():
             ranks = imported.stage_ranks(0, 0, stage_of[name])
-            start = shard(imported.full_tensor(ranks, name, lambda s: s["model"][name]), layout_of(name),
+            start = shard(imported.full_tensor(ranks, name, lambda s: s["model"][name]), sharding_of(name),
                           coords.tensor, 2)
             assert torch.equal(weight, start), f"worker {coords.worker}: {name} did not start from the import"
             assert not torch.equal(state["model"][name], start)  # and it trained

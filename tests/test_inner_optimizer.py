@@ -7,7 +7,7 @@ import torch
 
 from test_muon_math import torch_muon_in_fp32  # noqa: F401  (a fixture: torch's Newton-Schulz in fp32)
 from trainer.model.builder import canonical_names
-from trainer.model.layout import from_logical_matrices, logical_matrices
+from trainer.model.sharding import from_logical_matrices, logical_matrices
 from trainer.model.presets import PRESETS
 from trainer.optim.config import OptimizerConfig
 from trainer.optim.inner import InnerOptimizer

@@ -95,7 +95,7 @@ def test_paper_block_is_pre_and_post_norm():
 
 def test_paper_initialisation_and_routing():
     from trainer.model.builder import canonical_names
-    from trainer.model.layout import Split, layout_of, logical_matrices
+    from trainer.model.sharding import Split, sharding_of, logical_matrices
     from trainer.optim.routing import route_parameters
 
     with megatron_world_of_one():
@@ -105,7 +105,7 @@ def test_paper_initialisation_and_routing():
     adamw = {n for n, _ in routing.adamw}
     for name in params:
         if "post_" in name:
-            assert name in adamw and layout_of(name).split is Split.REPLICATED
+            assert name in adamw and sharding_of(name).split is Split.REPLICATED
     assert abs(params["embedding.word_embeddings.weight"].std() - 1.0) < 0.02
     head = params["output_layer.weight"]
     h = PAPER.hidden_size

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tools.synthetic_data import write_markov_dataset
-from trainer.model.layout import logical_matrices
+from trainer.model.sharding import logical_matrices
 from trainer.model.presets import PRESETS
 from tools.trainer_runs import LaunchResult, deepspeed_launch
 from tools.trainer_runs import REPO_ROOT, TINY_VOCAB

@@ -76,7 +76,7 @@ from trainer.diloco.config import CompressionConfig, MuLoCoConfig
 from trainer.diloco.vote import BALLOT_BYTES
 from trainer.ds_config import LayoutConfig, load_ds_config, read_json_object
 from trainer.errors import ConfigError, TopologyError
-from trainer.model.layout import layout_of
+from trainer.model.sharding import sharding_of
 from trainer.model.presets import PRESETS, ModelShape
 from trainer.model.stages import stage_layers
 from trainer.optim.config import MuonParams, OptimizerConfig
@@ -131,8 +131,8 @@ def build_stage_shards(shape: ModelShape, vocab_size: int, tensor: int, pipeline
             mps.initialize_model_parallel(tensor, pipeline, order="tp-pp-dp", create_gloo_process_groups=False)
             with torch.device("meta"):
                 model = build_model(shape, vocab)
-            stages.append([ShardParam(name, tuple(p.shape), layout_of(name).partition_dim is not None,
-                                      layout_of(name).partition_dim == 1,
+            stages.append([ShardParam(name, tuple(p.shape), sharding_of(name).partition_dim is not None,
+                                      sharding_of(name).partition_dim == 1,
                                       name.endswith(("word_embeddings.weight", "output_layer.weight")))
                            for name, p in model.named_parameters()])
         finally:

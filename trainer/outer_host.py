@@ -14,7 +14,7 @@ import torch
 
 from trainer.diloco.outer_loop import OuterLoop
 from trainer.diloco.plan import SyncedTensor, TensorSpec, synced_tensors
-from trainer.model.layout import layout_of
+from trainer.model.sharding import sharding_of
 
 
 def fragment_of(name: str, num_layers: int, fragments: int) -> int:
@@ -32,7 +32,7 @@ def megatron_tensors(named_params: list[tuple[str, torch.nn.Parameter]], canonic
     specs = []
     for local_name, p in named_params:
         name = canonical[local_name]
-        partition_dim = layout_of(name).partition_dim
+        partition_dim = sharding_of(name).partition_dim
         specs.append(TensorSpec(name=name, tensor_parallel_dim=partition_dim,
                                 embedding_or_head=getattr(p, "is_embedding_or_output_parameter", False),
                                 fragment=fragment_of(name, num_layers, fragments),

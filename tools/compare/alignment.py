@@ -27,7 +27,7 @@ import torch
 from tools.compare.launch import Data, launch, run_config, trainer_flags
 from tools.compare.protocol import Method, RunSpec, Settings
 from trainer.checkpoint.format import LATEST, CheckpointReader, complete_iterations, iteration_dir
-from trainer.model.layout import logical_matrices
+from trainer.model.sharding import logical_matrices
 from trainer.model.presets import ModelShape
 from trainer.topology import RankCoordinates
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trainer.model.layout import from_logical_matrices, logical_matrices
+from trainer.model.sharding import from_logical_matrices, logical_matrices
 from trainer.model.presets import ModelShape
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ _PAPER_LAYER_NAMES = {
     "pre_mlp_layernorm.weight": "pre_feedforward_layernorm.weight",
     "post_mlp_layernorm.weight": "post_feedforward_layernorm.weight",
 }
-_FUSED = {  # parts named as trainer.model.layout.logical_matrices names them
+_FUSED = {  # parts named as trainer.model.sharding.logical_matrices names them
     "self_attention.linear_qkv.weight": {"q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight",
                                          "v": "self_attn.v_proj.weight"},
     "mlp.linear_fc1.weight": {"gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight"},
@@ -137,7 +137,7 @@ def _from_gemma(hf_name: str, tensor: torch.Tensor, hidden_size: int) -> torch.T
 
 
 def hf_tensors(name: str, full: torch.Tensor, shape: ModelShape, vocab_size: int) -> dict[str, torch.Tensor]:
-    """The Hugging Face tensors one full-layout Megatron parameter becomes (padded vocabulary rows dropped)."""
+    """The Hugging Face tensors one full (T=1) Megatron parameter becomes (padded vocabulary rows dropped)."""
     if name in _VOCAB_ROWS:
         full = full[:vocab_size]
     names = hf_names(name, shape)
@@ -149,7 +149,7 @@ def hf_tensors(name: str, full: torch.Tensor, shape: ModelShape, vocab_size: int
 
 def megatron_tensor(name: str, read: Callable[[str], torch.Tensor], shape: ModelShape,
                     padded_vocab_size: int) -> torch.Tensor:
-    """The full-layout fp32 Megatron parameter `name`, from `read(hf_name)` (Hugging Face tensors)."""
+    """The full (T=1) fp32 Megatron parameter `name`, from `read(hf_name)` (Hugging Face tensors)."""
     parts = {}
     for part, hf_name in hf_names(name, shape).items():
         tensor = read(hf_name).float()

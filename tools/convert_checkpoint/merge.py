@@ -15,7 +15,7 @@ import torch
 
 from trainer.checkpoint import CheckpointError, CheckpointReader
 from trainer.errors import ConfigError
-from trainer.model.layout import layout_of, unshard
+from trainer.model.sharding import sharding_of, unshard
 
 REPLICA = 0  # inner-DP replicas of a worker hold the same weights
 
@@ -64,7 +64,7 @@ def full_weights(reader: CheckpointReader, source: WeightSource) -> Iterator[tup
         for name in reader.rank_state(replicas[REPLICA][0])["model"]:
             if source.worker is None:
                 shards = [_global_shard(reader, [ranks[t] for ranks in replicas], name) for t in range(sizes.tensor)]
-                yield name, unshard(shards, layout_of(name))
+                yield name, unshard(shards, sharding_of(name))
             else:
                 yield name, reader.full_tensor(replicas[REPLICA], name, lambda s: s["model"][name])
         for rank in {r for ranks in replicas for r in ranks}:

@@ -32,7 +32,7 @@ from trainer.durable import write_durably, write_text_durably
 from trainer.failures import stop_together
 from trainer.metrics import METRICS_FILE, validation_losses
 from trainer.model.builder import assign_full_weights, canonical_names
-from trainer.model.layout import layout_of, shard
+from trainer.model.sharding import sharding_of, shard
 from trainer.model.presets import ModelShape
 from trainer.topology import ParallelSizes, Topology, coordinates
 
@@ -145,7 +145,7 @@ def check_fits(meta: CheckpointMeta, sizes: ParallelSizes, model: ModelShape, pa
 def check_worker_start(meta: CheckpointMeta, worker: int, model: ModelShape, padded_vocab_size: int,
                        global_batch: int) -> None:
     """Raise unless this run can start from worker `worker` of the checkpoint (--load-worker): any K and
-    layout, the same model, vocabulary and global batch (so the data stream continues)."""
+    sharding, the same model, vocabulary and global batch (so the data stream continues)."""
     if not 0 <= worker < meta.sizes.workers:
         raise CheckpointError(f"--load-worker {worker}: the checkpoint has workers 0..{meta.sizes.workers - 1}")
     _check_model_and_stream(meta, model, padded_vocab_size, global_batch)
@@ -158,7 +158,7 @@ NOT_IN_WEIGHTS = ("seq_length", "init_std")
 
 def check_weights_start(meta: CheckpointMeta, worker: int, model: ModelShape, padded_vocab_size: int) -> None:
     """Raise unless this run can take worker `worker`'s weights (--finetune, or a weights-only
-    checkpoint): any K, layout, batch and outer loop; the same model up to NOT_IN_WEIGHTS and vocabulary."""
+    checkpoint): any K, sharding, batch and outer loop; the same model up to NOT_IN_WEIGHTS and vocabulary."""
     if not 0 <= worker < meta.sizes.workers:
         raise CheckpointError(f"--load-worker {worker}: the checkpoint has workers 0..{meta.sizes.workers - 1}")
     _check_model(meta, model, padded_vocab_size, ignore=NOT_IN_WEIGHTS)
@@ -185,7 +185,7 @@ def _check_model_and_stream(meta: CheckpointMeta, model: ModelShape, padded_voca
 
 def start_from_weights(config: RunConfig, model: torch.nn.Module, padded_vocab_size: int) -> str | None:
     """With --finetune, or when --load is a weights-only checkpoint (an import), set this rank's
-    parameters to worker --load-worker's (default 0) weights, resharded to this layout, on every worker
+    parameters to worker --load-worker's (default 0) weights, resharded to this sharding, on every worker
     alike; everything else starts fresh. Call before the optimizer and the outer loop see the weights.
     Returns what was loaded, or None when the load is a resume (Checkpointer.resume). If any rank
     cannot load, every rank stops together."""
@@ -519,8 +519,8 @@ class Checkpointer:
         model, optimizer_state = {}, {}
         for name in self.param_of:
             ranks = reader.stage_ranks(worker, 0, stage_of[name])
-            layout = layout_of(name)
-            model[name] = shard(reader.full_tensor(ranks, name, lambda s: s["model"][name]), layout,
+            sharding = sharding_of(name)
+            model[name] = shard(reader.full_tensor(ranks, name, lambda s: s["model"][name]), sharding,
                                 coords.tensor, tp_size)
             if not with_optimizer:
                 continue
@@ -529,7 +529,7 @@ class Checkpointer:
             for key, value in reader.rank_state(ranks[0])["optimizer"]["state"].get(name, {}).items():
                 if isinstance(value, torch.Tensor) and value.shape == source_shape:
                     value = shard(reader.full_tensor(ranks, name, lambda s: s["optimizer"]["state"][name][key]),
-                                  layout, coords.tensor, tp_size)
+                                  sharding, coords.tensor, tp_size)
                 entries[key] = value
             if entries:
                 optimizer_state[name] = entries

@@ -51,7 +51,7 @@ from trainer.checkpoint.rank_file import read_rank_file
 from trainer.config import BatchConfig, CheckpointArgs
 from trainer.errors import ConfigError
 from trainer.durable import TMP_SUFFIX, write_text_durably
-from trainer.model.layout import layout_of, unshard
+from trainer.model.sharding import sharding_of, unshard
 from trainer.model.presets import ModelShape
 from trainer.topology import ParallelSizes, RankCoordinates, coordinates
 from trainer.typed_json import ConfigBlock, ConfigProblems, Problem, load, setting
@@ -275,9 +275,9 @@ class CheckpointReader:
                 for name in self.rank_state(self.stage_ranks(worker, data, p)[0])["model"]}
 
     def full_tensor(self, ranks: list[int], name: str, get: Callable[[dict], torch.Tensor]) -> torch.Tensor:
-        """The full (T=1) layout of a tensor that is sharded like parameter `name` over `ranks`;
+        """The full (T=1) form of a tensor that is sharded like parameter `name` over `ranks`;
         `get` picks it out of a rank file (the weight itself, or optimizer state)."""
-        return unshard([get(self.rank_state(r)) for r in ranks], layout_of(name))
+        return unshard([get(self.rank_state(r)) for r in ranks], sharding_of(name))
 
 
 def checkpoint_args(load: str | None) -> CheckpointArgs:

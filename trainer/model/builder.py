@@ -16,7 +16,7 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer import TransformerConfig
 
 from trainer.model.attention import SDPAttention
-from trainer.model.layout import from_logical_matrices, full_shape, layout_of, logical_matrices, shard
+from trainer.model.sharding import from_logical_matrices, full_shape, sharding_of, logical_matrices, shard
 from trainer.model.paper_spec import layer_spec
 from trainer.model.presets import ModelShape
 from trainer.model.stages import uneven_stage_sizes
@@ -170,23 +170,23 @@ def tag_parameters(model: torch.nn.Module) -> None:
     weights themselves): the tensor-parallel split, and the embedding/output flag that Megatron's
     optimizers use to keep those matrices out of Muon."""
     for name, param in model.named_parameters():
-        layout = layout_of(name)
+        sharding = sharding_of(name)
         if not hasattr(param, "tensor_model_parallel"):
-            set_tensor_model_parallel_attributes(param, layout.partition_dim is not None,
-                                                 -1 if layout.partition_dim is None else layout.partition_dim, 1)
+            set_tensor_model_parallel_attributes(param, sharding.partition_dim is not None,
+                                                 -1 if sharding.partition_dim is None else sharding.partition_dim, 1)
         param.is_embedding_or_output_parameter = name.endswith(("word_embeddings.weight", "output_layer.weight"))
 
 
 @torch.no_grad()
 def assign_full_weights(model: torch.nn.Module, full_of: Callable[[str, tuple[int, ...]], torch.Tensor]) -> None:
     """Set every parameter to this TP rank's shard of `full_of(canonical name, full shape)`, its T=1 value
-    (initial weights, or weights loaded from a checkpoint of any layout)."""
+    (initial weights, or weights loaded from a checkpoint of any parallel layout)."""
     tp_rank = mps.get_tensor_model_parallel_rank()
     tp_size = mps.get_tensor_model_parallel_world_size()
     names = canonical_names(model)
     for name, param in model.named_parameters():
-        layout = layout_of(name)
-        param.copy_(shard(full_of(names[name], full_shape(tuple(param.shape), layout, tp_size)), layout, tp_rank, tp_size))
+        sharding = sharding_of(name)
+        param.copy_(shard(full_of(names[name], full_shape(tuple(param.shape), sharding, tp_size)), sharding, tp_rank, tp_size))
 
 
 def initialize_weights(model: torch.nn.Module, shape: ModelShape, seed: int) -> None:
@@ -199,6 +199,6 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     total = replicated = 0
     for name, p in model.named_parameters():
         total += p.numel()
-        if layout_of(name).partition_dim is None:
+        if sharding_of(name).partition_dim is None:
             replicated += p.numel()
     return total, replicated

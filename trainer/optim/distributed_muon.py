@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import comm
-from trainer.model.layout import from_logical_matrices, full_shape, layout_of, logical_matrices
+from trainer.model.sharding import from_logical_matrices, full_shape, sharding_of, logical_matrices
 from trainer.model.presets import ModelShape
 from trainer.optim.muon import MuonConfig, apply_update, lr_scale, orthogonalize_direction, update_momentum
 from trainer.optim.muon_comm_model import DEFAULT_BUCKET_NUMEL, MuonExchange, comm_dtype, local_model_shape
@@ -51,7 +51,7 @@ class ShardGroup:
 
 
 class DistributedMuon:
-    """`bucket_numel` bounds the full-layout elements exchanged at once (transient memory at 15B
+    """`bucket_numel` bounds the full (T=1) elements exchanged at once (transient memory at 15B
     scale); ownership is balanced within each bucket, so every bucket's work is spread over all
     T x D owners."""
 
@@ -59,7 +59,7 @@ class DistributedMuon:
                  tp: ShardGroup, dp: ShardGroup, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
         self.names, self.params, self.model_shape, self.tp, self.dp = names, params, model_shape, tp, dp
         self.bucket_numel = bucket_numel
-        self.full_shapes = [full_shape(tuple(p.shape), layout_of(n), tp.size) for n, p in zip(names, params)]
+        self.full_shapes = [full_shape(tuple(p.shape), sharding_of(n), tp.size) for n, p in zip(names, params)]
         self.local_shape = local_model_shape(model_shape, tp.size)
         group = tp.group if tp.group is not None else dp.group
         self.device = comm.group_device(group) if group is not None else params[0].device

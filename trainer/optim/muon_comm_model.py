@@ -1,4 +1,4 @@
-"""Distributed Muon's exchange as pure functions of shapes and layout: the logical matrices, who owns
+"""Distributed Muon's exchange as pure functions of shapes and the parallel layout: the logical matrices, who owns
 each one, how parameters are bucketed, the bytes each rank sends per optimizer step and the step's
 transient memory. `DistributedMuon` executes exactly this plan; benchmarks/muon_comm.py and
 tools/plan.py evaluate it for models they never build.
@@ -25,13 +25,13 @@ from functools import cached_property
 
 import torch
 
-from trainer.model.layout import Split, full_shape, layout_of, logical_shapes
+from trainer.model.sharding import Split, full_shape, sharding_of, logical_shapes
 from trainer.model.presets import ModelShape
 from trainer.optim.newton_schulz import NS_DTYPES, NSForm, newton_schulz_flops, newton_schulz_workspace_numel
 from trainer.optim.ownership import assign_owners
 
 
-# Full-layout elements exchanged per bucket: one 15B layer (T=4: ~130 MB of bf16 pieces per rank).
+# Full (T=1) elements exchanged per bucket: one 15B layer (T=4: ~130 MB of bf16 pieces per rank).
 DEFAULT_BUCKET_NUMEL = 1 << 28
 
 
@@ -41,8 +41,8 @@ def comm_dtype(ns_dtype: str) -> torch.dtype:
 
 
 def local_model_shape(shape: ModelShape, tp: int) -> ModelShape:
-    """The shape whose fused-QKV layout one TP shard has (1/T of the heads and query groups), so
-    `trainer.model.layout.logical_matrices` splits a shard into its pieces of Q, K, V."""
+    """The shape whose fused-QKV form one TP shard has (1/T of the heads and query groups), so
+    `trainer.model.sharding.logical_matrices` splits a shard into its pieces of Q, K, V."""
     return replace(shape, num_attention_heads=shape.num_attention_heads // tp,
                    num_query_groups=None if shape.num_query_groups is None else shape.num_query_groups // tp)
 
@@ -67,16 +67,16 @@ def logical_matrices_of(names: Sequence[str], full_shapes: Sequence[tuple[int, .
     """Every logical matrix of the parameters (Q, K, V of a fused QKV; gate, up of fc1; else whole)."""
     matrices = []
     for i, (name, shape) in enumerate(zip(names, full_shapes)):
-        layout = layout_of(name)
-        if layout.split is Split.REPLICATED:
+        sharding = sharding_of(name)
+        if sharding.split is Split.REPLICATED:
             raise ValueError(f"distributed Muon expects tensor-parallel matrices; {name} is replicated")
-        matrices += [LogicalMatrix(i, part, s, layout.partition_dim)
+        matrices += [LogicalMatrix(i, part, s, sharding.partition_dim)
                      for part, s in logical_shapes(name, tuple(shape), model_shape).items()]
     return matrices
 
 
 def param_buckets(full_numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
-    """Consecutive parameters grouped so that each group's full-layout elements stay within
+    """Consecutive parameters grouped so that each group's full (T=1) elements stay within
     `bucket_numel` (a larger single parameter is a bucket of its own)."""
     buckets, current, size = [], [], 0
     for i, n in enumerate(full_numels):
@@ -134,7 +134,7 @@ class MuonExchange:
                          model_shape: ModelShape, tp: int, dp: int, ns_steps: int,
                          bucket_numel: int = DEFAULT_BUCKET_NUMEL, ns_form: NSForm = "standard") -> MuonExchange:
         """The plan from one TP rank's shard shapes (what tools/plan.py reads off the model)."""
-        full = [full_shape(tuple(s), layout_of(n), tp) for n, s in zip(names, local_shapes)]
+        full = [full_shape(tuple(s), sharding_of(n), tp) for n, s in zip(names, local_shapes)]
         return cls.build(names, full, model_shape, tp, dp, ns_steps, bucket_numel, ns_form)
 
     @cached_property

@@ -1,4 +1,4 @@
-"""The tensor-parallel layout mapping: shard/unshard and logical-matrix splits are exact inverses, a
+"""The tensor-parallel sharding rules: shard/unshard and logical-matrix splits are exact inverses, a
 TP shard of the fused QKV weight is itself the fused QKV of its query groups, and — against
 Megatron's own modules — the Q/K/V split (with GQA) and the gate/up split are the ones Megatron's
 attention and SwiGLU MLP compute with."""
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.model.layout import (Split, from_logical_matrices, full_shape, layout_of, logical_matrices,
+from trainer.model.sharding import (Split, from_logical_matrices, full_shape, sharding_of, logical_matrices,
                                   logical_shapes, shard, unshard)
 from trainer.model.presets import PRESETS
 from megatron_world import megatron_world_of_one, tiny_model
@@ -39,15 +39,15 @@ def _random(shape, seed=0):
 @pytest.mark.parametrize("name", list(FULL_SHAPES))
 def test_shard_unshard_round_trip(name, tp):
     shape = FULL_SHAPES[name]
-    layout = layout_of(name)
+    sharding = sharding_of(name)
     full = _random(shape)
-    shards = [shard(full, layout, r, tp) for r in range(tp)]
+    shards = [shard(full, sharding, r, tp) for r in range(tp)]
     for s in shards:
-        assert full_shape(tuple(s.shape), layout, tp) == shape
-    if layout.split is not Split.REPLICATED:
+        assert full_shape(tuple(s.shape), sharding, tp) == shape
+    if sharding.split is not Split.REPLICATED:
         # Disjoint pieces: every element of the full tensor appears in exactly one shard.
         assert sorted(torch.cat([s.reshape(-1) for s in shards]).tolist()) == sorted(full.reshape(-1).tolist())
-    assert torch.equal(unshard(shards, layout), full)
+    assert torch.equal(unshard(shards, sharding), full)
 
 
 def test_fc1_shard_holds_its_gate_and_up_slices():
@@ -56,7 +56,7 @@ def test_fc1_shard_holds_its_gate_and_up_slices():
     gate, up = full[:FFN], full[FFN:]
     for r in range(2):
         rows = slice(r * FFN // 2, (r + 1) * FFN // 2)
-        assert torch.equal(shard(full, layout_of(FC1), r, 2), torch.cat([gate[rows], up[rows]]))
+        assert torch.equal(shard(full, sharding_of(FC1), r, 2), torch.cat([gate[rows], up[rows]]))
 
 
 def test_qkv_shard_is_the_fused_qkv_of_its_query_groups():
@@ -65,7 +65,7 @@ def test_qkv_shard_is_the_fused_qkv_of_its_query_groups():
     parts = logical_matrices(QKV, full, SHAPE)
     local_shape = SHAPE.with_overrides(num_attention_heads=HEADS // 2, num_query_groups=G // 2)
     for r in range(2):
-        local = logical_matrices(QKV, shard(full, layout_of(QKV), r, 2), local_shape)
+        local = logical_matrices(QKV, shard(full, sharding_of(QKV), r, 2), local_shape)
         for part, per_group_rows in (("q", HEADS // G * HD), ("k", HD), ("v", HD)):
             rows = slice(r * per_group_rows * G // 2, (r + 1) * per_group_rows * G // 2)
             assert torch.equal(local[part], parts[part][rows]), (r, part)
@@ -83,8 +83,8 @@ def test_logical_matrices_inverse_and_shapes(name):
 
 
 def test_unknown_parameter_has_no_layout():
-    with pytest.raises(KeyError, match="no tensor-parallel layout rule"):
-        layout_of("decoder.layers.0.mlp.router.weight")
+    with pytest.raises(KeyError, match="no tensor-parallel sharding rule"):
+        sharding_of("decoder.layers.0.mlp.router.weight")
 
 
 @pytest.fixture(scope="module")
