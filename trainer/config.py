@@ -59,7 +59,8 @@ class DataConfig(ConfigBlock):
     split: str = setting("98,2,0", flag="--split")
     tokenizer_model: str | None = setting(None, flag="--tokenizer-model")
     vocab_size: int | None = setting(None, ge=1, flag="--vocab-size",
-                                     doc="when no tokenizer model is given (tools/plan.py: the paper's vocabulary)")
+                                     doc="when no tokenizer model is given (tools/plan.py without one: the paper's, "
+                                         "128256)")
     data_args_path: str | None = setting(None, flag="--data-args-path",
                                          doc="a file holding what --data-path takes (Megatron's flag)")
     per_split_data_args_path: str | None = setting(

@@ -15,7 +15,7 @@ import typing
 from dataclasses import MISSING, dataclass
 from typing import Any, Literal
 
-from trainer.typed_json import blocks_in, spec_of
+from trainer.typed_json import blocks_in, field_default, spec_of
 
 
 @dataclass(frozen=True)
@@ -41,13 +41,20 @@ def declared_flags(cls: type, path: str = "", within: str | None = None, nested:
     for f in dataclasses.fields(cls):
         spec, child = spec_of(f), f"{path}.{f.name}" if path else f.name
         if spec.flag is not None:
-            default = f.default_factory() if f.default_factory is not MISSING else f.default
-            flags.append(Flag(spec.flag, spec.aliases, f.name, child, hints[f.name], default, spec.doc, within))
+            flags.append(Flag(spec.flag, spec.aliases, f.name, child, hints[f.name], field_default(cls, f.name),
+                              spec.doc, within))
         if nested:
             optional = within or (child if type(None) in typing.get_args(hints[f.name]) else None)
             for block in blocks_in(hints[f.name]):
                 flags += declared_flags(block, child, optional)
     return flags
+
+
+def field_flag(name: str, cls: type, field: str, path: str) -> Flag:
+    """A tool's own flag for a setting that has none in the trainer (tools/plan.py's --workers): the
+    field's annotation, default and doc, at dotted `path` of the ds_config."""
+    (f,) = [f for f in dataclasses.fields(cls) if f.name == field]
+    return Flag(name, (), field, path, typing.get_type_hints(cls)[field], field_default(cls, field), spec_of(f).doc)
 
 
 def add_flags(group: argparse._ActionsContainer, flags: list[Flag], override: bool, where: str = "") -> None:
