@@ -1,8 +1,10 @@
 """The run's configuration: command-line flags (Megatron's names) on top of the DeepSpeed JSON config.
 
-`resolve` reads the ds_config, writes the flags that set its values (`--lr`, `--train-iters`,
-`--micro-batch-size`, ... : `DS_CONFIG_FLAGS`) into it as dotted overrides, loads it once into the
-typed `DsConfig` (trainer/ds_config.py; again after `--recipe` fills what it leaves out), and builds
+Each flag that sets one setting is declared beside it (`setting(..., flag="--lr")`; trainer/flags.py
+generates the parser). `resolve` reads the ds_config, writes the flags that set its values (`--lr`,
+`--train-iters`, `--micro-batch-size`, ... : `DS_CONFIG_FLAGS`) into it at their fields' dotted
+paths, loads it once into the typed `DsConfig` (trainer/ds_config.py; again after `--recipe` fills
+what it leaves out), and builds
 the frozen `RunConfig` the run uses and writes to `config.json`. Every value is checked before any
 collective: a bad one raises `ConfigError`, printed by the entry point as one `configuration error:`
 line naming every problem (a flag by its name, a ds_config value by its dotted path).
@@ -55,9 +57,11 @@ class BatchConfig(ConfigBlock):
 class DataConfig(ConfigBlock):
     data_path: tuple[str, ...] = setting((), flag="--data-path",
                                          doc="prefix, or weight prefix weight prefix ... (Megatron's blend)")
-    valid_data_path: tuple[str, ...] = setting((), flag="--valid-data-path")
-    split: str = setting("98,2,0", flag="--split")
-    tokenizer_model: str | None = setting(None, flag="--tokenizer-model")
+    valid_data_path: tuple[str, ...] = setting((), flag="--valid-data-path",
+                                               doc="the validation blend (instead of --split's share)")
+    split: str = setting("98,2,0", flag="--split", doc="train, validation and test shares of each --data-path prefix")
+    tokenizer_model: str | None = setting(None, flag="--tokenizer-model",
+                                          doc="SentencePiece .model, Hugging Face tokenizer.json or a folder holding one")
     vocab_size: int | None = setting(None, ge=1, flag="--vocab-size",
                                      doc="when no tokenizer model is given (tools/plan.py without one: the paper's, "
                                          "128256)")
@@ -83,12 +87,12 @@ class RunConfig(ConfigBlock):
     run_dir: str = setting(flag="--run-dir", doc="config.json, metrics.jsonl, tensorboard/ (default: --save, "
                                                  "else runs/<ds_config name>)")
     tensorboard_dir: str = setting(flag="--tensorboard-dir", doc="(default: <run-dir>/tensorboard)")
-    seed: int = setting(1234, ge=0, flag="--seed")
-    log_interval: int = setting(10, ge=1, flag="--log-interval")
-    eval_interval: int = setting(50, ge=0, flag="--eval-interval", doc="0: no evaluation")
-    eval_iters: int = setting(4, ge=1, flag="--eval-iters")
-    save: str | None = setting(None, flag="--save")
-    load: str | None = setting(None, flag="--load")
+    seed: int = setting(1234, ge=0, flag="--seed", doc="every rank's random state starts from it")
+    log_interval: int = setting(10, ge=1, flag="--log-interval", doc="steps between progress lines and records")
+    eval_interval: int = setting(50, ge=0, flag="--eval-interval", doc="steps between validations (0: none)")
+    eval_iters: int = setting(4, ge=1, flag="--eval-iters", doc="batches per validation")
+    save: str | None = setting(None, flag="--save", doc="the checkpoint folder")
+    load: str | None = setting(None, flag="--load", doc="the checkpoint folder to resume (or start) from")
     load_worker: int | None = setting(
         None, ge=0, flag="--load-worker",
         doc="start (not resume) from worker W's weights, inner optimizer state and step in the --load checkpoint, "
@@ -107,7 +111,7 @@ class RunConfig(ConfigBlock):
     load_rng: bool = setting(True, flag="--no-load-rng", doc="resume without the RNG states (this run's --seed)")
     model_vocab_size: int | None = setting(None, ge=1, doc="the model's vocabulary before padding, from the checkpoint "
                                                            "(--use-checkpoint-args); None: the tokenizer's")
-    save_interval: int | None = setting(None, ge=1, flag="--save-interval")
+    save_interval: int | None = setting(None, ge=1, flag="--save-interval", doc="steps between checkpoints")
     keep_last: int = setting(3, ge=1, flag="--keep-last",
                              doc="keep the newest N checkpoints, latest and the one of the best validation loss")
     verify_checksums: bool = setting(True, flag="--no-verify-checksums",
@@ -206,13 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted from DeepSpeed's and Megatron-DeepSpeed's command lines and ignored: this trainer "
                         "always runs under DeepSpeed")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
-    p.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model preset")
+    p.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model preset (default: %(default)s)")
     p.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the model's architecture, shape and vocabulary, and without --tokenizer-model the "
                         "tokenizer saved with it, from the --load checkpoint (model flags given still win, e.g. "
                         "--seq-length), so a run from an imported model needs no shape or tokenizer flags")
     g = p.add_argument_group("model (override the preset)")
-    add_flags(g, MODEL_FLAGS, override=True)
+    add_flags(g, MODEL_FLAGS, override=True, where="default: the preset's")
     g.add_argument("--no-qk-layernorm", action="store_true", help="same as --arch llama")
     g = p.add_argument_group("ds_config (override its values)")
     add_flags(g, DS_CONFIG_FLAGS, override=True, where="ds_config {path}")

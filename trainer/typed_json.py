@@ -3,7 +3,8 @@
 A block is a frozen dataclass deriving from `ConfigBlock`; its fields say everything the loader
 checks: the annotation (nested blocks, `Literal` choices, `X | None`, tuples, `dict[str, X]`) and,
 through `setting(...)`, the allowed range, the one-line doc (docs/configuration.md's reference
-is generated from them: tools/config_reference.py) and, for a block whose keys depend on a sibling
+is generated from them: tools/config_reference.py), the command-line flag that sets it, if any
+(trainer/flags.py builds the parsers from them) and, for a block whose keys depend on a sibling
 (an optimizer's params on its type), the block each sibling value selects.
 
 A block may list keys it knows but refuses, with the reason, in a `REFUSED` class attribute

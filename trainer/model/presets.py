@@ -21,10 +21,10 @@ ARCHITECTURES = get_args(Architecture)
 
 @dataclass(frozen=True)
 class ModelShape(ConfigBlock):
-    num_layers: int = setting(ge=1, flag="--num-layers")
-    hidden_size: int = setting(ge=1, flag="--hidden-size")
-    num_attention_heads: int = setting(ge=1, flag="--num-attention-heads")
-    ffn_hidden_size: int = setting(ge=1, flag="--ffn-hidden-size")
+    num_layers: int = setting(ge=1, flag="--num-layers", doc="transformer layers")
+    hidden_size: int = setting(ge=1, flag="--hidden-size", doc="model width")
+    num_attention_heads: int = setting(ge=1, flag="--num-attention-heads", doc="attention heads")
+    ffn_hidden_size: int = setting(ge=1, flag="--ffn-hidden-size", doc="the SwiGLU MLP's inner width")
     kv_channels: int = setting(128, ge=1, flag="--kv-channels", doc="head dim")
     num_query_groups: int | None = setting(None, ge=1, flag="--num-query-groups",
                                            doc="None: one group per head (no GQA)")
@@ -33,7 +33,7 @@ class ModelShape(ConfigBlock):
                                      "the paper presets' default), qwen3 (pre-norm, QK-norm), llama (pre-norm, "
                                      "no QK-norm)")
     rotary_base: int = setting(500_000, ge=1)
-    seq_length: int = setting(2048, ge=1, flag="--seq-length")
+    seq_length: int = setting(2048, ge=1, flag="--seq-length", doc="tokens per sequence")
     init_std: float = setting(0.02, gt=0)
     norm_epsilon: float = setting(1e-6, gt=0)
 
