@@ -502,7 +502,8 @@ DS_FLAGS = [replace(_trainer_flag("tensor_parallel"), path="layout.tensor"),
             field_flag("--workers", MuLoCoConfig, "workers", "muloco.workers"),
             field_flag("--sync-interval", MuLoCoConfig, "sync_interval", "muloco.sync_interval"),
             field_flag("--collective", MuLoCoConfig, "collective", "muloco.collective")]
-ERROR_FEEDBACK = field_flag("--error-feedback", CompressionConfig, "error_feedback", "muloco.compression.error_feedback")
+ERROR_FEEDBACK = field_flag("--error-feedback", CompressionConfig, "error_feedback",
+                            "muloco.compression.error_feedback")
 
 
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:

@@ -60,8 +60,8 @@ class DataConfig(ConfigBlock):
     valid_data_path: tuple[str, ...] = setting((), flag="--valid-data-path",
                                                doc="the validation blend (instead of --split's share)")
     split: str = setting("98,2,0", flag="--split", doc="train, validation and test shares of each --data-path prefix")
-    tokenizer_model: str | None = setting(None, flag="--tokenizer-model",
-                                          doc="SentencePiece .model, Hugging Face tokenizer.json or a folder holding one")
+    tokenizer_model: str | None = setting(
+        None, flag="--tokenizer-model", doc="SentencePiece .model, Hugging Face tokenizer.json or a folder holding one")
     vocab_size: int | None = setting(None, ge=1, flag="--vocab-size",
                                      doc="when no tokenizer model is given (tools/plan.py without one: the paper's, "
                                          "128256)")
@@ -301,7 +301,8 @@ def resolve(args: argparse.Namespace, world_size: int, checkpoint: CheckpointArg
             "model_preset": args.model if checkpoint is None else f"of {args.load}", "model": shape,
             "tensor_parallel": sizes.tensor, "pipeline_parallel": sizes.pipeline, "batch": batch,
             "optimizer": ds.optimizer, "schedule": ds.scheduler.params, "clip_grad": ds.gradient_clipping,
-            "data": data, "run_dir": run_dir, "tensorboard_dir": args.tensorboard_dir or str(Path(run_dir) / "tensorboard"),
+            "data": data, "run_dir": run_dir,
+            "tensorboard_dir": args.tensorboard_dir or str(Path(run_dir) / "tensorboard"),
             # Mixed precision is Megatron's autocast over fp32 parameters (the optimizers need whole fp32
             # tensors, not DeepSpeed's flattened bf16 partitions), so DeepSpeed never sees the bf16 block.
             "bf16": ds.bf16.enabled, "ds_config": ds.deepspeed_keys(), "muloco": ds.muloco,

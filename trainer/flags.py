@@ -2,9 +2,10 @@
 
 A flag is declared once, beside its field: the field's annotation gives argparse's type, choices and
 arity (bool: a switch; a Literal: its choices; a tuple: one or more values), its `doc` is the help,
-and the field's name is the flag's `dest`. A flag either is a setting's value (`value_flags`: its
-default is the field's) or overrides a value read elsewhere (`override_flags`: None unless given,
-then written over the ds_config's value at the flag's dotted path, or over a preset's shape).
+and the field's name is the flag's `dest`. A flag either is a setting's value (`add_flags(...,
+override=False)`: its default is the field's) or overrides a value read elsewhere (`override=True`:
+None unless given, then written over the ds_config's value at the flag's dotted path, or over a
+preset's shape; given nowhere, the field's default applies).
 """
 from __future__ import annotations
 

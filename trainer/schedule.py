@@ -12,7 +12,8 @@ from trainer.typed_json import ConfigBlock, setting
 @dataclass(frozen=True)
 class ScheduleConfig(ConfigBlock):
     train_iters: int = setting(100, ge=1, flag="--train-iters", doc="optimizer steps of the run")
-    warmup_iters: int = setting(10, ge=0, flag="--lr-warmup-iters", doc="linear warmup steps from lr/warmup to the peak")
+    warmup_iters: int = setting(10, ge=0, flag="--lr-warmup-iters",
+                                doc="linear warmup steps from lr/warmup to the peak")
     min_lr_ratio: float = setting(0.1, ge=0, le=1, flag="--min-lr-ratio",
                                   doc="the cosine decays to this fraction of the peak (0.1, the paper's)")
 
