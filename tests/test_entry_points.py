@@ -51,4 +51,4 @@ def test_pretrain_help_needs_no_launcher_and_no_sys_path_edit():
     result = subprocess.run([sys.executable, "trainer/pretrain.py", "--help"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "usage: pretrain.py" in result.stdout and "--ds_config" in result.stdout
+    assert "usage: pretrain.py" in result.stdout and "--tensor-model-parallel-size" in result.stdout

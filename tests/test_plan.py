@@ -61,8 +61,9 @@ def test_paper_presets_have_their_names_sizes():
 
 @pytest.mark.parametrize("ds_config", ["ds_configs/gpu_150m_muloco_k1.json", "ds_configs/gpu_150m_dp_adamw.json"])
 def test_memory_adds_up(ds_config):
-    plan = planner.make_plan(_inputs("--model", "150m", "--tensor", "2", "--pipeline", "2", "--data", "2",
-                                     "--workers", "2", "--global-batch", "64", "--ds-config", ds_config))
+    plan = planner.make_plan(_inputs("--model", "150m", "--tensor-model-parallel-size", "2",
+                                     "--pipeline-model-parallel-size", "2", "--data", "2", "--workers", "2",
+                                     "--global-batch-size", "64", "--ds-config", ds_config))
     for memory in plan.memory:
         parts = ("weights", "bf16_weight_copies", "gradients", "muon_momentum", "adamw_moments", "muon_workspace",
                  "activations", "logits")
@@ -83,8 +84,8 @@ def test_memory_adds_up(ds_config):
 
 
 def test_bf16_momentum_halves_muon_momentum_and_adds_one_fp32_sum_to_the_step():
-    inputs = _inputs("--model", "150m", "--tensor", "2", "--pipeline", "2", "--data", "2", "--workers", "2",
-                     "--global-batch", "64", "--ds-config", "ds_configs/gpu_150m_muloco_k1.json")
+    inputs = _inputs("--model", "150m", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                     "--data", "2", "--workers", "2", "--global-batch-size", "64", "--ds-config", "ds_configs/gpu_150m_muloco_k1.json")
     params = inputs.optimizer.params
     bf16 = replace(inputs, optimizer=replace(inputs.optimizer, params=replace(params, momentum_dtype="bfloat16")))
     stages = planner.build_stage_shards(PRESETS["150m"], planner.PAPER_VOCAB, 2, 2)
@@ -117,7 +118,7 @@ def test_uneven_15b_layouts_on_8_gpu_nodes():
     assert fits[(4, 2)] and fits[(2, 4)] and not fits[(1, 1)]
     # The CLI refuses a layout that does not fit.
     assert planner.main(["--model", "15b", "--ds-config", "ds_configs/gpu_15b_muloco_k16.json",
-                         "--tensor", "2", "--pipeline", "1"]) == 1
+                         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1"]) == 1
 
 
 @pytest.mark.launch
@@ -137,8 +138,8 @@ def test_sync_bytes_equal_the_trainers_collectives(tmp_path, repo_root):
     (measured,) = [r["bytes_sent_per_rank"] for r in read_metrics(run_dir) if "outer_step" in r]
 
     plan = planner.make_plan(_inputs(
-        "--model", "tiny", "--seq-length", "128", "--vocab-size", str(TINY_VOCAB), "--tensor", "1", "--data", "2",
-        "--global-batch", "8", "--micro-batch", "1", "--ds-config", str(tmp_path / "ds.json")))
+        "--model", "tiny", "--seq-length", "128", "--vocab-size", str(TINY_VOCAB), "--tensor-model-parallel-size", "1",
+        "--data", "2", "--global-batch-size", "8", "--micro-batch-size", "1", "--ds-config", str(tmp_path / "ds.json")))
     assert plan.sync.per_rank_mean == measured
     assert plan.sync.per_rank_max >= measured
 
@@ -150,7 +151,7 @@ def test_codec_time_from_the_codec_benchmark_adds_to_each_sync(tmp_path):
             {"method": "linear", "bits": 4, "encode_elements_per_s": 1.0, "decode_elements_per_s": 1.0}]
     codec = tmp_path / "codec.txt"
     codec.write_text("model 150m ...\n" + json.dumps({"rows": rows}) + "\n")
-    flags = ["--model", "150m", "--workers", "4", "--data", "2", "--global-batch", "64", "--compression",
+    flags = ["--model", "150m", "--workers", "4", "--data", "2", "--global-batch-size", "64", "--compression",
              "statistical:4", "--collective", "all_gather"]
     plain, priced = planner.make_plan(_inputs(*flags)), planner.make_plan(_inputs(*flags, "--codec-json", str(codec)))
     stages = planner.build_stage_shards(PRESETS["150m"], planner.PAPER_VOCAB, 1, 1)

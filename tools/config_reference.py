@@ -1,11 +1,12 @@
-"""The ds_config reference of docs/configuration.md, rendered from the config dataclasses (trainer/ds_config.py and
-the blocks it holds): every key with its default, what it accepts and its one-line doc, so the
-reference cannot drift from what the loader checks.
+"""The references of docs/configuration.md, rendered from the settings' declarations: the trainer's
+flags (its parser, generated from the flags declared beside the settings: trainer/flags.py), and the
+ds_config (trainer/ds_config.py and the blocks it holds): every key with its default, what it accepts,
+its one-line doc and its flag, so neither reference can drift from what the code takes and checks.
 
-    python tools/config_reference.py          # print it
-    python tools/config_reference.py --write  # rewrite it in docs/configuration.md, between its markers
+    python tools/config_reference.py          # print them
+    python tools/config_reference.py --write  # rewrite them in docs/configuration.md, between their markers
 
-tests/test_config_reference.py checks that docs/configuration.md holds exactly this.
+tests/test_config_reference.py checks that docs/configuration.md holds exactly these.
 """
 from __future__ import annotations
 
@@ -13,26 +14,40 @@ import argparse
 import dataclasses
 import json
 import re
-import types
 import typing
 from pathlib import Path
 
-
+from trainer.config import build_parser
 from trainer.ds_config import DsConfig
-from trainer.typed_json import ConfigBlock, describe, spec_of
+from trainer.typed_json import blocks_in, describe, spec_of
 
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
-BEGIN = "<!-- config-reference:begin (python tools/config_reference.py --write rewrites this section) -->"
-END = "<!-- config-reference:end -->"
+FLAGS = ("<!-- flag-reference:begin (python tools/config_reference.py --write rewrites this section) -->",
+         "<!-- flag-reference:end -->")
+DS_CONFIG = ("<!-- config-reference:begin (python tools/config_reference.py --write rewrites this section) -->",
+             "<!-- config-reference:end -->")
 
 
-def _blocks_in(annotation) -> list[type]:
-    """The config blocks a field's annotation holds (itself, or the non-null side of X | None)."""
-    if isinstance(annotation, type) and issubclass(annotation, ConfigBlock):
-        return [annotation]
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return [b for a in typing.get_args(annotation) for b in _blocks_in(a)]
-    return []
+def render_flags() -> str:
+    """The trainer's flags, a table per group of its parser, each with its help (defaults filled in)."""
+    tables = []
+    for group in build_parser()._action_groups:
+        rows = [_flag_row(a) for a in group._group_actions if a.help is not argparse.SUPPRESS
+                and "--help" not in a.option_strings]
+        if rows:
+            title = "**flags**" if group.title == "options" else f"**{group.title}**"
+            tables.append("\n".join([title, "", "| flag | meaning |", "|---|---|", *rows]))
+    return "\n\n".join(tables)
+
+
+def _flag_row(action: argparse.Action) -> str:
+    value = "/".join(map(str, action.choices)) if action.choices else action.metavar or (
+        action.dest.upper() if action.nargs != 0 else None)
+    if action.nargs == "+":
+        value += " ..."
+    names = " or ".join(f"`{o}{'' if value is None else ' ' + value}`" for o in action.option_strings)
+    meaning = (action.help or "") % vars(action) + (" (required)" if action.required else "")
+    return f"| {names} | {meaning.replace('|', '/')} |"
 
 
 def _default(f: dataclasses.Field) -> str:
@@ -60,8 +75,9 @@ def _table(cls: type, path: str, skip: set[str] = frozenset()) -> list[str]:
         if f.name in skip:
             continue
         spec = spec_of(f)
+        flag = f" (`{spec.flag}`)" if spec.flag else ""
         lines.append(f"| `{f.name}` | {_default(f)} | {_accepts(hints[f.name], spec)} | "
-                     f"{spec.doc.replace('|', '/')} |")
+                     f"{spec.doc.replace('|', '/')}{flag} |")
     return lines
 
 
@@ -84,7 +100,7 @@ def _sections(cls: type, path: str) -> list[list[str]]:
                 sections.append([f"**`{child}`** ({selected.by} `{choice}`{note})", "", *_table(block, child, own)])
                 seen[choice] = block
             continue
-        for block in _blocks_in(hints[f.name]):
+        for block in blocks_in(hints[f.name]):
             sections += _sections(block, child)
     return sections
 
@@ -94,11 +110,13 @@ def render() -> str:
 
 
 def with_reference(text: str) -> str:
-    before, begin, rest = text.partition(BEGIN)
-    _, end, after = rest.partition(END)
-    if not begin or not end:
-        raise SystemExit(f"{REFERENCE} has no {BEGIN} ... {END} section")
-    return f"{before}{BEGIN}\n\n{render()}\n\n{END}{after}"
+    for (begin, end), rendered in ((FLAGS, render_flags()), (DS_CONFIG, render())):
+        before, found, rest = text.partition(begin)
+        _, found_end, after = rest.partition(end)
+        if not found or not found_end:
+            raise SystemExit(f"{REFERENCE} has no {begin} ... {end} section")
+        text = f"{before}{begin}\n\n{rendered}\n\n{end}{after}"
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         REFERENCE.write_text(with_reference(REFERENCE.read_text()))
     else:
-        print(render())
+        print(render_flags() + "\n\n" + render())
     return 0
 
 

@@ -1,8 +1,9 @@
 """Plan a MuLoCo run before renting machines: parameters, per-rank memory, bytes per outer sync and
 an idealised wall-clock for a token budget against data-parallel AdamW and Muon.
 
-    python tools/plan.py --model 15b --tensor 4 --pipeline 2 --data 4 --workers 16 --sync-interval 30 \
-        --compression statistical:4 --seq-length 2048 --global-batch 1024 --bandwidth-gbit 10 --tokens 1e11 \
+    python tools/plan.py --model 15b --tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 --data 4 \
+        --workers 16 --sync-interval 30 --compression statistical:4 --error-feedback --seq-length 2048 \
+        --global-batch-size 1024 --bandwidth-gbit 10 --tokens 1e11 \
         [--ds-config ds_configs/gpu_15b_muloco_k16.json] [--json]
 
 Shapes come from the real Megatron GPTModel: every pipeline stage of one tensor-parallel rank is
@@ -66,8 +67,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-
-from trainer.config import check_model_shape
+from trainer.config import (DATA_FLAGS, DS_CONFIG_FLAGS, MODEL_FLAGS, RUN_FLAGS, add_global_batch_size,
+                            check_model_shape)
+from trainer.flags import Flag, add_flags, field_flag
 from trainer.diloco.collectives import row_split
 from trainer.diloco.auth import TAG_BYTES
 from trainer.diloco.collectives import CLAIM_BYTES
@@ -83,7 +85,7 @@ from trainer.optim.config import MuonParams, OptimizerConfig
 from trainer.optim.muon import MOMENTUM_DTYPES
 from trainer.optim.muon_comm_model import MuonExchange, comm_dtype, grad_allreduce_bytes
 from trainer.optim.ownership import assign_owners
-from trainer.recipe import PAPER_VOCAB  # noqa: E402  the paper presets' counts match a Llama-3 vocabulary
+from trainer.recipe import PAPER_VOCAB  # the paper presets' counts match a Llama-3 vocabulary
 from trainer.topology import ParallelSizes
 from trainer.typed_json import set_path
 
@@ -226,15 +228,13 @@ class CodecThroughput:
         return (E + E / K) / self.encode + 2 * E / self.decode
 
 
-def parse_compression(spec: str, error_feedback: bool) -> dict:
+def parse_compression(spec: str) -> dict:
     """The compression block of 'none', 'statistical:4', 'linear:2', 'topk:0.02' (no argument: the
     block's default bits or fraction)."""
     method, _, arg = spec.partition(":")
-    if method == "none":
-        return {"method": "none"}
-    if method == "topk":
-        return {"method": method, "error_feedback": error_feedback, **({"topk_fraction": float(arg)} if arg else {})}
-    return {"method": method, "error_feedback": error_feedback, **({"bits": int(arg)} if arg else {})}
+    if method == "none" or not arg:
+        return {"method": method}
+    return {"method": method, **({"topk_fraction": float(arg)} if method == "topk" else {"bits": int(arg)})}
 
 
 # -- memory ---------------------------------------------------------------------------------------
@@ -486,23 +486,34 @@ def render(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-# The planner's flags that set ds_config values: flag destination -> dotted path (written into the
-# JSON before the trainer's loader reads it, so plan and run read the same values).
-DS_CONFIG_FLAGS = {"workers": "muloco.workers", "sync_interval": "muloco.sync_interval",
-                   "collective": "muloco.collective", "micro_batch": "train_micro_batch_size_per_gpu",
-                   "tensor": "layout.tensor", "pipeline": "layout.pipeline", "data": "layout.data"}
+def _trainer_flag(field: str) -> Flag:
+    return next(f for f in (*RUN_FLAGS, *DATA_FLAGS, *MODEL_FLAGS, *DS_CONFIG_FLAGS) if f.field == field)
+
+
+# The flags that set ds_config values before the trainer's loader reads it, so plan and run read the
+# same values: the trainer's own (T and P planned into the layout block the trainer checks a run
+# against), and the planner's for settings the trainer takes from the ds_config only.
+DS_FLAGS = [replace(_trainer_flag("tensor_parallel"), path="layout.tensor"),
+            replace(_trainer_flag("pipeline_parallel"), path="layout.pipeline"),
+            field_flag("--data", LayoutConfig, "data", "layout.data"),
+            _trainer_flag("train_micro_batch_size_per_gpu"),
+            field_flag("--workers", MuLoCoConfig, "workers", "muloco.workers"),
+            field_flag("--sync-interval", MuLoCoConfig, "sync_interval", "muloco.sync_interval"),
+            field_flag("--collective", MuLoCoConfig, "collective", "muloco.collective")]
+ERROR_FEEDBACK = field_flag("--error-feedback", CompressionConfig, "error_feedback",
+                            "muloco.compression.error_feedback")
 
 
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     raw = read_json_object(args.ds_config) if args.ds_config else {}
     origins = {}
-    for dest, path in DS_CONFIG_FLAGS.items():
-        if getattr(args, dest) is not None:
-            set_path(raw, path, getattr(args, dest))
-            origins[path] = "--" + dest.replace("_", "-")
-    if args.compression is not None:
-        set_path(raw, "muloco.compression", parse_compression(args.compression, args.error_feedback))
+    if args.compression is not None:  # the whole block: what the ds_config's said of another method goes
+        set_path(raw, "muloco.compression", parse_compression(args.compression))
         origins.update({f"muloco.compression.{k}": "--compression" for k in ("method", "bits", "topk_fraction")})
+    for flag in [*DS_FLAGS, ERROR_FEEDBACK]:
+        if getattr(args, flag.field) is not None:
+            set_path(raw, flag.path, getattr(args, flag.field))
+            origins[flag.path] = flag.name
     ds = load_ds_config(raw, origins)
     ds.check_model(args.model)
     layout = ds.layout or LayoutConfig()  # the layout the ds_config was planned for
@@ -510,16 +521,18 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     sizes = ParallelSizes(workers=muloco.workers, data=layout.data or 1, pipeline=layout.pipeline or 1,
                           tensor=layout.tensor or 1)
     micro = ds.train_micro_batch_size_per_gpu
-    if args.global_batch is not None:
-        global_batch = args.global_batch
+    if args.global_batch_size is not None:
+        global_batch = args.global_batch_size
     else:
         global_batch = micro * ds.gradient_accumulation_steps * sizes.data * sizes.workers
     codec = CodecThroughput.from_benchmark(args.codec_json, muloco.compression) if args.codec_json else None
     return PlanInputs(
-        model=args.model, sizes=sizes, muloco=muloco, optimizer=ds.optimizer, seq_length=args.seq_length,
+        model=args.model, sizes=sizes, muloco=muloco, optimizer=ds.optimizer,
+        seq_length=PRESETS[args.model].with_overrides(seq_length=args.seq_length).seq_length,
         global_batch=global_batch, micro_batch=micro, bf16=ds.bf16.enabled,
         bandwidth_gbit=args.bandwidth_gbit, bandwidth_scope=args.bandwidth_scope, tokens=args.tokens,
-        gpu_tflops=args.gpu_tflops, mfu=args.mfu, dp_grad_bytes=args.dp_grad_bytes, vocab_size=args.vocab_size,
+        gpu_tflops=args.gpu_tflops, mfu=args.mfu, dp_grad_bytes=args.dp_grad_bytes,
+        vocab_size=PAPER_VOCAB if args.vocab_size is None else args.vocab_size,
         gpu_memory_gib=args.gpu_memory_gib, codec=codec)
 
 
@@ -569,20 +582,16 @@ def render_layouts(inputs: PlanInputs, fits: list[LayoutFit]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, choices=sorted(PRESETS))
-    p.add_argument("--tensor", type=int, default=None, help="T (default: the ds_config's layout block, else 1)")
-    p.add_argument("--pipeline", type=int, default=None, help="P (default: the ds_config's layout block, else 1)")
-    p.add_argument("--data", type=int, default=None,
-                   help="D, inner data-parallel replicas per worker (default: the ds_config's layout block, else 1)")
-    p.add_argument("--workers", type=int, default=None, help="K (default: the ds_config's muloco.workers)")
-    p.add_argument("--sync-interval", type=int, default=None, help="H (default: the ds_config's muloco.sync_interval)")
-    p.add_argument("--compression", default=None, help="none | statistical:BITS | linear:BITS | topk:FRACTION")
-    p.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--collective", choices=["all_gather", "reduce_scatter"], default=None)
-    p.add_argument("--seq-length", type=int, default=2048)
-    p.add_argument("--global-batch", type=int, default=None, help="B sequences per step over all workers")
-    p.add_argument("--micro-batch", type=int, default=None,
-                   help="per rank (default: the ds_config's train_micro_batch_size_per_gpu)")
-    p.add_argument("--vocab-size", type=int, default=PAPER_VOCAB)
+    # Each over the ds_config's value at its path; neither given: the setting's default.
+    g = p.add_argument_group("the ds_config's settings")
+    add_flags(g, DS_FLAGS, override=True, where="default: the ds_config's {path}")
+    add_global_batch_size(g)
+    g.add_argument("--compression", default=None,
+                   help="none | statistical:BITS | linear:BITS | topk:FRACTION (the whole muloco.compression block)")
+    add_flags(g, [ERROR_FEEDBACK], override=True, where="default: the ds_config's {path}")
+    g = p.add_argument_group("the model")
+    add_flags(g, [_trainer_flag("seq_length")], override=True, where="default: the preset's")
+    add_flags(g, [_trainer_flag("vocab_size")], override=True)  # its doc says the planner's default
     p.add_argument("--bandwidth-gbit", type=float, default=10.0)
     p.add_argument("--bandwidth-scope", choices=["datacenter", "rank"], default="datacenter")
     p.add_argument("--tokens", type=float, default=1e11)

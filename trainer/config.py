@@ -1,8 +1,10 @@
 """The run's configuration: command-line flags (Megatron's names) on top of the DeepSpeed JSON config.
 
-`resolve` reads the ds_config, writes the flags that set its values (`--lr`, `--train-iters`,
-`--micro-batch-size`, ... : `DS_CONFIG_FLAGS`) into it as dotted overrides, loads it once into the
-typed `DsConfig` (trainer/ds_config.py; again after `--recipe` fills what it leaves out), and builds
+Each flag that sets one setting is declared beside it (`setting(..., flag="--lr")`; trainer/flags.py
+generates the parser). `resolve` reads the ds_config, writes the flags that set its values (`--lr`,
+`--train-iters`, `--micro-batch-size`, ... : `DS_CONFIG_FLAGS`) into it at their fields' dotted
+paths, loads it once into the typed `DsConfig` (trainer/ds_config.py; again after `--recipe` fills
+what it leaves out), and builds
 the frozen `RunConfig` the run uses and writes to `config.json`. Every value is checked before any
 collective: a bad one raises `ConfigError`, printed by the entry point as one `configuration error:`
 line naming every problem (a flag by its name, a ds_config value by its dotted path).
@@ -25,13 +27,14 @@ from trainer.diloco.config import MuLoCoConfig
 from trainer.ds_config import DsConfig, load_ds_config, read_json_object
 from trainer.elastic.config import check_worker_id
 from trainer.errors import ConfigError
-from trainer.model.presets import ARCHITECTURES, PRESET_SIZES, PRESETS, ModelShape, preset_of
+from trainer.flags import Flag, add_flags, declared_flags
+from trainer.model.presets import PRESET_SIZES, PRESETS, ModelShape, preset_of
 from trainer.model.stages import stage_layers
 from trainer.optim.config import OptimizerConfig, OptimizerName, retyped
 from trainer.recipe import fill_ds_config
 from trainer.schedule import ScheduleConfig
 from trainer.topology import ParallelSizes
-from trainer.typed_json import ConfigBlock, ConfigProblems, Problem, field_default, set_path, setting
+from trainer.typed_json import ConfigBlock, ConfigProblems, Problem, set_path, setting
 
 
 @dataclass(frozen=True)
@@ -52,63 +55,104 @@ class BatchConfig(ConfigBlock):
 
 @dataclass(frozen=True)
 class DataConfig(ConfigBlock):
-    data_path: tuple[str, ...] = ()  # Megatron blend: (prefix,) or (w1, p1, w2, p2, ...)
-    valid_data_path: tuple[str, ...] = ()
-    split: str = "98,2,0"
-    tokenizer_model: str | None = None
-    vocab_size: int | None = setting(None, ge=1, flag="--vocab-size")
-    data_args_path: str | None = None  # a file holding the train blend (trainer/data.py reads it)
-    per_split_data_args_path: str | None = None  # a JSON file of train and valid blends
+    data_path: tuple[str, ...] = setting((), flag="--data-path",
+                                         doc="prefix, or weight prefix weight prefix ... (Megatron's blend)")
+    valid_data_path: tuple[str, ...] = setting((), flag="--valid-data-path",
+                                               doc="the validation blend (instead of --split's share)")
+    split: str = setting("98,2,0", flag="--split", doc="train, validation and test shares of each --data-path prefix")
+    tokenizer_model: str | None = setting(
+        None, flag="--tokenizer-model", doc="SentencePiece .model, Hugging Face tokenizer.json or a folder holding one")
+    vocab_size: int | None = setting(None, ge=1, flag="--vocab-size",
+                                     doc="when no tokenizer model is given (tools/plan.py without one: the paper's, "
+                                         "128256)")
+    data_args_path: str | None = setting(None, flag="--data-args-path",
+                                         doc="a file holding what --data-path takes (Megatron's flag)")
+    per_split_data_args_path: str | None = setting(
+        None, flag="--per-split-data-args-path", doc='a JSON file {"train": [...], "valid": [...]} of blends '
+                                                     "(Megatron's flag)")
 
 
-@dataclass(frozen=True)
+# kw_only: the settings with flags, and so defaults, stay beside their peers (and in config.json's order).
+@dataclass(frozen=True, kw_only=True)
 class RunConfig(ConfigBlock):
     model_preset: str
     model: ModelShape
-    tensor_parallel: int
-    pipeline_parallel: int
+    tensor_parallel: int = setting(1, ge=1, flag="--tensor-model-parallel-size", doc="T")
+    pipeline_parallel: int = setting(1, ge=1, flag="--pipeline-model-parallel-size", doc="P")
     batch: BatchConfig
     optimizer: OptimizerConfig
     schedule: ScheduleConfig
     clip_grad: float  # the global-norm clip (0: off)
     data: DataConfig
-    run_dir: str
-    tensorboard_dir: str
-    seed: int = setting(1234, ge=0, flag="--seed")
-    log_interval: int = setting(10, ge=1, flag="--log-interval")
-    eval_interval: int = setting(50, ge=0, flag="--eval-interval", doc="0: no evaluation")
-    eval_iters: int = setting(4, ge=1, flag="--eval-iters")
-    save: str | None = None
-    load: str | None = None
-    load_worker: int | None = setting(None, ge=0, flag="--load-worker",
-                                      doc="start from this worker's state in --load (any K; no outer state)")
-    finetune: bool = False  # --load takes the weights only: step 0, fresh optimizer, schedule, outer state, RNG
-    load_optim: bool = True  # False (--no-load-optim): a resume keeps this run's fresh inner optimizer state
-    load_rng: bool = True  # False (--no-load-rng): a resume keeps this run's fresh seeds
+    run_dir: str = setting(flag="--run-dir", doc="config.json, metrics.jsonl, tensorboard/ (default: --save, "
+                                                 "else runs/<ds_config name>)")
+    tensorboard_dir: str = setting(flag="--tensorboard-dir", doc="(default: <run-dir>/tensorboard)")
+    seed: int = setting(1234, ge=0, flag="--seed", doc="every rank's random state starts from it")
+    log_interval: int = setting(10, ge=1, flag="--log-interval", doc="steps between progress lines and records")
+    eval_interval: int = setting(50, ge=0, flag="--eval-interval", doc="steps between validations (0: none)")
+    eval_iters: int = setting(4, ge=1, flag="--eval-iters", doc="batches per validation")
+    save: str | None = setting(None, flag="--save", doc="the checkpoint folder")
+    load: str | None = setting(None, flag="--load", doc="the checkpoint folder to resume (or start) from")
+    load_worker: int | None = setting(
+        None, ge=0, flag="--load-worker",
+        doc="start (not resume) from worker W's weights, inner optimizer state and step in the --load checkpoint, "
+            "which may have any number of workers K, with this run's lr, weight decay and schedule; its outer-loop "
+            "state and RNG are not carried: with a muloco block a new outer loop starts at the loaded weights (e.g. "
+            "one worker's H steps with the full global batch, K workers branching from a data-parallel checkpoint, "
+            "or one datacenter carrying on alone)")
+    finetune: bool = setting(
+        False, flag="--finetune",
+        doc="load only the model's weights from --load (worker --load-worker, default 0, resharded to this layout, "
+            "the same on every worker) and start at step 0 with a fresh optimizer, lr schedule, outer-loop state "
+            "and RNG (Megatron's flag); a weights-only checkpoint (an import from Hugging Face) always loads this way")
+    load_optim: bool = setting(True, flag="--no-load-optim",
+                               doc="resume without the inner optimizer's state (fresh moments and momentum; the lr "
+                                   "follows this run's schedule at the loaded step)")
+    load_rng: bool = setting(True, flag="--no-load-rng", doc="resume without the RNG states (this run's --seed)")
     model_vocab_size: int | None = setting(None, ge=1, doc="the model's vocabulary before padding, from the checkpoint "
                                                            "(--use-checkpoint-args); None: the tokenizer's")
-    save_interval: int | None = setting(None, ge=1, flag="--save-interval")
+    save_interval: int | None = setting(None, ge=1, flag="--save-interval", doc="steps between checkpoints")
     keep_last: int = setting(3, ge=1, flag="--keep-last",
-                             doc="the newest N checkpoints stay, and always latest and the best validation loss")
-    verify_checksums: bool = True
-    async_save: bool = setting(False, flag="--async-save",
-                               doc="write checkpoints in the background from a host copy (trainer/checkpoint/async_save.py)")
-    hang_timeout_s: float = setting(1800.0, ge=0, flag="--hang-timeout-s", doc="0: no hang watchdog")
-    startup_timeout_s: float | None = setting(None, gt=0, flag="--startup-timeout-s",
-                                              doc="the watchdog's limit for start-up and resume (with the hang "
-                                                  "watchdog on); None: in proportion to the data "
-                                                  "(trainer.data.startup_timeout_s)")
-    exit_signal_handler: bool = False  # SIGTERM: finish the step, save, exit 0
-    exit_interval: int | None = setting(None, ge=1, flag="--exit-interval")
-    exit_duration_in_mins: float | None = setting(None, gt=0, flag="--exit-duration-in-mins")
+                             doc="keep the newest N checkpoints, latest and the one of the best validation loss")
+    verify_checksums: bool = setting(True, flag="--no-verify-checksums",
+                                     doc="skip checking rank files against meta.json's SHA-256 on --load (saves a "
+                                         "read at scale)")
+    async_save: bool = setting(
+        False, flag="--async-save",
+        doc="write checkpoints in the background: training waits only for a copy of each rank's state in host "
+            "memory (pinned on an accelerator); `latest` moves once every rank's file is written, at the next step; "
+            "at most one save in flight; the run's end waits for the last (trainer/checkpoint/async_save.py)")
+    hang_timeout_s: float = setting(1800.0, ge=0, flag="--hang-timeout-s",
+                                    doc="exit non-zero with a 'hang detected:' line when a step makes no progress for "
+                                        "this long (0: off); must exceed the longest step, evaluation or save")
+    startup_timeout_s: float | None = setting(
+        None, gt=0, flag="--startup-timeout-s",
+        doc="with the hang watchdog on, the same for start-up and resume (building the model, the data index, "
+            "reading the checkpoint); default: 300 s plus 1 s per 10 MB of the data's .bin files "
+            "(trainer.data.startup_timeout_s)")
+    exit_signal_handler: bool = setting(False, flag="--exit-signal-handler",
+                                        doc="on SIGTERM finish the current step, save a checkpoint and exit 0 "
+                                            "(needs --save)")
+    exit_interval: int | None = setting(None, ge=1, flag="--exit-interval",
+                                        doc="save and exit 0 after a step divisible by N")
+    exit_duration_in_mins: float | None = setting(None, gt=0, flag="--exit-duration-in-mins",
+                                                  doc="save and exit 0 after the first step that ends this many "
+                                                      "minutes after training started")
     bf16: bool = False
-    distributed_backend: Literal["nccl", "gloo"] | None = None  # None: the accelerator's
-    deterministic: bool = False
+    distributed_backend: Literal["nccl", "gloo"] | None = setting(
+        None, flag="--distributed-backend",
+        doc="the default process group's backend (default: the accelerator's, NCCL on GPUs); gloo lets several "
+            "processes share one GPU when every intra-worker group has one rank")
+    deterministic: bool = setting(False, flag="--deterministic-mode",
+                                  doc="deterministic kernels (torch.use_deterministic_algorithms), for bit-exact "
+                                      "resumes on GPUs")
     ds_config: dict[str, Any] = setting(factory=dict, doc="the keys DeepSpeed itself reads")
     muloco: MuLoCoConfig | None = None  # None: the data-parallel baseline
     auth_key_file: str | None = None  # the job secret's file when workers talk and auth is on (read at start)
     recipe_table: str | None = None  # what --recipe filled in, printed at start
-    worker_id: int | None = None  # elastic workers (muloco.elastic): this job's worker k; the world is one worker
+    worker_id: int | None = setting(None, flag="--worker-id",
+                                    doc="elastic MuLoCo (muloco.elastic): this launch is worker k, a world of "
+                                        "D x P x T ranks")
 
     def problems(self) -> list[Problem]:
         problems = []
@@ -148,132 +192,48 @@ class RunConfig(ConfigBlock):
         return json.dumps(asdict(self), indent=2, default=str)
 
 
+# Every flag that sets one setting is declared beside it (trainer/flags.py): the run's own settings,
+# the model's shape (over the preset's), and the ds_config's (written into its JSON at their paths).
+RUN_FLAGS = declared_flags(RunConfig, nested=False)
+DATA_FLAGS = declared_flags(DataConfig)
+MODEL_FLAGS = declared_flags(ModelShape)
+DS_CONFIG_FLAGS = declared_flags(DsConfig)
+
+
 def build_parser() -> argparse.ArgumentParser:
     # No abbreviations: `--deepspeed` would otherwise be taken for `--deepspeed_config` and eat the next flag.
     p = argparse.ArgumentParser(description="MuLoCo pretraining on Megatron-core shards under DeepSpeed",
                                 allow_abbrev=False)
+    # The launcher's and meta flags: none sets one setting.
     p.add_argument("--ds_config", "--deepspeed_config", dest="ds_config", required=True, help="DeepSpeed JSON config")
     p.add_argument("--deepspeed", action="store_true",
                    help="accepted from DeepSpeed's and Megatron-DeepSpeed's command lines and ignored: this trainer "
                         "always runs under DeepSpeed")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
-    p.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model preset")
+    p.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model preset (default: %(default)s)")
+    p.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model's architecture, shape and vocabulary, and without --tokenizer-model the "
+                        "tokenizer saved with it, from the --load checkpoint (model flags given still win, e.g. "
+                        "--seq-length), so a run from an imported model needs no shape or tokenizer flags")
     g = p.add_argument_group("model (override the preset)")
-    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--num-query-groups",
-                 "--ffn-hidden-size", "--kv-channels", "--seq-length"):
-        g.add_argument(flag, type=int, default=None)
-    g.add_argument("--arch", choices=ARCHITECTURES, default=None,
-                   help="paper (pre+post norms, QK-norm, document-masked attention, the paper's init; the paper "
-                        "presets' default), qwen3 (pre-norm, QK-norm), llama (pre-norm, no QK-norm)")
+    add_flags(g, MODEL_FLAGS, override=True, where="default: the preset's")
     g.add_argument("--no-qk-layernorm", action="store_true", help="same as --arch llama")
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
-                   help="the default process group's backend (default: the accelerator's, NCCL on GPUs); gloo lets "
-                        "several processes share one GPU when every intra-worker group has one rank")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--worker-id", type=int, default=None,
-                   help="elastic MuLoCo (muloco.elastic): this launch is worker k, a world of D x P x T ranks")
-    g.add_argument("--emulate-slowdown", type=float, nargs="+", default=None, metavar="F",
-                   help="one factor per worker: each worker sleeps after every inner step so it takes F times as long "
-                        "(muloco.emulate_slowdown; tests and benchmarks of unequal workers)")
-    g.add_argument("--no-final-sync", dest="final_sync", action="store_const", const=False, default=None,
-                   help="end the run without the last outer sync (muloco.final_sync false): its last checkpoint then "
-                        "holds K models (export takes the global weights, or --worker k)")
-    g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="+", default=[], help="prefix, or weight prefix weight prefix ...")
-    g.add_argument("--valid-data-path", nargs="+", default=[])
-    g.add_argument("--data-args-path", default=None, help="a file holding what --data-path takes (Megatron's flag)")
-    g.add_argument("--per-split-data-args-path", default=None,
-                   help='a JSON file {"train": [...], "valid": [...]} of blends (Megatron\'s flag)')
-    g.add_argument("--split", default=field_default(DataConfig, "split"))
-    g.add_argument("--tokenizer-model", default=None)
-    g.add_argument("--vocab-size", type=int, default=None, help="when no tokenizer model is given")
-    g = p.add_argument_group("training")
-    g.add_argument("--train-iters", type=int, default=None)
-    g.add_argument("--micro-batch-size", type=int, default=None)
-    g.add_argument("--global-batch-size", type=int, default=None, help="B, sequences per inner step over all workers")
-    g.add_argument("--lr", type=float, default=None)
-    g.add_argument("--lr-warmup-iters", type=int, default=None)
-    g.add_argument("--min-lr-ratio", type=float, default=None)
-    g.add_argument("--weight-decay", type=float, default=None)
-    g.add_argument("--clip-grad", type=float, default=None)
+    g = p.add_argument_group("ds_config (override its values)")
+    add_flags(g, DS_CONFIG_FLAGS, override=True, where="ds_config {path}")
+    add_global_batch_size(g)
     g.add_argument("--optimizer", choices=get_args(OptimizerName), default=None,
                    help="override the ds_config's optimizer type (params only the other type takes are dropped)")
     g.add_argument("--recipe", choices=["paper"], default=None,
                    help="fill what the ds_config leaves out with the paper's hyperparameter rules (trainer/recipe.py)")
-    g.add_argument("--seed", type=int, default=field_default(RunConfig, "seed"))
-    g.add_argument("--deterministic-mode", action="store_true",
-                   help="deterministic kernels (torch.use_deterministic_algorithms), for bit-exact resumes on GPUs")
-    g = p.add_argument_group("logging and checkpoints")
-    g.add_argument("--run-dir", default=None, help="config.json, metrics.jsonl, tensorboard/ (default: --save, "
-                   "else runs/<ds_config name>)")
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--log-interval", type=int, default=field_default(RunConfig, "log_interval"))
-    g.add_argument("--eval-interval", type=int, default=field_default(RunConfig, "eval_interval"))
-    g.add_argument("--eval-iters", type=int, default=field_default(RunConfig, "eval_iters"))
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--load-worker", type=int, default=None, metavar="W",
-                   help="start (not resume) from worker W's weights, inner optimizer state and step in the --load "
-                        "checkpoint, which may have any number of workers K, with this run's lr, weight decay and "
-                        "schedule; its outer-loop state and RNG are not carried: with a muloco block a new outer "
-                        "loop starts at the loaded weights (e.g. one worker's H steps with the full global batch, "
-                        "K workers branching from a data-parallel checkpoint, or one datacenter carrying on alone)")
-    g.add_argument("--finetune", action="store_true",
-                   help="load only the model's weights from --load (worker --load-worker, default 0, resharded to this "
-                        "layout, the same on every worker) and start at step 0 with a fresh optimizer, lr schedule, "
-                        "outer-loop state and RNG (Megatron's flag); a weights-only checkpoint (an import from Hugging "
-                        "Face) always loads this way")
-    g.add_argument("--no-load-optim", dest="load_optim", action="store_false",
-                   help="resume without the inner optimizer's state (fresh moments and momentum; the lr follows this "
-                        "run's schedule at the loaded step)")
-    g.add_argument("--no-load-rng", dest="load_rng", action="store_false",
-                   help="resume without the RNG states (this run's --seed)")
-    g.add_argument("--use-checkpoint-args", action="store_true",
-                   help="take the model's architecture, shape and vocabulary, and without --tokenizer-model the "
-                        "tokenizer saved with it, from the --load checkpoint (model flags given still win, e.g. "
-                        "--seq-length), so a run from an imported model needs no shape or tokenizer flags")
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--keep-last", type=int, default=field_default(RunConfig, "keep_last"),
-                   help="keep the newest N checkpoints, latest and the one of the best validation loss "
-                        f"(default {field_default(RunConfig, 'keep_last')})")
-    g.add_argument("--async-save", action="store_true",
-                   help="write checkpoints in the background: training waits only for a copy of each rank's state "
-                        "in host memory (pinned on an accelerator); `latest` moves once every rank's file is "
-                        "written, at the next step; at most one save in flight; the run's end waits for the last")
-    g.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
-                   help="skip checking rank files against meta.json's SHA-256 on --load (saves a read at scale)")
-    g = p.add_argument_group("faults and preemption")
-    g.add_argument("--hang-timeout-s", type=float, default=field_default(RunConfig, "hang_timeout_s"),
-                   help="exit non-zero with a 'hang detected:' line when a step makes no progress for this long "
-                        "(0: off); must exceed the longest step, evaluation or checkpoint save")
-    g.add_argument("--startup-timeout-s", type=float, default=field_default(RunConfig, "startup_timeout_s"),
-                   help="with the hang watchdog on, the same for start-up and resume (building the model, the "
-                        "data index, reading the checkpoint); default: 300 s plus 1 s per 10 MB of the data's "
-                        ".bin files")
-    g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM finish the current step, save a checkpoint and exit 0 (needs --save)")
-    g.add_argument("--exit-interval", type=int, default=None, help="save and exit 0 after a step divisible by N")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None,
-                   help="save and exit 0 after the first step that ends this many minutes after training started")
+    add_flags(p.add_argument_group("data"), DATA_FLAGS, override=False)
+    add_flags(p.add_argument_group("run"), RUN_FLAGS, override=False)
     return p
 
 
-# The flags that set ds_config values: flag destination -> dotted path (written into the JSON
-# before it is loaded, so a flag's value is checked like the config's, and named by the flag).
-DS_CONFIG_FLAGS = {
-    "lr": "optimizer.params.lr", "weight_decay": "optimizer.params.weight_decay",
-    "train_iters": "scheduler.params.train_iters", "lr_warmup_iters": "scheduler.params.warmup_iters",
-    "min_lr_ratio": "scheduler.params.min_lr_ratio", "clip_grad": "gradient_clipping",
-    "micro_batch_size": "train_micro_batch_size_per_gpu",
-}
-MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-               "kv_channels", "seq_length")
-
-
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
+def add_global_batch_size(group: argparse._ActionsContainer) -> None:
+    """B: not one setting, it sets gradient_accumulation_steps from the micro-batch, D and K (also the planner's)."""
+    group.add_argument("--global-batch-size", type=int, default=None,
+                       help="B, sequences per inner step over all workers (sets gradient_accumulation_steps)")
 
 
 def with_flags(raw: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
@@ -284,19 +244,22 @@ def with_flags(raw: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str,
         optimizer = raw.get("optimizer")
         raw["optimizer"] = retyped(optimizer if isinstance(optimizer, dict) else {}, args.optimizer)
         origins["optimizer.type"] = "--optimizer"
-    for dest, path in DS_CONFIG_FLAGS.items():
-        if getattr(args, dest) is not None:
-            set_path(raw, path, getattr(args, dest))
-            origins[path] = _flag(dest)
-    # Settings of the muloco block only: a flag must not create one.
-    for key, flag in (("final_sync", "--no-final-sync"), ("emulate_slowdown", "--emulate-slowdown")):
-        if getattr(args, key) is None:
+    for flag in DS_CONFIG_FLAGS:
+        value = getattr(args, flag.field)
+        if value is None:
             continue
-        if not isinstance(raw.get("muloco"), dict):
-            raise ConfigError(f"{flag}: the ds_config has no muloco block (a data-parallel run has no outer syncs)")
-        raw["muloco"][key] = getattr(args, key)
-        origins[f"muloco.{key}"] = flag
+        if flag.within is not None and not isinstance(_at(raw, flag.within), dict):
+            raise ConfigError(f"{flag.name}: the ds_config has no {flag.within} block (a flag sets one of its "
+                              "values, it does not add the block)")
+        set_path(raw, flag.path, value)
+        origins[flag.path] = flag.name
     return raw, origins
+
+
+def _at(raw: dict[str, Any], path: str) -> Any:
+    for key in path.split("."):
+        raw = raw.get(key) if isinstance(raw, dict) else None
+    return raw
 
 
 @dataclass(frozen=True)
@@ -331,26 +294,27 @@ def resolve(args: argparse.Namespace, world_size: int, checkpoint: CheckpointArg
         ds = load_ds_config(raw, origins)
     # Without --run-dir the logs go beside the checkpoints they describe (else runs/<ds_config name>).
     run_dir = args.run_dir or args.save or str(Path("runs") / Path(args.ds_config).stem)
-    return RunConfig(
-        model_preset=args.model if checkpoint is None else f"of {args.load}", model=shape,
-        tensor_parallel=sizes.tensor, pipeline_parallel=sizes.pipeline,
-        batch=batch, optimizer=ds.optimizer, schedule=ds.scheduler.params, clip_grad=ds.gradient_clipping,
-        data=DataConfig(tuple(args.data_path), tuple(args.valid_data_path), args.split, tokenizer_model,
-                        args.vocab_size, args.data_args_path, args.per_split_data_args_path),
-        run_dir=run_dir, tensorboard_dir=args.tensorboard_dir or str(Path(run_dir) / "tensorboard"),
-        # Mixed precision is Megatron's autocast over fp32 parameters (the optimizers need whole fp32
-        # tensors, not DeepSpeed's flattened bf16 partitions), so DeepSpeed never sees the bf16 block.
-        bf16=ds.bf16.enabled, ds_config=ds.deepspeed_keys(), muloco=ds.muloco,
-        auth_key_file=_job_secret_file(ds.muloco, Path(args.ds_config).parent), recipe_table=recipe_table,
-        model_vocab_size=checkpoint.vocab_size if checkpoint else None,
-        **{name: getattr(args, name) for name in RUN_FLAGS}, deterministic=args.deterministic_mode)
+    try:
+        data = DataConfig(**{**_given(args, DATA_FLAGS), "tokenizer_model": tokenizer_model})
+        return RunConfig(**{
+            **_given(args, RUN_FLAGS),  # then what the run derives, some of it from these flags
+            "model_preset": args.model if checkpoint is None else f"of {args.load}", "model": shape,
+            "tensor_parallel": sizes.tensor, "pipeline_parallel": sizes.pipeline, "batch": batch,
+            "optimizer": ds.optimizer, "schedule": ds.scheduler.params, "clip_grad": ds.gradient_clipping,
+            "data": data, "run_dir": run_dir,
+            "tensorboard_dir": args.tensorboard_dir or str(Path(run_dir) / "tensorboard"),
+            # Mixed precision is Megatron's autocast over fp32 parameters (the optimizers need whole fp32
+            # tensors, not DeepSpeed's flattened bf16 partitions), so DeepSpeed never sees the bf16 block.
+            "bf16": ds.bf16.enabled, "ds_config": ds.deepspeed_keys(), "muloco": ds.muloco,
+            "auth_key_file": _job_secret_file(ds.muloco, Path(args.ds_config).parent), "recipe_table": recipe_table,
+            "model_vocab_size": checkpoint.vocab_size if checkpoint else None})
+    except ConfigProblems as err:  # a value a flag set: named by the flag
+        raise ConfigProblems(err.problems, {f.field: f.name for f in [*RUN_FLAGS, *DATA_FLAGS]}) from err
 
 
-# RunConfig fields set by the flag of the same name.
-RUN_FLAGS = ("seed", "log_interval", "eval_interval", "eval_iters", "save", "load", "load_worker", "finetune",
-             "load_optim", "load_rng", "save_interval", "keep_last", "verify_checksums", "async_save", "hang_timeout_s",
-             "startup_timeout_s", "exit_signal_handler", "exit_interval",
-             "exit_duration_in_mins", "distributed_backend", "worker_id")
+def _given(args: argparse.Namespace, flags: list[Flag]) -> dict[str, Any]:
+    """The flags' values by the field each sets."""
+    return {f.field: getattr(args, f.field) for f in flags}
 
 
 def _parallel_sizes(ds: DsConfig, args: argparse.Namespace, world_size: int) -> ParallelSizes:
@@ -359,8 +323,8 @@ def _parallel_sizes(ds: DsConfig, args: argparse.Namespace, world_size: int) -> 
     workers = ds.muloco.workers if ds.muloco is not None else 1
     elastic = ds.muloco is not None and ds.muloco.elastic is not None
     check_worker_id(args.worker_id, workers, elastic)
-    sizes = ParallelSizes.from_world(world_size, 1 if elastic else workers, args.pipeline_model_parallel_size,
-                                     args.tensor_model_parallel_size)
+    sizes = ParallelSizes.from_world(world_size, 1 if elastic else workers, args.pipeline_parallel,
+                                     args.tensor_parallel)
     if ds.layout is not None and (wrong := ds.layout.mismatches(sizes.tensor, sizes.pipeline, sizes.data)):
         raise ConfigError("the ds_config was planned for another layout: " + "; ".join(wrong)
                           + " (set --tensor-model-parallel-size/--pipeline-model-parallel-size and the world size "
@@ -411,12 +375,13 @@ def _preset(args: argparse.Namespace, checkpoint: CheckpointArgs | None) -> tupl
 def model_shape(args: argparse.Namespace, base: ModelShape | None = None) -> ModelShape:
     """The preset (or `base`, the checkpoint's shape) with the model flags given (each checked like the
     preset's own values): a flag given wins over the checkpoint, as in Megatron's --use-checkpoint-args."""
-    given = {name: getattr(args, name) for name in MODEL_FLAGS if getattr(args, name) is not None}
-    arch = "llama" if args.no_qk_layernorm else args.arch
+    given = {name: value for name, value in _given(args, MODEL_FLAGS).items() if value is not None}
+    if args.no_qk_layernorm:
+        given["arch"] = "llama"
     try:
-        return (base or PRESETS[args.model]).with_overrides(**given, arch=arch)
+        return (base or PRESETS[args.model]).with_overrides(**given)
     except ConfigProblems as err:
-        raise ConfigProblems(err.problems, {name: _flag(name) for name in [*given, "arch"]}) from err
+        raise ConfigProblems(err.problems, {f.field: f.name for f in MODEL_FLAGS if f.field in given}) from err
 
 
 def _accumulation(ds: DsConfig, global_batch: int | None, data_parallel: int, workers: int) -> int:

@@ -54,16 +54,16 @@ class RecipeNotes(ConfigBlock):
 
 @dataclass(frozen=True)
 class DsConfig(ConfigBlock):
-    train_micro_batch_size_per_gpu: int = setting(4, ge=1, doc="micro-batch per rank, as DeepSpeed sees it "
-                                                               "(`--micro-batch-size`)")
+    train_micro_batch_size_per_gpu: int = setting(4, ge=1, flag="--micro-batch-size",
+                                                  doc="micro-batch per rank, as DeepSpeed sees it")
     gradient_accumulation_steps: int = setting(1, ge=1, doc="micro-batches per rank per optimizer step "
                                                             "(`--global-batch-size` sets it from B)")
     train_batch_size: int | None = setting(None, ge=1, doc="derived by the trainer (micro x accumulation x D = "
                                                            "B/K, what DeepSpeed checks); a value here is not read")
     optimizer: OptimizerConfig = setting(factory=OptimizerConfig, doc="the inner optimizer (below)")
     scheduler: SchedulerConfig = setting(factory=SchedulerConfig, doc="the lr schedule (below)")
-    gradient_clipping: float = setting(1.0, ge=0, doc="global-norm clip over all TP/PP shards, done by the trainer "
-                                                      "(0: off; `--clip-grad`)")
+    gradient_clipping: float = setting(1.0, ge=0, flag="--clip-grad",
+                                       doc="global-norm clip over all TP/PP shards, done by the trainer (0: off)")
     bf16: Bf16Config = setting(factory=Bf16Config, doc="`{\"enabled\": true}`: bf16 autocast (below)")
     muloco: MuLoCoConfig | None = setting(None, doc="the outer loop (below); absent: the data-parallel baseline")
     layout: LayoutConfig | None = setting(None, doc="the layout the batch and memory were planned for (below)")

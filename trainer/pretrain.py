@@ -68,7 +68,7 @@ def _main(args, trainer_class) -> dict:
         print(threads.line, flush=True)
         if args.deepspeed:
             print("note: --deepspeed is ignored (this trainer always runs under DeepSpeed)", flush=True)
-    if args.deterministic_mode:  # cuBLAS reads this when it starts
+    if args.deterministic:  # cuBLAS reads this when it starts
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # The device first: NCCL binds each process to the accelerator current when it starts.
     comm.init_compute_device(int(os.environ.get("LOCAL_RANK", args.local_rank or 0)))

@@ -11,10 +11,11 @@ from trainer.typed_json import ConfigBlock, setting
 
 @dataclass(frozen=True)
 class ScheduleConfig(ConfigBlock):
-    train_iters: int = setting(100, ge=1, doc="optimizer steps of the run (`--train-iters`)")
-    warmup_iters: int = setting(10, ge=0, doc="linear warmup steps from lr/warmup to the peak (`--lr-warmup-iters`)")
-    min_lr_ratio: float = setting(0.1, ge=0, le=1, doc="the cosine decays to this fraction of the peak "
-                                                       "(`--min-lr-ratio`; 0.1, the paper's)")
+    train_iters: int = setting(100, ge=1, flag="--train-iters", doc="optimizer steps of the run")
+    warmup_iters: int = setting(10, ge=0, flag="--lr-warmup-iters",
+                                doc="linear warmup steps from lr/warmup to the peak")
+    min_lr_ratio: float = setting(0.1, ge=0, le=1, flag="--min-lr-ratio",
+                                  doc="the cosine decays to this fraction of the peak (0.1, the paper's)")
 
     def warmup_warning(self) -> str | None:
         """A line for a warm-up longer than the run: the lr never reaches its peak (allowed: short test

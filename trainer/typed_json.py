@@ -3,7 +3,8 @@
 A block is a frozen dataclass deriving from `ConfigBlock`; its fields say everything the loader
 checks: the annotation (nested blocks, `Literal` choices, `X | None`, tuples, `dict[str, X]`) and,
 through `setting(...)`, the allowed range, the one-line doc (docs/configuration.md's reference
-is generated from them: tools/config_reference.py) and, for a block whose keys depend on a sibling
+is generated from them: tools/config_reference.py), the command-line flag that sets it, if any
+(trainer/flags.py builds the parsers from them) and, for a block whose keys depend on a sibling
 (an optimizer's params on its type), the block each sibling value selects.
 
 A block may list keys it knows but refuses, with the reason, in a `REFUSED` class attribute
@@ -80,17 +81,19 @@ class Selected:
 class FieldSpec:
     doc: str = ""
     range: Range | None = None
-    flag: str | None = None  # the command-line flag a run setting comes from, named in its problems
+    flag: str | None = None  # the setting's command-line flag (trainer/flags.py builds the parsers from these)
+    aliases: tuple[str, ...] = ()  # other spellings of the flag (DeepSpeed's, Megatron's)
     casefold: bool = False  # a string compared in lower case ("AdamW" is "adamw")
     selected: Selected | None = None
 
 
 def setting(default: Any = MISSING, *, doc: str = "", factory: Any = MISSING, ge: float | None = None,
             gt: float | None = None, le: float | None = None, lt: float | None = None, flag: str | None = None,
-            casefold: bool = False, selected_by: tuple[str, Mapping[str, type]] | None = None) -> Any:
-    """A dataclass field with its default, one-line doc and range declared once."""
+            aliases: tuple[str, ...] = (), casefold: bool = False,
+            selected_by: tuple[str, Mapping[str, type]] | None = None) -> Any:
+    """A dataclass field with its default, one-line doc, range and command-line flag declared once."""
     bounds = Range(ge, gt, le, lt) if (ge, gt, le, lt) != (None, None, None, None) else None
-    spec = FieldSpec(doc, bounds, flag, casefold, Selected(*selected_by) if selected_by else None)
+    spec = FieldSpec(doc, bounds, flag, aliases, casefold, Selected(*selected_by) if selected_by else None)
     return dataclasses.field(default=default, default_factory=factory, metadata={"spec": spec})
 
 
@@ -101,6 +104,15 @@ _type_hints = functools.cache(typing.get_type_hints)
 
 def spec_of(f: dataclasses.Field) -> FieldSpec:
     return f.metadata.get("spec", FieldSpec())
+
+
+def blocks_in(annotation: Any) -> list[type]:
+    """The config blocks a field's annotation holds (itself, or those of a union such as X | None)."""
+    if isinstance(annotation, type) and issubclass(annotation, ConfigBlock):
+        return [annotation]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [b for a in typing.get_args(annotation) for b in blocks_in(a)]
+    return []
 
 
 def field_default(cls: type, name: str) -> Any:
@@ -123,14 +135,13 @@ class ConfigBlock:
         hints = _type_hints(type(self))
         for f in dataclasses.fields(self):
             spec, raw = spec_of(f), getattr(self, f.name)
-            value = _convert(_selected_block(self, spec) or hints[f.name], _casefolded(spec, raw), spec.flag or f.name,
-                             problems)
+            value = _convert(_selected_block(self, spec) or hints[f.name], _casefolded(spec, raw), f.name, problems)
             if value is _INVALID:
                 well_typed = False
                 continue
             if value is not raw:
                 object.__setattr__(self, f.name, value)  # a list given for a tuple, an int for a float
-            _in_range(spec, value, raw, spec.flag or f.name, problems)
+            _in_range(spec, value, raw, f.name, problems)
         if well_typed:  # cross-field checks need values of the right types (out of range is fine)
             problems += self.problems()
         if problems:

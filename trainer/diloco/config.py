@@ -103,18 +103,19 @@ class MuLoCoConfig(ConfigBlock):
                                                      "accelerator instead of pinned host memory: faster syncs for 8 "
                                                      "bytes per parameter of device memory")
     streaming: StreamingConfig = setting(factory=StreamingConfig, doc="streaming syncs (below)")
-    final_sync: bool = setting(True, doc="at the run's last step the syncs in flight are applied and every fragment "
-                                         "not synced at that step syncs once more, so the run ends (and its last "
-                                         "checkpoint is saved) with one model on every worker; `--no-final-sync`: "
-                                         "it ends with K")
+    final_sync: bool = setting(True, flag="--no-final-sync",
+                               doc="at the run's last step the syncs in flight are applied and every fragment not "
+                                   "synced at that step syncs once more, so the run ends (and its last checkpoint is "
+                                   "saved) with one model on every worker; false: it ends with K (export takes the "
+                                   "global weights, or --worker k)")
     max_norm_ratio: float = setting(10.0, gt=1, doc="a worker whose pseudogradient norm is this many times its "
                                                     "peers' median, or any NaN/Inf, skips the sync for everyone")
     link: SlowLink | None = setting(None, doc="emulate a slow link on one machine (benchmarks): "
                                               "`{\"bandwidth_gbit_s\": 10, \"latency_ms\": 50}`")
     emulate_slowdown: tuple[float, ...] | None = setting(
-        None, doc="emulate workers of unequal speed on one machine (tests, benchmarks): one factor per worker, each "
-                  "worker sleeping after every inner step so it takes that many times as long (`--emulate-slowdown "
-                  "1 1 2`)")
+        None, flag="--emulate-slowdown",
+        doc="emulate workers of unequal speed on one machine (tests, benchmarks): one factor per worker, each worker "
+            "sleeping after every inner step so it takes that many times as long (`[1, 1, 2]`)")
     pace: PaceConfig = setting(factory=PaceConfig, doc="when a sync comes: after H steps, or on a wall-clock deadline "
                                                        "for workers of unequal speed (below)")
     identical_worker_data: bool = setting(False, doc="every worker reads worker 0's data (a test identity)")

@@ -21,15 +21,19 @@ ARCHITECTURES = get_args(Architecture)
 
 @dataclass(frozen=True)
 class ModelShape(ConfigBlock):
-    num_layers: int = setting(ge=1)
-    hidden_size: int = setting(ge=1)
-    num_attention_heads: int = setting(ge=1)
-    ffn_hidden_size: int = setting(ge=1)
-    kv_channels: int = setting(128, ge=1, doc="head dim")
-    num_query_groups: int | None = setting(None, ge=1, doc="None: one group per head (no GQA)")
-    arch: Architecture = "paper"
+    num_layers: int = setting(ge=1, flag="--num-layers", doc="transformer layers")
+    hidden_size: int = setting(ge=1, flag="--hidden-size", doc="model width")
+    num_attention_heads: int = setting(ge=1, flag="--num-attention-heads", doc="attention heads")
+    ffn_hidden_size: int = setting(ge=1, flag="--ffn-hidden-size", doc="the SwiGLU MLP's inner width")
+    kv_channels: int = setting(128, ge=1, flag="--kv-channels", doc="head dim")
+    num_query_groups: int | None = setting(None, ge=1, flag="--num-query-groups",
+                                           doc="None: one group per head (no GQA)")
+    arch: Architecture = setting("paper", flag="--arch",
+                                 doc="paper (pre+post norms, QK-norm, document-masked attention, the paper's init; "
+                                     "the paper presets' default), qwen3 (pre-norm, QK-norm), llama (pre-norm, "
+                                     "no QK-norm)")
     rotary_base: int = setting(500_000, ge=1)
-    seq_length: int = setting(2048, ge=1)
+    seq_length: int = setting(2048, ge=1, flag="--seq-length", doc="tokens per sequence")
     init_std: float = setting(0.02, gt=0)
     norm_epsilon: float = setting(1e-6, gt=0)
 

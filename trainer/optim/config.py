@@ -22,8 +22,9 @@ OptimizerName = Literal["adamw", "muon"]
 class AdamWParams(ConfigBlock):
     """Type adamw's params (and the lr and weight decay every type has)."""
 
-    lr: float = setting(3e-3, gt=0, doc="peak learning rate; the schedule scales it")
-    weight_decay: float = setting(0.1, ge=0, doc="decoupled weight decay (each step W *= 1 - lr x weight_decay)")
+    lr: float = setting(3e-3, gt=0, flag="--lr", doc="peak learning rate; the schedule scales it")
+    weight_decay: float = setting(0.1, ge=0, flag="--weight-decay",
+                                  doc="decoupled weight decay (each step W *= 1 - lr x weight_decay)")
     betas: tuple[float, float] = setting((0.9, 0.99), ge=0, lt=1, doc="AdamW's (beta1, beta2)")
     eps: float = setting(1e-8, gt=0, doc="AdamW's epsilon")
 
