@@ -5,7 +5,7 @@ The DP Muon (for MuLoCo) and DP AdamW (for DiLoCo) test runs keep their checkpoi
 steps (START_FRACTIONS of the run, multiples of H): weights, inner optimizer state and the position
 in the lr schedule. From each, with the real trainer (`--load-worker 0`, which takes the run's own
 hyperparameters at that position):
-- the branch: the method's K workers run H steps, each on its B/K shard of the global batch, and
+- the branch: the method's K workers run H steps, each on its B/K slice of the global batch, and
   sync once; the outer loop starts at the loaded weights with zero momentum, so the outer momentum
   saved after that sync IS the averaged pseudogradient Delta_K (as the outer optimizer received it);
 - the reference: one worker runs the same H steps on the whole batch B (the union of the workers'

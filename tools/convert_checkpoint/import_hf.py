@@ -7,7 +7,7 @@ python -m tools.convert_checkpoint --from-hf HF_DIR --save CKPT --tensor-model-p
 The folder is read and checked whole first (hf_folder: one error naming everything the trainer
 cannot represent, every tensor's name, shape and dtype, the tokenizer against the embedding rows).
 Then T x P processes (gloo, on the host) each build their stage of the trainer's model, fill it with
-their shard of the mapped weights (hf_mapping, through the TP layout as the trainer's own
+their shard of the mapped weights (hf_mapping, through the TP sharding as the trainer's own
 initializer does), run the checkpointer's fp32 probe through the tensor- and pipeline-parallel model
 and write their rank file. The checkpoint is weights only (meta.json `weights_only`, step 0, like
 Megatron's release checkpoints): a run loads it as --finetune does.
