@@ -532,7 +532,7 @@ class Check:
         that orthogonalizes one layer of the preset fastest: Q, K, V, O square, gate and up tall, down wide."""
         import torch
 
-        from newton_schulz_forms import benchmark_shape, shape_classes
+        from benchmarks.newton_schulz_forms import benchmark_shape, shape_classes
         from trainer.model.presets import PRESETS
 
         dtype = shipped_config(muon_config)["optimizer"]["params"].get("ns_dtype", "float32")

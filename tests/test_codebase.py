@@ -4,6 +4,7 @@ group's device (trainer/comm.py and the outer exchange)."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -188,3 +189,37 @@ def test_no_module_or_script_edits_sys_path():
                  for path in sorted((ROOT / folder).rglob("*")) if path.suffix in (".py", ".sh")
                  for line in _edits_sys_path(path.read_text())]
     assert offenders == [], "import from the installed package instead:\n" + "\n".join(offenders)
+
+
+def _unresolvable_imports(path: Path, source: str | None = None) -> list[str]:
+    """Absolute imports in one file that name neither the standard library, a folder or module at the
+    repository root, a file beside it (a script's own folder is on its path), nor an installed package."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        for top in {name.split(".")[0] for name in names}:
+            beside = [folder / candidate for folder in (ROOT, path.parent) for candidate in (top, f"{top}.py")]
+            if top in sys.stdlib_module_names or any(p.exists() for p in beside):
+                continue
+            if importlib.util.find_spec(top) is None:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {top}")
+    return found
+
+
+def test_the_import_resolver_finds_a_module_from_another_folder():
+    script = ROOT / "scripts" / "gpu_check.py"
+    assert _unresolvable_imports(script, "from benchmarks.newton_schulz_forms import x\nimport gpu_check\n") == []
+    assert _unresolvable_imports(script, "import torch\nfrom newton_schulz_forms import x\n") == [
+        "scripts/gpu_check.py:2 imports newton_schulz_forms"]
+
+
+def test_every_import_resolves_without_a_path_edit():
+    """A script importing a benchmark by its bare name worked only while something edited sys.path."""
+    offenders = [line for folder in IMPORTABLE_FROM_THE_INSTALL + ("tests",)
+                 for path in sorted((ROOT / folder).rglob("*.py")) for line in _unresolvable_imports(path)]
+    assert offenders == [], "import through a package the repository root provides:\n" + "\n".join(offenders)
