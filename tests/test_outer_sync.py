@@ -299,8 +299,9 @@ def test_a_live_member_that_missed_a_whole_sync_goes_on_from_its_peers_step():
     8, 12. Worker 1 syncs outer step 3 (fragment 0, step 6) alone; worker 0, still at its step-6 sync,
     meets it at outer step 4 (fragment 1, step 8), catches up and takes part. It must go on from its
     peers' step: on its own (step 7) it would launch fragment 1 where its peer launches fragment 0,
-    payloads of different sizes in one collective (gloo aborts the process)."""
-    config = MuLoCoConfig(workers=2, sync_interval=4, elastic=ElasticConfig(lighthouse="http://x:1"),
+    payloads of different sizes in one collective (gloo aborts the process). (min_workers 1: worker 1
+    may sync alone.)"""
+    config = MuLoCoConfig(workers=2, sync_interval=4, elastic=ElasticConfig(lighthouse="http://x:1", min_workers=1),
                           streaming=StreamingConfig(fragments=2, overlap_steps=1))
     board = Board(2)
     workers = [quorum_worker(0, board, config), quorum_worker(1, board, config, quorum=AloneForOuterStep3)]
@@ -314,6 +315,7 @@ def test_a_live_member_that_missed_a_whole_sync_goes_on_from_its_peers_step():
     assert (caught_up["fragment"], caught_up["rejoined"], caught_up["left_out"]) == (1, True, {"0": "joining"})
     assert [r["outer_step"] for r in workers[1].records] == [1, 2, 3, 4, 5, 6, 7]
     assert [r["outer_step"] for r in workers[0].records] == [1, 2, 4, 5, 6, 7]
+    assert [r["outer_step"] for r in workers[1].records if r["alone"]] == [3]  # said in its record
     assert all(r["workers_in_sync"] == 2 and r["quorum"] == [0, 1] for r in workers[0].records[-3:])
     assert len(checksums(workers)) == 1
 

@@ -208,7 +208,6 @@ def test_a_resume_keeps_the_deadline_of_the_interval_after_it():
 @pytest.mark.parametrize("muloco, message", [
     ({"streaming": {"fragments": 2}}, "muloco.streaming.fragments (2) is not supported with pace.mode 'wall_clock'"),
     ({"streaming": {"overlap_steps": 1}}, "muloco.streaming.overlap_steps (1) is not supported with pace.mode"),
-    ({"elastic": {"lighthouse": "http://x:1"}, "auth": "none"}, "muloco.elastic (an elastic block) is not supported"),
     ({"emulate_slowdown": [1, 2]}, r"muloco.emulate_slowdown must be one factor >= 1 per worker (3), got [1.0, 2.0]"),
     ({"emulate_slowdown": [1, 0.5, 1]}, "muloco.emulate_slowdown must be one factor >= 1 per worker"),
 ])
