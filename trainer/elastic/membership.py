@@ -128,8 +128,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 class _NotReady(Exception):
-    """This quorum is none to sync in, and no attempt is counted: it holds fewer than min_workers workers,
-    or it is a fresh run's first quorum without every worker (before the start deadline)."""
+    """No sync in this quorum, and no attempt counted: it holds fewer than min_workers workers, or it is a
+    fresh run's first quorum without every worker (before the start deadline)."""
 
 
 class _NoQuorumInTime(CollectiveError):
@@ -201,9 +201,6 @@ class _QuorumSession:
         members, membership, config = self.members, self.membership, self.membership.config
         ours = [m for m in members if m.authentic]
         in_quorum = [m.worker for m in ours]
-        if len(ours) < membership.smallest_quorum:
-            raise _NotReady(f"its last quorum held {len(ours)} of {config.workers} workers {in_quorum}, fewer than "
-                            f"{membership.min_workers_setting()}")
         if all(m.joining for m in ours) and len(ours) < config.workers and membership.starting():
             raise _NotReady(f"{len(ours)} of {config.workers} workers in the first quorum")
         contributors = [i for i in range(len(members)) if i not in exchanged.rejected]
@@ -315,6 +312,9 @@ class QuorumMembership:
             try:
                 self._quorum(early, asking)
                 session = _QuorumSession(self, self.quorum.wire(self.config.link), attempt)
+                if session.wire.size < self.smallest_quorum:  # before a catch-up: none in a quorum not used
+                    raise _NotReady(f"its last quorum held {session.wire.size} of {self.config.workers} workers, "
+                                    f"fewer than {self.min_workers_setting()}")
                 self._catch_up(session, task)
                 result = sync(session)
             except _NoQuorumInTime:
@@ -359,13 +359,13 @@ class QuorumMembership:
         """One line when a sync's quorum is not every worker, and at each change of it after that: a
         worker that goes on without some of its peers (or alone) says so where its log is read."""
         previous, workers = self.last_quorum, self.config.workers
-        self.last_quorum = quorum
-        if quorum == previous or (len(quorum) == workers and previous is None) or not self.topology.is_logging_rank:
+        self.last_quorum = sorted(quorum)
+        if self.last_quorum == previous or (len(quorum) == workers and previous is None) or not self.topology.is_logging_rank:
             return
         missing = sorted(set(range(workers)) - set(quorum))
-        line = (f"worker {self.worker}: starting with {len(quorum)} of {workers} workers {quorum} after "
+        line = (f"worker {self.worker}: starting with {len(quorum)} of {workers} workers {self.last_quorum} after "
                 f"{self.clock() - self.started_at:.0f} s of waiting" if self.started_at is not None else
-                f"worker {self.worker}: syncing with {len(quorum)} of {workers} workers {quorum}")
+                f"worker {self.worker}: syncing with {len(quorum)} of {workers} workers {self.last_quorum}")
         if missing:
             line += f" (missing {missing})"
         if len(quorum) == 1:
