@@ -76,14 +76,27 @@ def elastic_config(**muloco) -> MuLoCoConfig:
     return MuLoCoConfig(**{"workers": 3, "sync_interval": 4, "elastic": ElasticConfig(lighthouse="http://x:1"), **muloco})
 
 
+class FakeQuorumMembership(QuorumMembership):
+    """The elastic membership on the fake torchft quorum it was given (`join` included)."""
+
+    def _connect(self):
+        return self.quorum
+
+
+def quorum_membership(rank: int, board: Board, config: MuLoCoConfig, wire=FakeWire, quorum=FakeQuorum,
+                      clock=time.monotonic, sleep=time.sleep) -> QuorumMembership:
+    """The membership of elastic worker `rank` (a world of one rank: it logs); it waits with `sleep` on `clock`."""
+    topology = Topology(ParallelSizes(1, 1, 1, 1), 0, RankCoordinates(rank, 0, 0, 0), None, None)
+    membership = FakeQuorumMembership(config, topology, KEY, worker=rank, clock=clock, sleep=sleep)
+    membership.quorum = quorum(board, rank, KEY, wire=wire)
+    return membership
+
+
 def quorum_worker(rank: int, board: Board, config: MuLoCoConfig, wire=FakeWire, quorum=FakeQuorum,
                   host: str = "trainer", clock=time.monotonic, sleep=time.sleep) -> Worker:
-    """An elastic worker: a world of one rank (it logs), worker id `rank`, on a fake torchft quorum; its
-    membership waits with `sleep` on `clock`."""
-    topology = Topology(ParallelSizes(1, 1, 1, 1), 0, RankCoordinates(rank, 0, 0, 0), None, None)
-    membership = QuorumMembership(config, topology, KEY, worker=rank, clock=clock, sleep=sleep)
-    membership.quorum = quorum(board, rank, KEY, wire=wire)
-    worker = Worker(rank, config.workers, config, membership, topology, host)
+    """An elastic worker on a fake torchft quorum (`quorum_membership`)."""
+    membership = quorum_membership(rank, board, config, wire, quorum, clock, sleep)
+    worker = Worker(rank, config.workers, config, membership, membership.topology, host)
     membership.loop = worker.loop
     return worker
 
@@ -299,8 +312,9 @@ def test_a_live_member_that_missed_a_whole_sync_goes_on_from_its_peers_step():
     8, 12. Worker 1 syncs outer step 3 (fragment 0, step 6) alone; worker 0, still at its step-6 sync,
     meets it at outer step 4 (fragment 1, step 8), catches up and takes part. It must go on from its
     peers' step: on its own (step 7) it would launch fragment 1 where its peer launches fragment 0,
-    payloads of different sizes in one collective (gloo aborts the process)."""
-    config = MuLoCoConfig(workers=2, sync_interval=4, elastic=ElasticConfig(lighthouse="http://x:1"),
+    payloads of different sizes in one collective (gloo aborts the process). (min_workers 1: worker 1
+    may sync alone.)"""
+    config = MuLoCoConfig(workers=2, sync_interval=4, elastic=ElasticConfig(lighthouse="http://x:1", min_workers=1),
                           streaming=StreamingConfig(fragments=2, overlap_steps=1))
     board = Board(2)
     workers = [quorum_worker(0, board, config), quorum_worker(1, board, config, quorum=AloneForOuterStep3)]
@@ -314,8 +328,149 @@ def test_a_live_member_that_missed_a_whole_sync_goes_on_from_its_peers_step():
     assert (caught_up["fragment"], caught_up["rejoined"], caught_up["left_out"]) == (1, True, {"0": "joining"})
     assert [r["outer_step"] for r in workers[1].records] == [1, 2, 3, 4, 5, 6, 7]
     assert [r["outer_step"] for r in workers[0].records] == [1, 2, 4, 5, 6, 7]
+    assert [r["outer_step"] for r in workers[1].records if r["alone"]] == [3]  # said in its record
     assert all(r["workers_in_sync"] == 2 and r["quorum"] == [0, 1] for r in workers[0].records[-3:])
     assert len(checksums(workers)) == 1
+
+
+class PairAt(FakeQuorum):
+    """Workers 1 and 2 meet on a board of their own (`pair`) for the syncs whose committed count is in
+    `alone_at`: worker 0 asked later than the lighthouse's grace window (its join timeout) after them,
+    and its request lands in their next quorum on the shared board. Every other quorum is the shared one."""
+
+    def __init__(self, board: Board, rank: int, key: JobKey | None, wire=None, pair: Board = None,
+                 alone_at: tuple[int, ...] = ()):
+        super().__init__(board, rank, key, wire=wire)
+        self.shared, self.pair, self.alone_at, self.member = board, pair, alone_at, rank
+
+    def start(self) -> None:
+        paired = self.member > 0 and self.committed_syncs in self.alone_at
+        self.board, self.rank = (self.pair, self.member - 1) if paired else (self.shared, self.member)
+        super().start()
+
+
+def late_worker_0(alone_at: tuple[int, ...]) -> list[Worker]:
+    board, pair = Board(3), Board(2)
+    quorum = lambda board, rank, key, wire: PairAt(board, rank, key, wire, pair, alone_at)  # noqa: E731
+    return [quorum_worker(r, board, elastic_config(), quorum=quorum) for r in range(3)]
+
+
+def test_a_member_that_misses_the_grace_window_is_dropped_and_goes_on_bit_identical_from_the_next_sync():
+    """Outer step 2 (step 8) forms without worker 0 (it came after the grace window). Its pseudogradient
+    of that interval is dropped, not folded into a later sync: at outer step 3 (its peers' step 12) it
+    catches up, takes the step without contributing and goes on from their step; every member's global
+    weights are bit-identical after it, and after outer step 3 they are those of a run in which worker
+    0 was not there at all for outer steps 2 and 3 (its late contribution changed nothing)."""
+    workers = late_worker_0(alone_at=(1,))
+    steps(workers, 1, 7)
+    run_ranks(3, lambda r: [workers[r].train(s) for s in ((8,) if r == 0 else range(8, 13))])
+    assert workers[0].trainer.step == 12, "the late member goes on from its peers' step"
+    steps(workers, 13, 16)
+    step2 = [next(r for r in w.records if r["outer_step"] == 2) for w in workers[1:]]
+    assert all((r["quorum"], r["missing"], r["workers_in_sync"]) == ([1, 2], [0], 2) for r in step2)
+    assert [r["outer_step"] for r in workers[0].records] == [1, 3, 4]
+    late = [next(r for r in w.records if r["outer_step"] == 3) for w in workers]
+    assert late[0]["rejoined"] and all(r["left_out"] == {"0": "joining"} and r["workers_in_sync"] == 2 for r in late)
+    assert len({r["weights_sha"] for r in late}) == 1 and len(checksums(workers)) == 1
+    assert workers[0].records[-1]["workers_in_sync"] == 3
+
+    without_0 = late_worker_0(alone_at=(1, 2))  # worker 0 stops after outer step 1
+    steps(without_0, 1, 4)
+    run_ranks(2, lambda r: [without_0[r + 1].train(s) for s in range(5, 13)])
+    without_0[1].loop.flush_metrics()
+    reference = next(r for r in without_0[1].records if r["outer_step"] == 3)
+    assert reference["weights_sha"] == late[0]["weights_sha"]
+
+
+def test_a_worker_alone_at_the_start_stops_with_one_line_naming_the_lighthouse(capsys):
+    """Its peers never come (two workers on one host, one died): it waits quorum_timeout_s for them,
+    asking every second, then stops with one line, instead of training alone at K_eff = 1."""
+    config = elastic_config(elastic=ElasticConfig(lighthouse="http://x:1", quorum_timeout_s=30))
+    clock = FakeTime()
+    worker = quorum_worker(0, Board(1), config, clock=clock.clock, sleep=clock.sleep)
+    with pytest.raises(CollectiveError) as stopped:
+        with worker.loop.attached(worker.loop.host):
+            pass
+    assert str(stopped.value) == (
+        "worker 0: no quorum from the lighthouse at http://x:1 in 30 s of asking (31 requests): its last quorum held "
+        "1 of 3 workers, fewer than muloco.elastic.min_workers = 2 (its default, min(2, K))")
+    assert capsys.readouterr().out.splitlines() == [
+        "worker 0: elastic, lighthouse http://x:1: waits up to 30 s for all 3 workers at the start, and syncs only in "
+        "quorums of at least muloco.elastic.min_workers = 2 (its default, min(2, K))"]
+    assert not worker.records
+
+
+def test_a_worker_that_min_workers_lets_train_alone_says_so_first_and_in_every_record(capsys):
+    config = elastic_config(elastic=ElasticConfig(lighthouse="http://x:1", quorum_timeout_s=30, min_workers=1))
+    clock = FakeTime()
+    worker = quorum_worker(0, Board(1), config, clock=clock.clock, sleep=clock.sleep)
+    worker.loop.host.last_step = 8
+    with worker.loop.attached(worker.loop.host):
+        for step in range(1, 9):
+            worker.train(step)
+    assert clock.now == 30  # it waited for its peers first
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("worker 0: elastic, lighthouse http://x:1: ") and lines[0].endswith(
+        "at least muloco.elastic.min_workers = 1 (1: it may train alone)")
+    assert lines[1] == ("worker 0: starting with 1 of 3 workers [0] after 30 s of waiting (missing [1, 2]): training "
+                        "alone, as muloco.elastic.min_workers = 1 allows")
+    assert [(r["outer_step"], r["alone"], r["missing"]) for r in worker.records] == [(1, True, [1, 2]), (2, True, [1, 2])]
+
+
+class AloneFromOuterStep2(FakeQuorum):
+    """Worker 0's quorums from outer step 2 on hold it alone (its peer died)."""
+
+    def __init__(self, board: Board, rank: int, key: JobKey | None, wire=None):
+        super().__init__(board, rank, key, wire=wire)
+        self.alone = Board(1)
+
+    def start(self) -> None:
+        if self.committed_syncs >= 1:
+            self.board = self.alone
+        super().start()
+
+
+def test_a_quorum_smaller_than_min_workers_is_asked_again_with_backoff_then_the_worker_stops(capsys):
+    config = elastic_config(workers=2, elastic=ElasticConfig(lighthouse="http://x:1", quorum_timeout_s=20))
+    clock = FakeTime()
+    board = Board(2)
+    workers = [quorum_worker(r, board, config, quorum=AloneFromOuterStep2, clock=clock.clock, sleep=clock.sleep)
+               for r in range(2)]
+    sync_all(workers, 4)
+    with pytest.raises(CollectiveError, match=r"^worker 0: no quorum from the lighthouse at http://x:1 in 20 s of "
+                                              r"asking \(6 requests\): its last quorum held 1 of 2 workers, fewer "
+                                              r"than muloco.elastic.min_workers = 2"):
+        sync_all(workers[:1], 8)
+    assert clock.slept == [1.0, 2.0, 4.0, 8.0, 5.0]
+    lines = [line for line in capsys.readouterr().out.splitlines() if "no quorum" in line]
+    assert lines[0] == ("worker 0: no quorum from the lighthouse at http://x:1: its last quorum held 1 of 2 workers, "
+                        "fewer than muloco.elastic.min_workers = 2 (its default, min(2, K)); asking again in 1 s "
+                        "(gives up in 20 s)")
+    assert [r["outer_step"] for r in workers[0].records] == [1]  # no sync alone
+
+
+def test_a_member_behind_loads_no_state_in_a_quorum_smaller_than_min_workers():
+    """Worker 1 is one sync behind worker 0 in a quorum of 2 where 3 are needed: the quorum is refused
+    before the catch-up, so worker 1 keeps its own state and task (once it had loaded its peer's, its
+    retry in the next quorum would have exchanged its own task's payload as a member with no
+    pseudogradient, at another step)."""
+    config = elastic_config(elastic=ElasticConfig(lighthouse="http://x:1", quorum_timeout_s=3, min_workers=3))
+    board = Board(2)
+    times = [FakeTime(), FakeTime()]
+    behind = lambda board, rank, key, wire: FakeQuorum(board, rank, key, committed=1 - rank, wire=wire)  # noqa: E731
+    workers = [quorum_worker(r, board, config, quorum=behind, clock=times[r].clock, sleep=times[r].sleep)
+               for r in range(2)]
+    with pytest.raises(CollectiveError, match="its last quorum held 2 of 3 workers, fewer than"):
+        sync_all(workers, 4)
+    assert not workers[1].loop.joining and not workers[1].loop.membership.rejoined
+
+
+def test_min_workers_above_the_workers_is_one_config_error():
+    from trainer.errors import ConfigError
+    from trainer.typed_json import load
+    with pytest.raises(ConfigError, match=r"muloco.elastic.min_workers \(4\) cannot exceed workers \(3\)"):
+        load(MuLoCoConfig, {"workers": 3, "elastic": {"lighthouse": "http://x:1", "min_workers": 4}, "auth": "none"},
+             "muloco")
 
 
 class MetricsRoundFailsAtOuterStep2(FakeWire):

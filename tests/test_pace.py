@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from fake_wire import Board, FakeStatic, run_ranks
-from test_outer_sync import KEY, SHAPES, FakeClock, Worker, checksums, global_by_name
+from test_outer_sync import KEY, SHAPES, FakeClock, PairAt, Worker, checksums, global_by_name, quorum_membership
 from trainer.diloco.config import MuLoCoConfig
+from trainer.elastic.config import ElasticConfig
 from trainer.diloco.pace import Contribution, PaceConfig, auto_deadline
 from trainer.errors import ConfigError
 from trainer.typed_json import load
@@ -32,9 +33,13 @@ class Paced:
     """A worker whose inner step j moves its weights by lr_j x noise(j, rank) and takes `seconds` on
     its own clock (plus its emulated slowdown's sleep, on the same clock)."""
 
-    def __init__(self, rank: int, config: MuLoCoConfig, boards, seconds: float, host: str, last_step: int):
+    def __init__(self, rank: int, config: MuLoCoConfig, boards, seconds: float, host: str, last_step: int,
+                 membership=None):
+        """`membership`: the single world's on `boards` unless given."""
         self.clock, self.seconds = FakeClock(), seconds
-        self.worker = Worker(rank, config.workers, config, FakeStatic(boards, rank, KEY), host=host, clock=self.clock)
+        membership = membership or FakeStatic(boards, rank, KEY)
+        self.worker = Worker(rank, config.workers, config, membership, getattr(membership, "topology", None), host=host,
+                             clock=self.clock)
         self.worker.trainer.config = SimpleNamespace(batch=SimpleNamespace(per_worker=4),
                                                      model=SimpleNamespace(seq_length=8))
         self.loop, self.host = self.worker.loop, self.worker.loop.host
@@ -93,7 +98,7 @@ def test_equal_workers_with_pacing_are_the_fixed_h_run_bit_for_bit():
 def expected_run(counts: list[list[int]], config: MuLoCoConfig, start: dict[str, torch.Tensor]):
     """The documented merge and outer step in float64, interval after interval: worker k took
     counts[i][k] inner steps of interval i (steps i*H+1 .., lr 0.1/j), each restarting from the global
-    weights."""
+    weights (0: it did not contribute)."""
     H, mu, lr = config.sync_interval, config.outer_momentum, config.outer_lr
     names = list(SHAPES)
     weights = {n: t.double() for n, t in start.items()}
@@ -103,6 +108,8 @@ def expected_run(counts: list[list[int]], config: MuLoCoConfig, start: dict[str,
         interval_lr = sum(PEAK_LR / j for j in range(first, first + H))
         deltas, tokens, lr_sums = [], [], []
         for rank, n in enumerate(interval):
+            if n == 0:
+                continue
             steps = range(first, first + n)
             delta = {name: torch.zeros_like(weights[name]) for name in names}
             for j in steps:  # global - local: the local weights moved by lr_j x noise
@@ -146,6 +153,37 @@ def test_three_workers_of_10_7_and_4_steps_merge_by_tokens_with_the_unequal_step
         assert all(torch.equal(w.loop.tensors[i].tensor, g) for i, g in state.global_weights.items())
         assert w.host.inner_step() == 20
         assert w.worker.trainer.engine.lr_scheduler.last_epoch == 20  # the schedule stepped past the skipped steps
+
+
+def test_elastic_members_pace_and_merge_by_tokens_and_a_member_late_for_a_sync_is_dropped():
+    """The three workers of 10, 7 and 4 steps per interval above, elastic (each its own membership on a
+    fake torchft quorum). Worker 0 misses the first interval's sync (its quorum formed without it, after
+    the grace window): workers 1 and 2 merge their 7 and 4 steps alone; at the second sync worker 0 catches
+    up, sends an empty contribution and takes the step without contributing, so the merge is theirs again;
+    the third holds all three. Every member's global weights and momentum are the formula's, for those
+    contributions, and bit-identical across members."""
+    config = MuLoCoConfig(workers=3, sync_interval=10, outer_lr=0.7, outer_momentum=0.9,
+                          pace=PaceConfig(mode="wall_clock", interval_s=9.75), emulate_slowdown=(1.0, 1.0, 2.0),
+                          elastic=ElasticConfig(lighthouse="http://x:1"))
+    start = global_by_name(Worker(0, 3, config, FakeStatic((Board(3), Board(3)), 0, KEY)))
+    board, pair = Board(3), Board(2)
+    # committed syncs: 1 after the start's sync, so the first interval's sync is the one worker 0 misses
+    quorum = lambda board, rank, key, wire: PairAt(board, rank, key, wire, pair, alone_at=(1,))  # noqa: E731
+    workers = [Paced(r, config, None, s, "trainer", 30, quorum_membership(r, board, config, quorum=quorum))
+               for r, s in enumerate([1.0, 10 / 7, 1.25])]
+    run_ranks(3, lambda r: workers[r].train())
+    assert workers[0].taken == [*range(1, 11), *range(21, 31)]  # it waited for its peers' next sync, then went on
+    records = [w.worker.records for w in workers]
+    assert [(r["quorum"], r["inner_steps"], r["left_out"]) for r in records[1]] == [
+        ([1, 2], [7, 4], {}), ([0, 1, 2], [0, 7, 4], {"0": "joining"}), ([0, 1, 2], [10, 7, 4], {})]
+    assert [r["outer_step"] for r in records[0]] == [2, 3]
+    weights, momentum = expected_run([[0, 7, 4], [0, 7, 4], [10, 7, 4]], config, start)
+    assert len(checksums([w.worker for w in workers])) == 1
+    for w in workers:
+        for name, value in global_by_name(w.worker).items():
+            torch.testing.assert_close(value.double(), weights[name], rtol=1e-5, atol=1e-6)
+        for i, m in w.loop.state.momentum.items():
+            torch.testing.assert_close(m.double(), momentum[w.loop.tensors[i].name], rtol=1e-5, atol=1e-6)
 
 
 def test_a_deadline_shorter_than_a_step_still_lets_each_worker_take_min_steps():
@@ -208,7 +246,6 @@ def test_a_resume_keeps_the_deadline_of_the_interval_after_it():
 @pytest.mark.parametrize("muloco, message", [
     ({"streaming": {"fragments": 2}}, "muloco.streaming.fragments (2) is not supported with pace.mode 'wall_clock'"),
     ({"streaming": {"overlap_steps": 1}}, "muloco.streaming.overlap_steps (1) is not supported with pace.mode"),
-    ({"elastic": {"lighthouse": "http://x:1"}, "auth": "none"}, "muloco.elastic (an elastic block) is not supported"),
     ({"emulate_slowdown": [1, 2]}, r"muloco.emulate_slowdown must be one factor >= 1 per worker (3), got [1.0, 2.0]"),
     ({"emulate_slowdown": [1, 0.5, 1]}, "muloco.emulate_slowdown must be one factor >= 1 per worker"),
 ])

@@ -426,7 +426,8 @@ class Weights(Protocol):
 
 
 Choose = Callable[[list["torch.Tensor | None"]], tuple[list[int], dict[int, str]]]
-Weigh = Callable[[list["torch.Tensor | None"]], "Weights | None"]  # the senders' headers -> their merge's weights
+# (every rank's header, the senders `choose` picked) -> their merge's weights
+Weigh = Callable[[list["torch.Tensor | None"], list[int]], "Weights | None"]
 
 
 def everyone(headers: list[torch.Tensor | None]) -> tuple[list[int], dict[int, str]]:
@@ -444,7 +445,8 @@ def average_buckets(buckets: Sequence[Bucket], wire: Wire, collective: str, cont
     average. Every chosen payload is checked (see the module docstring); with `leave_out` the average
     is over the senders that pass, else any rejection drops it (`averaged` is empty). Decoding happens
     on each bucket's own device. With a header the collectives run even when there are no buckets.
-    `weigh` (when given) turns the headers into the weights of the merge (None from it: the plain average)."""
+    `weigh` (when given) turns the headers of the senders into the weights of the merge (None from it: the
+    plain average)."""
     header = torch.empty(0, dtype=torch.uint8) if header is None else header
     if collective == "all_gather":
         return _all_gather_average(buckets, wire, context, header, choose, max_norm_ratio, leave_out, weigh)
@@ -465,7 +467,7 @@ def _all_gather_average(buckets: Sequence[Bucket], wire: Wire, context: str, hea
     headers = [parts[r][0][CLAIM_BYTES:] if r in parts else None for r in range(wire.size)]
 
     senders, left_out = choose(headers)
-    weights = weigh(headers) if weigh is not None else None
+    weights = weigh(headers, senders) if weigh is not None else None
     decodings = _Decodings()
     decodings.failed.update({r: failed.get(r, AUTHENTICATION) for r in senders if r not in parts})
     totals = [decodings.sum_in_rank_order(senders, lambda r: parts[r][i], bucket.compressor, layout, bucket.flat.device,
@@ -510,7 +512,7 @@ def _reduce_scatter_average(buckets: Sequence[Bucket], wire: Wire, context: str,
     # Phase 2: check the chunks this rank owns from the senders its headers choose, average them in
     # rank order and re-quantize.
     senders, left_out = choose(headers)
-    weights = weigh(headers) if weigh is not None else None
+    weights = weigh(headers, senders) if weigh is not None else None
     owned = [chunks[i][me] for i in range(n)]
     decodings = _Decodings()
     decodings.failed.update({src: failed.get(src, AUTHENTICATION) for src in senders if src not in parts})

@@ -150,11 +150,11 @@ class MuLoCoConfig(ConfigBlock):
                  "their staggered offsets assume every worker takes every step"),
                 ("streaming.overlap_steps", self.streaming.overlap_steps != 0, f"({self.streaming.overlap_steps!r})",
                  "a sync in flight would land after a number of steps that differs between workers"),
-                ("elastic", self.elastic is not None, "(an elastic block)",
-                 "its quorum is asked for one inner step ahead of a sync whose step the deadline decides"),
             ]
             problems += [(key, f"{what} is not supported with pace.mode 'wall_clock' yet: {why}")
                          for key, given, what, why in unsupported if given]
+        if self.elastic is not None and self.elastic.min_workers is not None and self.elastic.min_workers > self.workers:
+            problems.append(("elastic.min_workers", f"({self.elastic.min_workers}) cannot exceed workers ({self.workers})"))
         if self.streaming.overlap_steps == "auto" and self.elastic is not None:
             problems.append(("streaming.overlap_steps", "'auto' is not supported with an elastic block yet (a worker "
                                                         "that catches up has not seen its peers' timings): set a number"))

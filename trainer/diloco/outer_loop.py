@@ -278,7 +278,6 @@ class OuterLoop:
                 result.record["final_sync"] = True
             self.apply(result, overlapped=False)
             if self.pacer is not None:  # the next interval starts when this sync has ended
-                self.pacer.synced(result.contributions or [])
                 self.pacer.start(self.clock(), self.host.inner_lr())
         else:
             self.pending.append(_Pending(step + tau, task, deltas, self._background.submit(self.sync, task, deltas)))
@@ -322,6 +321,8 @@ class OuterLoop:
                     for i, average in zip(spec.indices, spec.layout.unflatten(averaged.average)):
                         state.take_step(i, average, c.outer_lr, mu, c.nesterov)
                 state.outer_step += 1
+        if self.pacer is not None:  # (also an elastic member's first sync, which the membership applies)
+            self.pacer.synced(result.contributions or [])
         if result.caught_up is not None:
             self._go_on_from(result.caught_up)
         else:

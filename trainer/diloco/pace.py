@@ -91,6 +91,9 @@ class Contribution:
         return None
 
 
+NO_CONTRIBUTION = Contribution(0, 0.0, 0.0, 0.0, 0.0)  # a member with nothing to contribute (elastic: joining)
+
+
 class TokenWeights:
     """The corrected merge of the contributions of one sync: sender k's decoding enters the running
     sum with factor t_k / S_k, and the sum over the kept senders is multiplied by S_bar / T."""
@@ -183,6 +186,7 @@ class Pacer:
                             (now - self.started) / self.steps)
 
     def synced(self, contributions: list[Contribution]) -> None:
-        """The next deadline, from the headers of the sync just done (the same on every worker)."""
+        """The next deadline, from the headers of the sync just done (the same on every member of its
+        quorum, and only theirs)."""
         if self.config.interval_s == "auto":
             self.deadline = auto_deadline(contributions, self.sync_interval) or self.deadline

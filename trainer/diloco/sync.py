@@ -10,8 +10,9 @@
    membership (membership.py) decides from the headers who contributes and whether the sync is
    applied, so with the all-gather collective the whole decision costs one cross-datacenter round
    trip. With wall-clock pacing each header also carries the worker's contribution (its inner steps,
-   tokens and lr sums: pace.py), which weights the merge and corrects the outer momentum. The
-   encoder's residual is the new error-feedback buffer;
+   tokens and lr sums: pace.py; an empty one from a member with nothing to contribute, so that every
+   header has one size), and the senders' contributions weight the merge and correct the outer
+   momentum. The encoder's residual is the new error-feedback buffer;
 4. the result (applied by the outer loop) and its metrics (sync_metrics.py), reduced by a function
    the loop runs in its background thread after the result is applied, so their round trip is off
    the critical path. It also checks that every worker rejected the same payloads (a skipped sync
@@ -34,7 +35,7 @@ from trainer.diloco import vote
 from trainer.diloco.collectives import Averaged, Bucket, BucketLayout, average_buckets, squared_norm
 from trainer.diloco.config import MuLoCoConfig
 from trainer.diloco.membership import Decision, Membership, Session
-from trainer.diloco.pace import CONTRIBUTION_BYTES, Contribution, merge_weights, momentum_exponent
+from trainer.diloco.pace import CONTRIBUTION_BYTES, NO_CONTRIBUTION, Contribution, merge_weights, momentum_exponent
 from trainer.diloco.plan import BucketSpec
 from trainer.diloco.sync_metrics import LocalSums, sync_record, verdict_digest
 
@@ -111,8 +112,10 @@ class SyncBody:
         # (elastic) exchanges the buckets re-cut for its size, and the results come back in K chunks.
         cut = [_recut(b, session.wire.size) for b in buckets]
         header, choose, weigh = session.header(ballot, task.step, task.fragment), session.choose, None
-        if task.contribution is not None:  # the contribution rides after the membership's header
-            header = torch.cat([header, task.contribution.encode()])
+        paced = self.config.pace.paced
+        if paced:  # the contribution rides after the membership's header
+            contribution = task.contribution if contributing and task.contribution is not None else NO_CONTRIBUTION
+            header = torch.cat([header, contribution.encode()])
             choose = lambda headers: session.choose(_membership_part(headers))  # noqa: E731
             weigh = _merge_weights
         exchanged = average_buckets(cut, session.wire, self.config.collective, context, header=header, choose=choose,
@@ -121,7 +124,7 @@ class SyncBody:
                               for a, c, b in zip(exchanged.averaged, cut, buckets)]
         exchange = session.wire.take_stats()
         contributions = None
-        if task.contribution is not None:
+        if paced:
             contributions = _contributions(exchanged.headers)
             exchanged.headers = _membership_part(exchanged.headers)
         decision = session.decide(exchanged)
@@ -171,10 +174,11 @@ def _contributions(headers: list[torch.Tensor | None]) -> dict[int, Contribution
     return {r: Contribution.decode(h[-CONTRIBUTION_BYTES:]) for r, h in enumerate(headers) if h is not None}
 
 
-def _merge_weights(headers: list[torch.Tensor | None]):
-    """The merge's weights from the senders' contributions (None: the plain average, also when one is
-    malformed: the sync is then skipped by `_judge_contributions`)."""
-    contributions = _contributions(headers)
+def _merge_weights(headers: list[torch.Tensor | None], senders: list[int]):
+    """The merge's weights from the senders' contributions, not those of members left out by their
+    header (a joining member's is empty). None: the plain average, also when one is malformed (the sync
+    is then skipped by `_judge_contributions`)."""
+    contributions = {k: c for k, c in _contributions(headers).items() if k in senders}
     if any(c.problem() for c in contributions.values()):
         return None
     return merge_weights(contributions)

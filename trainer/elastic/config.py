@@ -12,6 +12,8 @@ meet only in a fault-tolerant outer group (trainer/elastic/__init__.py).
         "quorum_request_timeout_s": 60,  a quorum request the lighthouse has not answered by then is
                                       asked again (keep it above the lighthouse's --join-timeout-s)
         "max_attempts": 3,            attempts of one sync (each with a fresh quorum) before the job stops
+        "min_workers": 2,             the smallest quorum a sync runs with (default min(2, K): no worker trains
+                                      alone unless told); a smaller one is asked again until quorum_timeout_s
         "manager_host": "127.0.0.1"   the address torchft's manager server binds on the worker's rank 0 (its
                                       clients are the worker's own ranks: a worker on several nodes needs
                                       an address its other nodes reach inside the datacenter)
@@ -42,8 +44,19 @@ class ElasticConfig(ConfigBlock):
                                                               "by then is asked again (keep it above the "
                                                               "lighthouse's --join-timeout-s)")
     max_attempts: int = setting(3, ge=1, doc="attempts of one sync, each with a fresh quorum, before the job stops")
+    # Absent: min(2, K), so that a worker whose peers never come (or all died) does not go on alone
+    # unnoticed, while a job of K >= 3 survives the loss of any K - 2 workers.
+    min_workers: int | None = setting(None, ge=1, doc="the smallest quorum a sync runs with (at most `workers`; "
+                                                      "absent: min(2, K)); a smaller one is asked again, with "
+                                                      "backoff, until quorum_timeout_s, then the job stops; 1 lets a "
+                                                      "worker train alone (it says so); give the lighthouse the same "
+                                                      "--min-workers")
     manager_host: str = setting("127.0.0.1", doc="the address torchft's manager server binds on the worker's rank 0 "
                                                  "(a worker on several nodes needs one its other nodes reach)")
+
+    def smallest_quorum(self, workers: int) -> int:
+        """min_workers, or its default for K workers."""
+        return min(2, workers) if self.min_workers is None else self.min_workers
 
     def lighthouse_address(self) -> str:
         address = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")

@@ -5,7 +5,8 @@
 
 Every worker's torchft ManagerServer heartbeats to it and asks it for a quorum at each outer sync. A
 quorum forms as soon as every worker it believes alive (heartbeat within --heartbeat-timeout-s) has
-asked, or --join-timeout-s after the first one asked, with at least --min-workers of them. So a
+asked, or --join-timeout-s after the first one asked (the grace window of a slower worker), with at
+least --min-workers of them (give it the workers' muloco.elastic.min_workers). So a
 worker that died or stalled is out of the next quorum after about max(heartbeat, join) timeout; set
 both near muloco.sync_timeout_s. The lighthouse holds no training state: restarting it only delays
 the next quorum.
@@ -40,7 +41,9 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"the job secret (default ${KEY_FILE_ENV})")
     p.add_argument("--job-id", default=AuthConfig.job_id, help="muloco.auth.job_id of the workers")
     p.add_argument("--no-auth", action="store_true", help="no gateway: anyone who reaches --bind can join")
-    p.add_argument("--min-workers", type=int, default=1, help="the smallest quorum allowed")
+    p.add_argument("--min-workers", type=int, default=1,
+                   help="the smallest quorum it forms: give it the workers' muloco.elastic.min_workers (they refuse "
+                        "smaller quorums anyway, asking again until their quorum_timeout_s)")
     p.add_argument("--join-timeout-s", type=float, default=30.0)
     p.add_argument("--heartbeat-timeout-s", type=float, default=10.0)
     args = p.parse_args(argv)

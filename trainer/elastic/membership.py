@@ -4,8 +4,11 @@ once per attempt:
 
 1. quorum: the workers that are alive and at the sync (torchft lighthouse, through the tunnel); the
    first attempt's is asked for one inner step ahead (`prepare`), so its round trip overlaps that step.
-   A request that gets no quorum (the lighthouse unreachable, its transport failing) is no failed
-   attempt: it is asked again with exponential backoff, until `elastic.quorum_timeout_s` after the first;
+   The lighthouse forms it once every live worker has asked, or its join timeout (the grace window)
+   after the first request. A request that gets no quorum (the lighthouse unreachable, its transport
+   failing), or one of fewer than `elastic.min_workers` workers, is no failed attempt: it is asked
+   again with exponential backoff, one line each, until `elastic.quorum_timeout_s` after the first
+   (`_Asking`), then the job stops with one line naming the lighthouse and the time it asked;
 2. catch-up, only when torchft counts fewer members at the highest number of committed syncs than in
    the quorum: every member publishes (worker id, committed syncs), tagged; the first member that has
    them all sends its state and the sync's task to the members behind, over the quorum's group, tagged,
@@ -26,10 +29,14 @@ A worker that restarts joins at its peers' next sync, whichever fragment it is: 
 (state, inner step, engine counters, lr schedule, the peers' syncs still in flight), takes that sync's
 outer step with them as a member that does not contribute, and goes on from their inner step. Its
 inner optimizer state is its own (fresh, or from its --load checkpoint); its error feedback restarts
-from zero. A fresh run waits (up to `quorum_timeout_s`) until all K workers are in the first quorum.
+from zero. A fresh run waits (up to `quorum_timeout_s`) until all K workers are in the first quorum,
+then starts with the quorum it has if that holds `min_workers`, else stops.
 A live member that is behind (it missed a whole sync: its peers' quorum formed without it, because it
 came later than the lighthouse's join timeout) catches up the same way at its next sync and goes on
-from its peers' step, losing its own inner steps since its last sync. One known gap: when a peer dies
+from its peers' step, losing its own inner steps since its last sync: a contribution that comes after
+its sync closed is dropped, not folded into a later sync (docs/unequal_workers.md says why). The
+first quorum with fewer than K workers, and every change of the quorum after it, is one line; each
+record says whether the worker synced alone (`alone`). One known gap: when a peer dies
 in the middle of the last collective, one survivor may commit a sync another one retries; the one
 left behind catches up at its next attempt.
 """
@@ -120,12 +127,45 @@ def _first_line(exc: BaseException) -> str:
     return lines[0][:300] if lines and lines[0] else type(exc).__name__
 
 
-class _WaitingForPeers(Exception):
-    """A fresh run's first quorum does not yet hold every worker."""
+class _NotReady(Exception):
+    """No sync in this quorum, and no attempt counted: it holds fewer than min_workers workers, or it is a
+    fresh run's first quorum without every worker (before the start deadline)."""
 
 
 class _NoQuorumInTime(CollectiveError):
-    """The lighthouse gave no quorum for quorum_timeout_s of asking: the job stops, no attempt is retried."""
+    """The lighthouse gave no quorum to sync in for quorum_timeout_s of asking: the job stops, no attempt
+    is retried."""
+
+
+class _Asking:
+    """The quorum requests of one sync that gave none to sync in (none at all, or one of fewer than
+    min_workers): each is asked again after a backoff (doubled after each, up to its cap), with one
+    line, until quorum_timeout_s after the first of them (a fresh run's first sync: after it joined).
+    Every rank of the worker gets the same answers (torchft's manager server asks the lighthouse once for
+    them all), so they retry, and stop, together."""
+
+    def __init__(self, membership: QuorumMembership, since: float | None):
+        self.membership, self.first, self.backoff = membership, since, _FIRST_BACKOFF_S
+        self.requests, self.asked = 0, 0.0
+
+    def request(self) -> None:
+        self.asked = self.membership.clock()
+        self.requests += 1
+
+    def again(self, why: Exception) -> None:
+        m = self.membership
+        now, lighthouse = m.clock(), m.elastic.lighthouse_address()
+        self.first = self.asked if self.first is None else self.first
+        left = self.first + m.elastic.quorum_timeout_s - now
+        if left <= 0:
+            raise _NoQuorumInTime(f"worker {m.worker}: no quorum from the lighthouse at {lighthouse} in "
+                                  f"{now - self.first:.0f} s of asking ({self.requests} requests): {why}") from why
+        pause = min(self.backoff, left)
+        if m.topology.is_logging_rank:
+            print(f"worker {m.worker}: no quorum from the lighthouse at {lighthouse}: {why}; asking again "
+                  f"in {pause:.0f} s (gives up in {left:.0f} s)", flush=True)
+        m.sleep(pause)
+        self.backoff = min(2 * self.backoff, _MAX_BACKOFF_S)
 
 
 def _members(headers: list[torch.Tensor | None]) -> list[Member]:
@@ -158,14 +198,13 @@ class _QuorumSession:
         return [i for i in range(len(self.members)) if i not in reasons], reasons
 
     def decide(self, exchanged: Exchanged) -> Decision:
-        members, config = self.members, self.membership.config
+        members, membership, config = self.members, self.membership, self.membership.config
         ours = [m for m in members if m.authentic]
-        starting = self.membership.clock() < self.membership.start_deadline
-        if all(m.joining for m in ours) and len(ours) < config.workers and starting:
-            raise _WaitingForPeers(f"{len(ours)} of {config.workers} workers in the first quorum")
-        contributors = [i for i in range(len(members)) if i not in exchanged.rejected]
         in_quorum = [m.worker for m in ours]
-        record = {"workers_in_sync": len(contributors), "quorum": in_quorum,
+        if all(m.joining for m in ours) and len(ours) < config.workers and membership.starting():
+            raise _NotReady(f"{len(ours)} of {config.workers} workers in the first quorum")
+        contributors = [i for i in range(len(members)) if i not in exchanged.rejected]
+        record = {"workers_in_sync": len(contributors), "quorum": in_quorum, "alone": len(ours) == 1,
                   "missing": sorted(set(range(config.workers)) - set(in_quorum)),
                   "left_out": {str(members[i].worker): why for i, why in sorted(exchanged.rejected.items())
                                if members[i].authentic},
@@ -208,7 +247,9 @@ class QuorumMembership:
         self.quorum: QuorumGroup | None = None
         self.loop = None
         self.rejoined = False  # the state came from a peer in this sync
-        self.start_deadline = 0.0
+        self.smallest_quorum = config.elastic.smallest_quorum(config.workers)
+        self.started_at: float | None = None  # when a fresh run joined, until its first sync commits
+        self.last_quorum: list[int] | None = None  # the worker ids of the last committed sync's quorum
         self._prepared: dict[int, Future] = {}  # launch step -> its first attempt's quorum request
 
     # -- joining and leaving ---------------------------------------------------------------------
@@ -219,22 +260,38 @@ class QuorumMembership:
         its peers' next sync, catches up, takes that sync's outer step with them and goes on from
         their inner step."""
         self.loop = loop
-        sizes = self.topology.sizes
-        self.quorum = QuorumGroup(
-            self.worker, self.topology.rank, sizes.ranks_per_worker, self.elastic.lighthouse_address(),
-            self.elastic.manager_host, self.key, self.config.outer_backend,
-            timedelta(seconds=self.config.sync_timeout_s),
-            timedelta(seconds=min(self.elastic.quorum_request_timeout_s, self.elastic.quorum_timeout_s)))
+        self.quorum = self._connect()
+        if self.topology.is_logging_rank:
+            alone = " (1: it may train alone)" if self.smallest_quorum == 1 else ""
+            print(f"worker {self.worker}: elastic, lighthouse {self.elastic.lighthouse_address()}: waits up to "
+                  f"{self.elastic.quorum_timeout_s:g} s for all {self.config.workers} workers at the start, and syncs "
+                  f"only in quorums of at least {self.min_workers_setting()}{alone}", flush=True)
         loop.joining = True
-        self.start_deadline = self.clock() + self.elastic.quorum_timeout_s
+        self.started_at = self.clock()
         task = SyncTask(0, loop.host.inner_step(), loop.state.outer_step + 1, loop.host.schedule_state())
         result = loop.sync(task, loop.zero_deltas(0))
         if not result.record.get("start"):  # a fresh run has nothing to average: every worker holds the seed's weights
             loop.apply(result, overlapped=False)
 
+    def _connect(self) -> QuorumGroup:
+        sizes = self.topology.sizes
+        return QuorumGroup(
+            self.worker, self.topology.rank, sizes.ranks_per_worker, self.elastic.lighthouse_address(),
+            self.elastic.manager_host, self.key, self.config.outer_backend,
+            timedelta(seconds=self.config.sync_timeout_s),
+            timedelta(seconds=min(self.elastic.quorum_request_timeout_s, self.elastic.quorum_timeout_s)))
+
     def leave(self) -> None:
         if self.quorum is not None:
             self.quorum.shutdown()
+
+    def min_workers_setting(self) -> str:
+        default = " (its default, min(2, K))" if self.elastic.min_workers is None else ""
+        return f"muloco.elastic.min_workers = {self.smallest_quorum}{default}"
+
+    def starting(self) -> bool:
+        """Whether this is a fresh run's first sync, still waiting for every worker (until quorum_timeout_s)."""
+        return self.started_at is not None and self.clock() < self.started_at + self.elastic.quorum_timeout_s
 
     # -- one sync ---------------------------------------------------------------------------------
 
@@ -246,28 +303,36 @@ class QuorumMembership:
 
     def run(self, task, sync):
         prepared = self._prepared.pop(task.step, None)
+        asking = _Asking(self, self.started_at)
         attempt = 0
         while True:
             attempt += 1
             result, error = None, None
             early, prepared = prepared, None
             try:
-                self._quorum(early)
+                self._quorum(early, asking)
                 session = _QuorumSession(self, self.quorum.wire(self.config.link), attempt)
+                if session.wire.size < self.smallest_quorum:  # before a catch-up: none in a quorum not used
+                    raise _NotReady(f"its last quorum held {session.wire.size} of {self.config.workers} workers, "
+                                    f"fewer than {self.min_workers_setting()}")
                 self._catch_up(session, task)
                 result = sync(session)
             except _NoQuorumInTime:
                 raise
-            except (_WaitingForPeers, *_ATTEMPT_FAILURES) as exc:
+            except (_NotReady, *_ATTEMPT_FAILURES) as exc:
                 error = exc
                 self.quorum.report_error(exc)
             if self.quorum.commit():
                 self.loop.joining = self.rejoined = False
-                self.start_deadline = 0.0
+                self._say_if_the_group_changed(result.record["quorum"])
+                self.started_at = None
                 return result
-            if isinstance(error, _WaitingForPeers):
+            if isinstance(error, _NotReady):
                 attempt -= 1
-                self.sleep(_START_POLL_S)
+                if self.starting():  # peers starting up: asked again soon, silently
+                    self.sleep(_START_POLL_S)
+                else:
+                    asking.again(error)
                 continue
             if self.topology.is_logging_rank:
                 print(f"worker {self.worker}: outer sync attempt {attempt} failed: {_first_line(error)}",
@@ -275,15 +340,11 @@ class QuorumMembership:
             if attempt >= self.elastic.max_attempts:
                 raise CollectiveError(f"worker {self.worker}: outer sync failed {attempt} times in a row") from error
 
-    def _quorum(self, early: Future | None) -> None:
-        """Be in a quorum: the one asked for ahead (`early`), else a fresh one. A request that got none is
-        asked again, with exponential backoff, until quorum_timeout_s after the first failed one; one line
-        per retry. Every rank of the worker gets the same answer (torchft's manager server asks the
-        lighthouse once for them all), so they retry together."""
-        first, backoff, requests = None, _FIRST_BACKOFF_S, 0
+    def _quorum(self, early: Future | None, asking: _Asking) -> None:
+        """Be in a quorum: the one asked for ahead (`early`), else a fresh one; a request that got none
+        is asked again (`asking`)."""
         while True:
-            asked = self.clock()
-            requests += 1
+            asking.request()
             try:
                 if early is not None:
                     early.result()  # raises what the early request raised
@@ -291,18 +352,25 @@ class QuorumMembership:
                     self.quorum.start()
                 return
             except NoQuorum as exc:
-                early, first = None, asked if first is None else first
-                now, lighthouse = self.clock(), self.elastic.lighthouse_address()
-                left = first + self.elastic.quorum_timeout_s - now
-                if left <= 0:
-                    raise _NoQuorumInTime(f"worker {self.worker}: no quorum from the lighthouse at {lighthouse} in "
-                                          f"{now - first:.0f} s of asking ({requests} requests): {exc}") from exc
-                pause = min(backoff, left)
-                if self.topology.is_logging_rank:
-                    print(f"worker {self.worker}: no quorum from the lighthouse at {lighthouse}: {exc}; asking again "
-                          f"in {pause:.0f} s (gives up in {left:.0f} s)", flush=True)
-                self.sleep(pause)
-                backoff = min(2 * backoff, _MAX_BACKOFF_S)
+                early = None
+                asking.again(exc)
+
+    def _say_if_the_group_changed(self, quorum: list[int]) -> None:
+        """One line when a sync's quorum is not every worker, and at each change of it after that: a
+        worker that goes on without some of its peers (or alone) says so where its log is read."""
+        previous, workers = self.last_quorum, self.config.workers
+        self.last_quorum = sorted(quorum)
+        if self.last_quorum == previous or (len(quorum) == workers and previous is None) or not self.topology.is_logging_rank:
+            return
+        missing = sorted(set(range(workers)) - set(quorum))
+        line = (f"worker {self.worker}: starting with {len(quorum)} of {workers} workers {self.last_quorum} after "
+                f"{self.clock() - self.started_at:.0f} s of waiting" if self.started_at is not None else
+                f"worker {self.worker}: syncing with {len(quorum)} of {workers} workers {self.last_quorum}")
+        if missing:
+            line += f" (missing {missing})"
+        if len(quorum) == 1:
+            line += f": training alone, as {self.min_workers_setting()} allows"
+        print(line, flush=True)
 
     def _catch_up(self, session: _QuorumSession, task) -> None:
         """When some members are behind (torchft counts fewer at the highest committed syncs than in the
