@@ -1,17 +1,17 @@
-"""Preprocessing throughput: the whole tool against the tokenizer's own limit, and 1 vs 2 workers.
+"""Preprocessing throughput: the whole tool against the tokenizer's own limit, and 1 vs 2 processes.
 
 python benchmarks/preprocess_throughput.py [--mb 44] [--limit-mb 8] [--repeats 3] [--tokenizer-model M]
     [--tokenizers sentencepiece huggingface] [--cases big_jsonl big_zstd many_files]
 
 The corpus is generated from the repository's sample corpus: its documents, shuffled with a fixed seed and
-repeated until the text reaches --mb megabytes, written as one uncompressed JSONL (big_jsonl: workers read
-byte ranges), the same as one zstd JSONL (big_zstd: decompressed once, blocks handed to the workers), and
-the same cut into 32 zstd shards (many_files). The tokenizers are trained on the sample corpus first: a
+repeated until the text reaches --mb megabytes, written as one uncompressed JSONL (big_jsonl: the processes read
+byte ranges), the same as one zstd JSONL (big_zstd: decompressed once, blocks handed to the processes),
+and the same cut into 32 zstd files (many_files). The tokenizers are trained on the sample corpus first: a
 4096-piece SentencePiece BPE (the scaling cases use it; --tokenizer-model gives another SentencePiece model
 instead) and a 4096-token byte-level BPE tokenizer.json.
 
 Tokenizer limit (per tokenizer, on the first --limit-mb of the text as one JSONL file): the tool with one
-worker against the tokenizer library's own batch call on one thread (SentencePiece `encode(list,
+process against the tokenizer library's own batch call on one thread (SentencePiece `encode(list,
 num_threads=1)`, `tokenizers` `encode_batch_fast` without parallelism) over the same documents, already
 decoded from JSON and held in memory, in batches of the tool's size. The two alternate --repeats times;
 the ratios are of the medians, by wall clock and by CPU time (all processes): the CPU-time ratio is the
@@ -19,9 +19,9 @@ one that holds on a busy machine, where a run's wall clock depends on what else 
 (imports, tokenizer loading and the final merge excluded); the tool's tokens include one end-of-document
 token per document, which the library's call does not produce, so the ratio counts the library's tokens.
 
-Scaling: each case with 1 and 2 workers; the 1-minute load average is printed next to every number: the
-ratio means "scaling" only when the machine has two free cores. The 2-worker output is checked
-byte-for-byte against the 1-worker output. The last line printed is a JSON object.
+Scaling: each case with 1 and 2 processes (--processes); the 1-minute load average is printed next to every
+number: the ratio means "scaling" only when the machine has two free cores. The 2-process output is checked
+byte-for-byte against the 1-process output. The last line printed is a JSON object.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread: the limit is per t
 import zstandard
 
 
-from dataprep.shards import resolve_inputs
+from dataprep.input_files import resolve_inputs
 from tokenizer.train import TokenizerTrainingConfig, train_tokenizer
 from tools.preprocess_data import ENCODE_BATCH_DOCUMENTS, PreprocessConfig, run_preprocess
 
@@ -55,8 +55,8 @@ VOCAB_SIZE = 4096
 def sample_lines() -> list[bytes]:
     """Every JSON line (one document each) of the sample corpus."""
     lines = []
-    for shard in resolve_inputs([str(SAMPLE_CORPUS)]):
-        text = zstandard.ZstdDecompressor().decompressobj().decompress(shard.read_bytes())
+    for path in resolve_inputs([str(SAMPLE_CORPUS)]):
+        text = zstandard.ZstdDecompressor().decompressobj().decompress(path.read_bytes())
         lines += [line + b"\n" for line in text.split(b"\n") if line.strip()]
     return lines
 
@@ -110,20 +110,20 @@ def train_tokenizers(work_dir: Path, sentencepiece_model: Path | None) -> dict[s
 
 
 def cpu_seconds() -> float:
-    """CPU time of this process and its reaped children (the pool's workers, once the run has ended)."""
+    """CPU time of this process and its reaped children (the pool's processes, once the run has ended)."""
     return sum(usage.ru_utime + usage.ru_stime for usage in
                (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
-def measure(name: str, inputs: str, tokenizer_model: Path, workers: int, work_dir: Path) -> dict:
+def measure(name: str, inputs: str, tokenizer_model: Path, processes: int, work_dir: Path) -> dict:
     load_before = os.getloadavg()[0]
     cpu_before = cpu_seconds()
     config = PreprocessConfig(inputs=(inputs,), output_prefix=str(work_dir / name),
-                              tokenizer_model=tokenizer_model, workers=workers)
+                              tokenizer_model=tokenizer_model, processes=processes)
     summary = run_preprocess(config)
     cpu = cpu_seconds() - cpu_before
     return {
-        "workers": workers,
+        "processes": processes,
         "chunks": summary.chunks,
         "documents": summary.documents,
         "tokens": summary.tokens,
@@ -132,7 +132,7 @@ def measure(name: str, inputs: str, tokenizer_model: Path, workers: int, work_di
         "tokens_per_s": round(summary.tokens_per_second),
         "mb_per_s": round(summary.megabytes_per_second, 3),
         # Tokens per CPU-second of all processes: what the work costs, whatever the load; equal for 1 and 2
-        # workers means the split adds no work, so on two free cores the wall-clock ratio approaches 2.
+        # processes means the split adds no work, so on two free cores the wall-clock ratio approaches 2.
         "tokens_per_cpu_s": round(summary.tokens / cpu),
         "load_1min_before": round(load_before, 2),
         "load_1min_after": round(os.getloadavg()[0], 2),
@@ -212,8 +212,8 @@ def main() -> int:
         limits = [tokenizer_limit(kind, models[kind], limit_file, work_dir, args.repeats) for kind in args.tokenizers]
         runs, ratios = [], []
         for case in args.cases:
-            one, two = ({"case": case, **measure(f"{case}_w{workers}", corpus[case], models["sentencepiece"], workers,
-                                                 work_dir)} for workers in (1, 2))
+            one, two = ({"case": case, **measure(f"{case}_p{processes}", corpus[case], models["sentencepiece"],
+                                                 processes, work_dir)} for processes in (1, 2))
             ratios.append({"case": case, "ratio_2_over_1": round(two["tokens_per_s"] / one["tokens_per_s"], 3),
                            "cpu_cost_ratio_2_over_1": round(one["tokens_per_cpu_s"] / two["tokens_per_cpu_s"], 3),
                            "identical_output": identical(one.pop("prefix"), two.pop("prefix"))})
@@ -221,18 +221,18 @@ def main() -> int:
     print(f"corpus: {corpus['megabytes']} MB of JSONL ({args.limit_mb} MB for the limit); machine: "
           f"{os.cpu_count()} cores")
     for limit in limits:
-        print(f"{limit['tokenizer']:>13} limit: tool with 1 worker / native batch encode on 1 thread: "
+        print(f"{limit['tokenizer']:>13} limit: tool with 1 process / native batch encode on 1 thread: "
               f"{limit['ratio_wall']:.3f}x tokens/s (medians), "
               f"{limit['ratio_cpu']:.3f}x tokens per CPU-second "
               f"(native {limit['native_tokens_per_s']}, tool {limit['tool_tokens_per_s']} tokens/s; "
               f"load {limit['load_1min']})")
     for result in runs:
-        print(f"{result['case']:>13} workers={result['workers']}: {result['tokens_per_s']} tokens/s "
+        print(f"{result['case']:>13} processes={result['processes']}: {result['tokens_per_s']} tokens/s "
               f"({result['mb_per_s']} MB/s, {result['chunks']} chunks, {result['tokenize_seconds']} s, "
               f"{result['tokens_per_cpu_s']} tokens per CPU-second), "
               f"load {result['load_1min_before']} -> {result['load_1min_after']}")
     for ratio in ratios:
-        print(f"{ratio['case']:>13} 2-worker/1-worker: {ratio['ratio_2_over_1']:.2f}x tokens/s, "
+        print(f"{ratio['case']:>13} 2-process/1-process: {ratio['ratio_2_over_1']:.2f}x tokens/s, "
               f"{ratio['cpu_cost_ratio_2_over_1']:.2f}x CPU per token, identical .bin/.idx: {ratio['identical_output']}")
     print(json.dumps({"benchmark": "preprocess_throughput", "megabytes": corpus["megabytes"],
                       "limit_megabytes": args.limit_mb, "cpu_count": os.cpu_count(), "tokenizer_limit": limits,

@@ -1,11 +1,11 @@
-"""Blend files, as Megatron-LM reads them, and the bucket weights the merge puts into them.
+"""Blend files, as Megatron-LM reads them, and the subset weights the merge puts into them.
 
 `--data-args-path FILE`: whitespace-separated `weight prefix` pairs (or prefixes alone), exactly what
 `--data-path` takes; Megatron normalises the weights. `--per-split-data-args-path FILE`: a JSON object
 `{"train": ..., "valid": ..., "test": ...}` whose values are such lists (or one whitespace-separated
 string); this trainer builds no test split, so `test` may be absent and is not read.
 
-The merge weighs each output file by its tokens times its bucket's multiplier: with no bucket weights
+The merge weighs each output file by its tokens times its subset's multiplier: with no subset weights
 every token of the corpus is equally likely to be drawn. Weights are not normalised, so the files of
 two merges concatenate into their combined token-weighted blend.
 """
@@ -23,7 +23,7 @@ PER_SPLIT_KEYS = ("train", "valid", "test")
 
 
 class BlendFileError(ValueError):
-    """A blend or bucket-weights file (or flag) that cannot be read as one."""
+    """A blend or subset-weights file (or flag) that cannot be read as one."""
 
 
 @dataclass(frozen=True)
@@ -32,31 +32,31 @@ class BlendEntry:
     prefix: str
 
 
-def parse_bucket_weights(spec: str) -> dict[str, float]:
+def parse_subset_weights(spec: str) -> dict[str, float]:
     """`high=2,medium=1.5` or a `.json` file holding `{"high": 2, "medium": 1.5}`."""
     if spec.endswith(".json"):
         try:
             weights = json.loads(Path(spec).read_text())
         except (OSError, ValueError) as error:
-            raise BlendFileError(f"cannot read bucket weights from {spec}: {error}") from None
+            raise BlendFileError(f"cannot read subset weights from {spec}: {error}") from None
         if not isinstance(weights, dict):
-            raise BlendFileError(f"{spec} must hold a JSON object of bucket name -> weight")
+            raise BlendFileError(f"{spec} must hold a JSON object of subset name -> weight")
         items = list(weights.items())
     else:
         items = []
         for item in filter(None, (part.strip() for part in spec.split(","))):
             name, equals, value = item.rpartition("=")
             if not equals or not name:
-                raise BlendFileError(f"--bucket-weights takes NAME=WEIGHT,... (e.g. high=2,medium=1), got {item!r}")
+                raise BlendFileError(f"--subset-weights takes NAME=WEIGHT,... (e.g. high=2,medium=1), got {item!r}")
             items.append((name, _number(value)))
     parsed = {}
     for name, value in items:
         if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
                 and value >= 0):
-            raise BlendFileError(f"bucket weight {name}={value!r} is not a number >= 0")
+            raise BlendFileError(f"subset weight {name}={value!r} is not a number >= 0")
         parsed[name] = float(value)
     if not parsed:
-        raise BlendFileError(f"no bucket weight in {spec!r}")
+        raise BlendFileError(f"no subset weight in {spec!r}")
     return parsed
 
 
@@ -67,23 +67,23 @@ def _number(text: str) -> float | str:
         return text  # refused, by name, below
 
 
-def bucket_multipliers(buckets: Iterable[str], weights: dict[str, float]) -> dict[str, float]:
-    """Each bucket's multiplier: the product of the weights whose name is the bucket, one of its folders
-    (`quality=high`) or a folder's value (`high`); 1 where none matches. A name matching no bucket is an
+def subset_multipliers(subsets: Iterable[str], weights: dict[str, float]) -> dict[str, float]:
+    """Each subset's multiplier: the product of the weights whose name is the subset, one of its folders
+    (`quality=high`) or a folder's value (`high`); 1 where none matches. A name matching no subset is an
     error, so a typo cannot silently leave the blend unweighted."""
-    buckets = list(buckets)
-    names_of = {bucket: _names(bucket) for bucket in buckets}
+    subsets = list(subsets)
+    names_of = {subset: _names(subset) for subset in subsets}
     unmatched = [name for name in weights if not any(name in names for names in names_of.values())]
     if unmatched:
-        raise BlendFileError(f"bucket weight(s) {', '.join(unmatched)} match no bucket; the buckets are: "
-                             f"{', '.join(buckets)}")
-    return {bucket: math.prod(weight for name, weight in weights.items() if name in names_of[bucket])
-            for bucket in buckets}
+        raise BlendFileError(f"subset weight(s) {', '.join(unmatched)} match no subset; the subsets are: "
+                             f"{', '.join(subsets)}")
+    return {subset: math.prod(weight for name, weight in weights.items() if name in names_of[subset])
+            for subset in subsets}
 
 
-def _names(bucket: str) -> set[str]:
-    folders = bucket.split("/")
-    return {bucket, *folders, *(folder.partition("=")[2] for folder in folders if "=" in folder)}
+def _names(subset: str) -> set[str]:
+    folders = subset.split("/")
+    return {subset, *folders, *(folder.partition("=")[2] for folder in folders if "=" in folder)}
 
 
 def write_data_args(path: Path, entries: list[BlendEntry]) -> None:

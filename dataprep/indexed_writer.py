@@ -13,7 +13,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatase
 
 
 class DocumentWriter(IndexedDatasetBuilder):
-    """Megatron's builder (so its .bin layout and its .idx writer) fed whole batches of documents, each
+    """Megatron's builder (so its .bin format and its .idx writer) fed whole batches of documents, each
     batch written straight from its array, not copied per document as `add_document` does."""
 
     def __init__(self, bin_path: str, dtype: type[np.number]):

@@ -1,11 +1,14 @@
 """A partition's manifest, `PREFIX_partition-IIIII-of-NNNNN.json` beside its outputs, and the merge's
 cross-check of all of them.
 
-A partition rewrites its manifest (atomically) after every shard group it finishes: it is both the
+A partition rewrites its manifest (atomically) after every input group it finishes: it is both the
 partition's resume state and what the merge reads. It holds the run's identity (tokenizer, key, output
-options), the whole input listing (names and sizes, so the merge can name any shard nobody covered),
-and per finished group its shards, output files and counts. The merge reads metadata only: manifests,
+options), the whole input listing (names and sizes, so the merge can name any input file nobody covered),
+and per finished group its input files, output files and counts. The merge reads metadata only: manifests,
 and the sizes of the files they name.
+
+Format 1 named input files "shards" and subsets "buckets"; its manifests are read in today's names
+(`_from_format_1`), so a run started before the rename still resumes and merges.
 """
 from __future__ import annotations
 
@@ -18,8 +21,9 @@ from pathlib import Path
 from dataprep.dataset_meta import meta_path
 from trainer.durable import write_text_durably
 
-FORMAT = "muloco-preprocess-partition/1"
-_SHOWN = 5  # shards named in an error before "... and N more"
+FORMAT = "muloco-preprocess-partition/2"
+FORMAT_1 = "muloco-preprocess-partition/1"
+_SHOWN = 5  # input files named in an error before "... and N more"
 
 
 class ManifestError(ValueError):
@@ -27,8 +31,8 @@ class ManifestError(ValueError):
 
 
 @dataclass
-class BucketStats:
-    shards: int = 0
+class SubsetStats:
+    input_files: int = 0
     documents: int = 0
     tokens: int = 0
     empty_documents: int = 0
@@ -38,8 +42,8 @@ class BucketStats:
     def dropped_records(self) -> int:
         return sum(self.dropped.values())
 
-    def add(self, other: BucketStats) -> None:
-        self.shards += other.shards
+    def add(self, other: SubsetStats) -> None:
+        self.input_files += other.input_files
         self.documents += other.documents
         self.tokens += other.tokens
         self.empty_documents += other.empty_documents
@@ -48,7 +52,7 @@ class BucketStats:
 
     def describe(self) -> str:
         dropped = ", ".join(f"{kind}={count}" for kind, count in sorted(self.dropped.items())) or "none"
-        return (f"shards={self.shards} documents={self.documents} tokens={self.tokens} "
+        return (f"input_files={self.input_files} documents={self.documents} tokens={self.tokens} "
                 f"empty_documents={self.empty_documents} dropped={self.dropped_records} ({dropped})")
 
 
@@ -65,11 +69,11 @@ class OutputFile:
 @dataclass
 class GroupRecord:
     index: int
-    bucket: str
-    shards: list[str]  # listing names
+    subset: str
+    input_files: list[str]  # listing names
     fingerprint: str  # of everything the group's files depend on
     files: list[OutputFile]  # none when every record of the group was empty or bad
-    stats: BucketStats
+    stats: SubsetStats
 
 
 @dataclass
@@ -78,22 +82,22 @@ class PartitionManifest:
     partitions: int
     run: dict[str, typing.Any]  # the output's identity: partitions of one run agree on it
     root: str  # the listing's folder on the machine that wrote this
-    listing: list[list]  # [name, size] of every shard of the run, in order
+    listing: list[list]  # [name, size] of every input file of the run, in order
     groups: list[GroupRecord] = field(default_factory=list)
     complete: bool = False
 
-    def buckets(self) -> dict[str, BucketStats]:
-        return bucket_totals(self.groups)
+    def subsets(self) -> dict[str, SubsetStats]:
+        return subset_totals(self.groups)
 
     def to_json(self) -> str:
-        buckets = {bucket: asdict(stats) for bucket, stats in self.buckets().items()}
-        return json.dumps({"format": FORMAT, **asdict(self), "buckets": buckets}, indent=1) + "\n"
+        subsets = {subset: asdict(stats) for subset, stats in self.subsets().items()}
+        return json.dumps({"format": FORMAT, **asdict(self), "subsets": subsets}, indent=1) + "\n"
 
 
-def bucket_totals(groups: list[GroupRecord]) -> dict[str, BucketStats]:
-    totals: dict[str, BucketStats] = {}
+def subset_totals(groups: list[GroupRecord]) -> dict[str, SubsetStats]:
+    totals: dict[str, SubsetStats] = {}
     for group in groups:
-        totals.setdefault(group.bucket, BucketStats()).add(group.stats)
+        totals.setdefault(group.subset, SubsetStats()).add(group.stats)
     return totals
 
 
@@ -112,14 +116,43 @@ def read_manifest(path: Path) -> PartitionManifest:
         raise ManifestError(f"cannot read manifest {path}: {error}") from None
     except ValueError as error:
         raise ManifestError(f"manifest {path} is not JSON: {error}") from None
-    if not isinstance(document, dict) or document.get("format") != FORMAT:
+    if not isinstance(document, dict) or document.get("format") not in (FORMAT, FORMAT_1):
         raise ManifestError(f"{path} is not a partition manifest of this tool (format {FORMAT!r})")
-    document = {key: value for key, value in document.items() if key not in ("format", "buckets")}
+    if document["format"] == FORMAT_1:
+        document = _from_format_1(document)
+    # The per-subset totals are written for people reading the file; the groups are what counts.
+    document = {key: value for key, value in document.items() if key not in ("format", "subsets")}
     manifest = _load(PartitionManifest, document, str(path))
     for entry in manifest.listing:
         if not (len(entry) == 2 and isinstance(entry[0], str) and isinstance(entry[1], int)):
             raise ManifestError(f"{path}: listing entries are [name, size], got {entry!r}")
     return manifest
+
+
+def _from_format_1(document: dict) -> dict:
+    """A format-1 manifest in today's keys (shards -> input files, buckets -> subsets). Anything malformed is
+    left as it is, for `_load` to name."""
+    document = _renamed(document, {"buckets": "subsets"})
+    if "run" in document:
+        document["run"] = _renamed(document["run"], {"shards_per_file": "input_files_per_output"})
+    if isinstance(document.get("groups"), list):
+        document["groups"] = [_group_from_format_1(group) for group in document["groups"]]
+    return document
+
+
+def _group_from_format_1(group):
+    group = _renamed(group, {"bucket": "subset", "shards": "input_files"})
+    if isinstance(group, dict) and "stats" in group:
+        stats = group["stats"] = _renamed(group["stats"], {"shards": "input_files"})
+        if isinstance(stats, dict) and "dropped" in stats:
+            stats["dropped"] = _renamed(stats["dropped"], {"empty_shard": "empty_file",
+                                                           "unreadable_shard": "unreadable_file"})
+    return group
+
+
+def _renamed(value, names: dict[str, str]):
+    """An object with the keys in `names` renamed (anything else as it is)."""
+    return {names.get(key, key): item for key, item in value.items()} if isinstance(value, dict) else value
 
 
 def _load(annotation, value, where: str):
@@ -150,7 +183,7 @@ def _load(annotation, value, where: str):
 
 
 # ---------------------------------------------------------------------------------------------
-# The merge's check: every shard of the listing covered exactly once.
+# The merge's check: every input file of the listing covered exactly once.
 
 
 @dataclass(frozen=True)
@@ -160,7 +193,7 @@ class CoveredGroup:
 
 
 def check_coverage(manifests: dict[Path, PartitionManifest]) -> list[CoveredGroup]:
-    """Every group of the run, in group order, once all manifests agree and cover each shard exactly once."""
+    """Every group of the run, in group order, once all manifests agree and cover each input file exactly once."""
     if not manifests:
         raise ManifestError("no manifest to merge")
     (first_path, first), *others = manifests.items()
@@ -174,11 +207,11 @@ def check_coverage(manifests: dict[Path, PartitionManifest]) -> list[CoveredGrou
     groups: dict[int, CoveredGroup] = {}
     for path, manifest in manifests.items():
         for record in manifest.groups:
-            for name in record.shards:
+            for name in record.input_files:
                 if name not in listed:
-                    raise ManifestError(f"{path} covers shard {name}, which is not in the run's listing")
+                    raise ManifestError(f"{path} covers input file {name}, which is not in the run's listing")
                 if name in covered_by:
-                    raise ManifestError(f"shard {name} is covered twice: by {covered_by[name]} and by {path}")
+                    raise ManifestError(f"input file {name} is covered twice: by {covered_by[name]} and by {path}")
                 covered_by[name] = path
             groups[record.index] = CoveredGroup(record, path.parent)
     absent = _check_partitions(manifests, first.partitions)
@@ -186,7 +219,7 @@ def check_coverage(manifests: dict[Path, PartitionManifest]) -> list[CoveredGrou
     if absent or missing:
         shown = ", ".join(missing[:_SHOWN]) + (f" ... and {len(missing) - _SHOWN} more" if len(missing) > _SHOWN else "")
         problems = ([f"no manifest for partition(s) {', '.join(map(str, absent))} of {first.partitions}"] if absent
-                    else []) + ([f"{len(missing)} shard(s) covered by no partition: {shown}"] if missing else [])
+                    else []) + ([f"{len(missing)} input file(s) covered by no partition: {shown}"] if missing else [])
         raise ManifestError("; ".join(problems))
     for covered in groups.values():
         for output in covered.record.files:

@@ -1,6 +1,6 @@
 """Splitting one preprocessing run over N independent processes (machines, Slurm array tasks).
 
-The unit of work is a shard group: a fixed number of consecutive shards of one bucket, which becomes
+The unit of work is an input group: a fixed number of consecutive input files of one subset, which becomes
 its own output file(s). Groups depend only on the listing and the group size, so every output file is
 the same whoever writes it.
 
@@ -73,30 +73,30 @@ class Partition:
 
 
 @dataclass(frozen=True)
-class ShardGroup:
+class InputGroup:
     index: int  # position among all groups of the run: names its output file(s)
-    bucket: str
-    shards: tuple[int, ...]  # positions in the listing, consecutive within the bucket
+    subset: str
+    input_files: tuple[int, ...]  # positions in the listing, consecutive within the subset
     size: int  # bytes on disk
 
 
-def plan_groups(listing: Listing, shards_per_group: int) -> list[ShardGroup]:
-    """Buckets in order of their first shard, each cut into runs of `shards_per_group` shards."""
-    by_bucket: dict[str, list[int]] = {}
-    for position, shard in enumerate(listing.shards):
-        by_bucket.setdefault(shard.bucket, []).append(position)
+def plan_groups(listing: Listing, files_per_group: int) -> list[InputGroup]:
+    """Subsets in order of their first input file, each cut into runs of `files_per_group` files."""
+    by_subset: dict[str, list[int]] = {}
+    for position, file in enumerate(listing.files):
+        by_subset.setdefault(file.subset, []).append(position)
     groups = []
-    for bucket, positions in by_bucket.items():
-        for start in range(0, len(positions), shards_per_group):
-            members = tuple(positions[start:start + shards_per_group])
-            groups.append(ShardGroup(len(groups), bucket, members, sum(listing.shards[p].size for p in members)))
+    for subset, positions in by_subset.items():
+        for start in range(0, len(positions), files_per_group):
+            members = tuple(positions[start:start + files_per_group])
+            groups.append(InputGroup(len(groups), subset, members, sum(listing.files[p].size for p in members)))
     return groups
 
 
-def assign_groups(groups: list[ShardGroup], count: int) -> list[list[ShardGroup]]:
+def assign_groups(groups: list[InputGroup], count: int) -> list[list[InputGroup]]:
     """Each partition's groups, in group order (see the module docstring for the rule)."""
     loads = [(0, partition) for partition in range(count)]
-    assigned: list[list[ShardGroup]] = [[] for _ in range(count)]
+    assigned: list[list[InputGroup]] = [[] for _ in range(count)]
     for group in sorted(groups, key=lambda group: (-group.size, group.index)):
         load, partition = heapq.heappop(loads)
         assigned[partition].append(group)

@@ -1,5 +1,5 @@
 """The progress line of a preprocessing run (or partition): plain lines a batch log keeps readable,
-at most one per interval, with shards done, tokens/s and an ETA from the input bytes still to do."""
+at most one per interval, with input files done, tokens/s and an ETA from the input bytes still to do."""
 from __future__ import annotations
 
 import sys
@@ -10,20 +10,20 @@ PROGRESS_INTERVAL_S = 30.0
 
 
 class ProgressLine:
-    def __init__(self, label: str, shards: int, input_bytes: int, interval_s: float = PROGRESS_INTERVAL_S,
+    def __init__(self, label: str, input_files: int, input_bytes: int, interval_s: float = PROGRESS_INTERVAL_S,
                  stream: TextIO = sys.stderr):
-        self._label, self._shards, self._input_bytes = label, shards, input_bytes
+        self._label, self._input_files, self._input_bytes = label, input_files, input_bytes
         self._interval_s, self._stream = interval_s, stream
         self._start = time.monotonic()
         self._last_print = self._start
-        self.shards_done = self._bytes_done = self._bytes_this_run = self.tokens = 0
+        self.files_done = self._bytes_done = self._bytes_this_run = self.tokens = 0
 
     def add_tokens(self, tokens: int) -> None:
         self.tokens += tokens
 
-    def shard_done(self, size: int, reused: bool = False) -> None:
-        """A shard finished (its size in bytes on disk); a reused one counts as done but not towards the rate."""
-        self.shards_done += 1
+    def file_done(self, size: int, reused: bool = False) -> None:
+        """An input file finished (its size in bytes on disk); a reused one counts as done but not towards the rate."""
+        self.files_done += 1
         self._bytes_done += size
         if not reused:
             self._bytes_this_run += size
@@ -43,7 +43,7 @@ class ProgressLine:
             eta = _clock(remaining * seconds / self._bytes_this_run)
         else:
             eta = "unknown"
-        print(f"progress: {self._label}shards {self.shards_done}/{self._shards} "
+        print(f"progress: {self._label}input files {self.files_done}/{self._input_files} "
               f"({self._bytes_done / 1e6:.1f} of {self._input_bytes / 1e6:.1f} MB), {self.tokens} tokens, "
               f"{self.tokens / seconds:.0f} tokens/s, ETA {eta}", file=self._stream, flush=True)
 

@@ -18,7 +18,7 @@ PROMPT="Return the"          # the corpus is the standard library's docstrings
 
 . scripts/venv.sh
 
-echo "[demo 1/7] corpus: Python stdlib docs in Nemotron-CC layout -> $DATA/corpus"
+echo "[demo 1/7] corpus: Python stdlib docs in Nemotron-CC form -> $DATA/corpus"
 if [ -f "$DATA/corpus/.complete" ]; then
     echo "  done before, skipping"
 else
@@ -33,13 +33,13 @@ else
     python -m tokenizer.train --input "$DATA/corpus/train" --vocab-size 4096 --output-prefix "$DATA/tokenizer/demo"
 fi
 
-echo "[demo 3/7] preprocess: tokenize into Megatron .bin/.idx with 2 workers -> $DATA/data"
+echo "[demo 3/7] preprocess: tokenize into Megatron .bin/.idx with 2 processes -> $DATA/data"
 for split in train valid; do
     if [ -f "$DATA/data/${split}_text_document.idx" ]; then  # written last, under its final name
         echo "  $split: done before, skipping"
     else
         python tools/preprocess_data.py --input "$DATA/corpus/$split" --output-prefix "$DATA/data/$split" \
-            --tokenizer-model "$DATA/tokenizer/demo.model" --workers 2
+            --tokenizer-model "$DATA/tokenizer/demo.model" --processes 2
     fi
 done
 

@@ -56,7 +56,7 @@ def repo_root() -> Path:
 
 @pytest.fixture(scope="session")
 def shakespeare() -> Path:
-    """The Nemotron-CC-layout sample corpus (train/ and valid/ folders of .jsonl.zstd shards)."""
+    """The sample corpus in Nemotron-CC form (train/ and valid/ folders of .jsonl.zstd files)."""
     return SAMPLE_CORPUS
 
 

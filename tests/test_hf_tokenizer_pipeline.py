@@ -11,7 +11,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from test_tokenizer import hf_tokenizer_dir  # noqa: F401 - shared session fixture
 
 from dataprep.dataset_meta import read_dataset_meta
-from dataprep.shards import read_documents, resolve_inputs
+from dataprep.input_files import read_documents, resolve_inputs
 from tokenizer.identity import tokenizer_identity
 from tokenizer.interface import load_tokenizer
 
@@ -26,7 +26,7 @@ def test_hf_tokenizer_preprocess_train_export_generate(hf_tokenizer_dir: Path, s
     prefix = tmp_path / "data" / "shakespeare"
     result = subprocess.run(
         [sys.executable, "tools/preprocess_data.py", "--input", str(shakespeare / "train"), "--output-prefix", str(prefix),
-         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(hf_tokenizer_dir), "--workers", "2"],
+         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(hf_tokenizer_dir), "--processes", "2"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr
     data_prefix = f"{prefix}_text_document"

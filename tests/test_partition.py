@@ -1,6 +1,6 @@
-"""The pieces of sharded preprocessing, each against a plain reference: partitions (--partition, Slurm
-array variables), shard groups and their assignment, buckets from folder names, bucket weights, cutting
-documents into files of bounded tokens, and batch writes against Megatron's own builder."""
+"""The pieces of preprocessing into one output per input group, each against a plain reference: partitions
+(--partition, Slurm array variables), input groups and their assignment, subsets from folder names, subset
+weights, cutting documents into files of bounded tokens, and batch writes against Megatron's own builder."""
 import json
 from pathlib import Path
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
-from dataprep.blend import BlendFileError, bucket_multipliers, parse_bucket_weights
+from dataprep.blend import BlendFileError, parse_subset_weights, subset_multipliers
 from dataprep.indexed_writer import DocumentWriter, document_lengths, plan_files
-from dataprep.listing import Listing, bucket_of
-from dataprep.partition import Partition, PartitionError, ShardGroup, assign_groups, plan_groups
+from dataprep.listing import Listing, subset_of
+from dataprep.partition import InputGroup, Partition, PartitionError, assign_groups, plan_groups
 
 
 def test_partition_flag_and_its_errors():
@@ -55,22 +55,22 @@ def make_listing(tmp_path: Path, sizes: dict[str, int]) -> Listing:
     return Listing.of(sorted(paths))
 
 
-def test_buckets_come_from_hive_folders_or_relative_folders(tmp_path: Path):
-    assert bucket_of(Path("/data/cc/quality=high/kind=actual/kind2=actual/a.jsonl.zstd"), Path("/data/cc")) == \
+def test_subsets_come_from_hive_folders_or_relative_folders(tmp_path: Path):
+    assert subset_of(Path("/data/cc/quality=high/kind=actual/kind2=actual/a.jsonl.zstd"), Path("/data/cc")) == \
         "quality=high/kind=actual/kind2=actual"
     # A run over one quality level still knows it: the key=value folders count wherever they are.
-    assert bucket_of(Path("/data/cc/quality=low/kind=synthetic/x.jsonl"), Path("/data/cc/quality=low/kind=synthetic")) \
+    assert subset_of(Path("/data/cc/quality=low/kind=synthetic/x.jsonl"), Path("/data/cc/quality=low/kind=synthetic")) \
         == "quality=low/kind=synthetic"
-    assert bucket_of(Path("/data/web/en/a.jsonl"), Path("/data")) == "web/en"
+    assert subset_of(Path("/data/web/en/a.jsonl"), Path("/data")) == "web/en"
     listing = make_listing(tmp_path, {"a.jsonl": 3, "b.jsonl": 4})
-    assert [shard.bucket for shard in listing.shards] == [".", "."]
+    assert [file.subset for file in listing.files] == [".", "."]
     assert listing.identity() == [["a.jsonl", 3], ["b.jsonl", 4]]
 
 
-def test_groups_stay_within_a_bucket_and_cover_every_shard_once(tmp_path: Path):
+def test_groups_stay_within_a_subset_and_cover_every_input_file_once(tmp_path: Path):
     listing = make_listing(tmp_path, {f"quality={q}/part-{i}.jsonl": 10 + i for q in ("high", "low") for i in range(5)})
     groups = plan_groups(listing, 2)
-    assert [(g.bucket, g.shards) for g in groups] == [
+    assert [(g.subset, g.input_files) for g in groups] == [
         ("quality=high", (0, 1)), ("quality=high", (2, 3)), ("quality=high", (4,)),
         ("quality=low", (5, 6)), ("quality=low", (7, 8)), ("quality=low", (9,))]
     assert [g.index for g in groups] == list(range(6))
@@ -81,7 +81,7 @@ def test_groups_stay_within_a_bucket_and_cover_every_shard_once(tmp_path: Path):
 def test_assignment_covers_every_group_once_with_balanced_sizes(count: int):
     rng = np.random.default_rng(count)
     sizes = rng.integers(1, 1000, size=31).tolist()
-    groups = [ShardGroup(i, "b", (i,), size) for i, size in enumerate(sizes)]
+    groups = [InputGroup(i, "s", (i,), size) for i, size in enumerate(sizes)]
     assigned = assign_groups(groups, count)
     assert len(assigned) == count
     assert sorted(g.index for mine in assigned for g in mine) == list(range(len(groups)))
@@ -93,23 +93,23 @@ def test_assignment_covers_every_group_once_with_balanced_sizes(count: int):
     assert assign_groups(groups, count) == assigned  # the same on every machine
 
 
-def test_bucket_weights_match_folders_values_or_whole_buckets(tmp_path: Path):
-    buckets = ["quality=high/kind=actual", "quality=high/kind=synthetic", "quality=low/kind=actual"]
-    multipliers = bucket_multipliers(buckets, parse_bucket_weights("high=2,kind=synthetic=0.5"))
+def test_subset_weights_match_folders_values_or_whole_subsets(tmp_path: Path):
+    subsets = ["quality=high/kind=actual", "quality=high/kind=synthetic", "quality=low/kind=actual"]
+    multipliers = subset_multipliers(subsets, parse_subset_weights("high=2,kind=synthetic=0.5"))
     assert multipliers == {"quality=high/kind=actual": 2.0, "quality=high/kind=synthetic": 1.0,
                            "quality=low/kind=actual": 1.0}
     weights_file = tmp_path / "weights.json"
     weights_file.write_text(json.dumps({"quality=low/kind=actual": 0, "actual": 3}))
-    assert bucket_multipliers(buckets, parse_bucket_weights(str(weights_file))) == {
+    assert subset_multipliers(subsets, parse_subset_weights(str(weights_file))) == {
         "quality=high/kind=actual": 3.0, "quality=high/kind=synthetic": 1.0, "quality=low/kind=actual": 0.0}
-    with pytest.raises(BlendFileError, match="hihg match no bucket"):
-        bucket_multipliers(buckets, parse_bucket_weights("hihg=2"))
+    with pytest.raises(BlendFileError, match="hihg match no subset"):
+        subset_multipliers(subsets, parse_subset_weights("hihg=2"))
     for bad in ("high", "high=-1", "high=nan", "=2", ""):
         with pytest.raises(BlendFileError):
-            parse_bucket_weights(bad)
+            parse_subset_weights(bad)
     weights_file.write_text(json.dumps({"high": "2"}))
     with pytest.raises(BlendFileError, match="not a number"):
-        parse_bucket_weights(str(weights_file))
+        parse_subset_weights(str(weights_file))
 
 
 def greedy_cut(lengths: list[int], max_tokens: int) -> list[list[int]]:

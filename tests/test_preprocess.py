@@ -1,6 +1,6 @@
 """tools/preprocess_data.py: Megatron-readable output, bad input handling, chunked output identical to one
-pass, resume after a kill, the .meta.json, Megatron's flag spellings; tools/build_demo_corpus.py: its shards
-feed the preprocessor."""
+pass, resume after a kill, the .meta.json, Megatron's flag spellings; tools/build_demo_corpus.py: its input
+files feed the preprocessor."""
 import gzip
 import importlib
 import json
@@ -18,7 +18,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from test_tokenizer import sentencepiece_model  # noqa: F401 - shared session fixture
 
 from dataprep.dataset_meta import read_dataset_meta
-from dataprep.shards import read_documents, resolve_inputs
+from dataprep.input_files import read_documents, resolve_inputs
 from tokenizer.identity import tokenizer_identity
 from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
 from tools import preprocess_data
@@ -29,9 +29,9 @@ def jsonl(*texts: str) -> bytes:
     return "".join(json.dumps({"text": text}) + "\n" for text in texts).encode()
 
 
-def non_empty_documents(shard_dir: Path) -> list[str]:
-    shards = resolve_inputs([str(shard_dir)])
-    return [doc.text for shard in shards for doc in read_documents(shard, "text", print) if doc.text]
+def non_empty_documents(inputs: Path) -> list[str]:
+    paths = resolve_inputs([str(inputs)])
+    return [doc.text for path in paths for doc in read_documents(path, "text", print) if doc.text]
 
 
 def run_main(args: list[str], capsys) -> tuple[int, str, str]:
@@ -42,15 +42,15 @@ def run_main(args: list[str], capsys) -> tuple[int, str, str]:
 
 @pytest.fixture(scope="module")
 def shakespeare_dataset(shakespeare: Path, sentencepiece_model: Path, tmp_path_factory) -> str:  # noqa: F811
-    """The sample corpus preprocessed by the real CLI with two workers."""
+    """The sample corpus preprocessed by the real CLI with two processes."""
     prefix = tmp_path_factory.mktemp("shakespeare_dataset") / "shakespeare"
     result = subprocess.run(
         [sys.executable, "tools/preprocess_data.py", "--input", str(shakespeare / "train"),
-         "--output-prefix", str(prefix), "--tokenizer-model", str(sentencepiece_model), "--workers", "2"],
+         "--output-prefix", str(prefix), "--tokenizer-model", str(sentencepiece_model), "--processes", "2"],
         cwd=Path(preprocess_data.__file__).parents[1], capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    assert "done: shards=8 chunks=8" in result.stdout
+    assert "done: input_files=8 chunks=8" in result.stdout
     assert not Path(f"{prefix}_text_document.parts").exists()  # cleaned up after the merge
     return f"{prefix}_text_document"
 
@@ -69,7 +69,7 @@ def test_shakespeare_readable_by_megatron(shakespeare_dataset: str, shakespeare:
 
 @pytest.fixture
 def messy_corpus(tmp_path: Path) -> Path:
-    """One shard per kind of bad input, each with good neighbours, plus good gzip and parquet shards."""
+    """One input file per kind of bad input, each with good neighbours, plus good gzip and parquet files."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a_mixed.jsonl").write_bytes(
@@ -89,7 +89,8 @@ def messy_corpus(tmp_path: Path) -> Path:
     return corpus
 
 
-@pytest.mark.parametrize("chunking", [[], ["--workers", "2", "--chunk-mb", "0.00002"]], ids=["per_shard", "chunk_per_line"])
+@pytest.mark.parametrize("chunking", [[], ["--processes", "2", "--chunk-mb", "0.00002"]],
+                         ids=["per_file", "chunk_per_line"])
 @pytest.mark.launch
 def test_bad_records_are_counted_and_good_neighbours_kept(
     messy_corpus: Path, sentencepiece_model: Path, tmp_path: Path, capsys, chunking  # noqa: F811
@@ -100,10 +101,10 @@ def test_bad_records_are_counted_and_good_neighbours_kept(
     )
     assert code == 0, err
     mixed, truncated = messy_corpus / "a_mixed.jsonl", messy_corpus / "c_truncated.jsonl.zstd"
-    # Line numbers are the shard's, however it was cut into chunks.
+    # Line numbers are the input file's, however it was cut into chunks.
     for report in (f"{mixed}:2: malformed_json", f"{mixed}:3: missing_key", f"{mixed}:4: non_string_text",
                    f"{mixed}:5: invalid_utf8", f"{mixed}:8: lone_surrogate",
-                   f"{messy_corpus / 'b_empty.jsonl.zst'}:0: empty_shard",
+                   f"{messy_corpus / 'b_empty.jsonl.zst'}:0: empty_file",
                    f"{truncated}:", "truncated", f"{messy_corpus / 'e_good.parquet'}:2: missing_key"):
         assert report in err
     assert "empty_documents=1" in out and "bad_records=8" in out and "lone_surrogate=1" in out
@@ -117,7 +118,7 @@ def test_bad_records_are_counted_and_good_neighbours_kept(
     assert kept_from_truncated == [f"doc {i} " * 500 for i in range(len(kept_from_truncated))]
 
 
-@pytest.mark.parametrize("chunking", [[], ["--chunk-mb", "0.00002"]], ids=["per_shard", "chunk_per_line"])
+@pytest.mark.parametrize("chunking", [[], ["--chunk-mb", "0.00002"]], ids=["per_file", "chunk_per_line"])
 @pytest.mark.launch
 def test_strict_fails_on_first_bad_record(messy_corpus: Path, sentencepiece_model: Path, tmp_path: Path, capsys,  # noqa: F811
                                           chunking):
@@ -138,9 +139,9 @@ def test_input_matching_nothing_is_an_error(sentencepiece_model: Path, tmp_path:
 
 @pytest.mark.launch
 def test_changed_json_key_invalidates_parts(sentencepiece_model: Path, tmp_path: Path, capsys):  # noqa: F811
-    shard = tmp_path / "both.jsonl"
-    shard.write_text(json.dumps({"text": "alpha", "body": "beta gamma"}) + "\n")
-    args = ["--input", shard, "--output-prefix", tmp_path / "keyed", "--tokenizer-model", sentencepiece_model,
+    both = tmp_path / "both.jsonl"
+    both.write_text(json.dumps({"text": "alpha", "body": "beta gamma"}) + "\n")
+    args = ["--input", both, "--output-prefix", tmp_path / "keyed", "--tokenizer-model", sentencepiece_model,
             "--keep-parts"]
     assert run_main(args, capsys)[0] == 0
     code, _, err = run_main(args + ["--json-key", "body"], capsys)
@@ -152,11 +153,11 @@ def test_changed_json_key_invalidates_parts(sentencepiece_model: Path, tmp_path:
 
 @pytest.mark.launch
 def test_demo_corpus_feeds_preprocessing(sentencepiece_model: Path, tmp_path: Path, capsys):  # noqa: F811
-    counts = build_demo_corpus(DemoCorpusConfig(tmp_path / "demo", max_mb=0.3, train_shards=2))
+    counts = build_demo_corpus(DemoCorpusConfig(tmp_path / "demo", max_mb=0.3, train_files=2))
     assert counts["train"] > 10 and counts["valid"] > 0
     assert len(list((tmp_path / "demo" / "train").glob("*.jsonl.zstd"))) == 2
     code, out, err = run_main(["--input", tmp_path / "demo" / "train", "--output-prefix", tmp_path / "demo_tok",
-                               "--tokenizer-model", sentencepiece_model, "--workers", "2"], capsys)
+                               "--tokenizer-model", sentencepiece_model, "--processes", "2"], capsys)
     assert code == 0, err
     assert "bad_records=0" in out
     assert len(IndexedDataset(str(tmp_path / "demo_tok_text_document"))) == counts["train"]
@@ -176,43 +177,43 @@ def test_demo_corpus_shows_defaults_as_written_not_this_processs_values(tmp_path
 def test_demo_corpus_is_byte_identical_under_another_environment(tmp_path: Path, monkeypatch):
     """The corpus's records are keyed by its content: another machine (its environment variables, working
     directory) must build the same bytes, and no variable's value may leak into the text."""
-    build_demo_corpus(DemoCorpusConfig(tmp_path / "here", max_mb=1.0, train_shards=1))
+    build_demo_corpus(DemoCorpusConfig(tmp_path / "here", max_mb=1.0, train_files=1))
     monkeypatch.setenv("DEMO_CORPUS_SECRET", "hunter2")
     monkeypatch.chdir(tmp_path)
-    build_demo_corpus(DemoCorpusConfig(tmp_path / "there", max_mb=1.0, train_shards=1))
-    shards = sorted(p.relative_to(tmp_path / "here") for p in (tmp_path / "here").rglob("*.zstd"))
-    assert len(shards) == 2
-    for shard in shards:
-        content = (tmp_path / "here" / shard).read_bytes()
-        assert content == (tmp_path / "there" / shard).read_bytes(), shard
+    build_demo_corpus(DemoCorpusConfig(tmp_path / "there", max_mb=1.0, train_files=1))
+    files = sorted(p.relative_to(tmp_path / "here") for p in (tmp_path / "here").rglob("*.zstd"))
+    assert len(files) == 2
+    for file in files:
+        content = (tmp_path / "here" / file).read_bytes()
+        assert content == (tmp_path / "there" / file).read_bytes(), file
         assert b"hunter2" not in zstandard.ZstdDecompressor().decompress(content, max_output_size=1 << 26)
 
 
 # ---------------------------------------------------------------------------------------------
-# Chunks: workers share one shard; the output does not depend on how shards are cut or who tokenizes.
+# Chunks: processes share one input file; the output does not depend on how files are cut or who tokenizes.
 
 
 @pytest.fixture(scope="module")
 def mixed_corpus(shakespeare: Path, tmp_path_factory) -> Path:
     """The same real text as one uncompressed JSONL, one zstd JSONL, and a parquet file of many row groups."""
     corpus = tmp_path_factory.mktemp("mixed_corpus")
-    shards = sorted((shakespeare / "train").glob("*.jsonl.zstd"))
-    plain = b"".join(zstandard.ZstdDecompressor().decompressobj().decompress(path.read_bytes()) for path in shards[:2])
+    files = sorted((shakespeare / "train").glob("*.jsonl.zstd"))
+    plain = b"".join(zstandard.ZstdDecompressor().decompressobj().decompress(path.read_bytes()) for path in files[:2])
     (corpus / "big.jsonl").write_bytes(plain)
     (corpus / "big.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(plain))
-    rows = non_empty_documents(shards[2])
+    rows = non_empty_documents(files[2])
     pq.write_table(pa.table({"text": rows}), corpus / "rows.parquet", row_group_size=16)
     return corpus
 
 
 @pytest.fixture(scope="module")
-def one_chunk_per_shard(mixed_corpus: Path, sentencepiece_model: Path, tmp_path_factory) -> str:  # noqa: F811
-    """The reference: one worker, each shard read in one pass."""
+def one_chunk_per_file(mixed_corpus: Path, sentencepiece_model: Path, tmp_path_factory) -> str:  # noqa: F811
+    """The reference: one process, each input file read in one pass."""
     prefix = tmp_path_factory.mktemp("reference") / "ref"
     config = preprocess_data.PreprocessConfig(inputs=(str(mixed_corpus),), output_prefix=str(prefix),
                                               tokenizer_model=sentencepiece_model, chunk_bytes=10**12)
     summary = preprocess_data.run_preprocess(config)
-    assert summary.chunks == summary.shards == 3
+    assert summary.chunks == summary.input_files == 3
     return config.dataset_prefix
 
 
@@ -221,17 +222,17 @@ def same_files(a: str, b: str) -> bool:
 
 
 @pytest.mark.launch
-def test_chunked_with_two_workers_is_byte_identical_to_one_pass(
-    mixed_corpus: Path, one_chunk_per_shard: str, sentencepiece_model: Path, tmp_path: Path, capsys  # noqa: F811
+def test_chunked_with_two_processes_is_byte_identical_to_one_pass(
+    mixed_corpus: Path, one_chunk_per_file: str, sentencepiece_model: Path, tmp_path: Path, capsys  # noqa: F811
 ):
     code, out, err = run_main(["--input", mixed_corpus, "--output-prefix", tmp_path / "chunked", "--tokenizer-model",
-                               sentencepiece_model, "--workers", "2", "--chunk-mb", "0.1"], capsys)
+                               sentencepiece_model, "--processes", "2", "--chunk-mb", "0.1"], capsys)
     assert code == 0, err
     chunks = int(out.split("chunks=")[1].split()[0])
     assert chunks > 20  # ~1.2 MB of JSONL twice over, cut into 0.1 MB chunks, plus the parquet's row groups
-    assert same_files(str(tmp_path / "chunked_text_document"), one_chunk_per_shard)
+    assert same_files(str(tmp_path / "chunked_text_document"), one_chunk_per_file)
     # ... and the one-pass output is the plain per-document encoding, in file order.
-    dataset = IndexedDataset(one_chunk_per_shard)
+    dataset = IndexedDataset(one_chunk_per_file)
     texts = non_empty_documents(mixed_corpus / "big.jsonl")
     tokenizer = SentencePieceTokenizer(sentencepiece_model)
     assert len(dataset) == 2 * len(texts) + len(non_empty_documents(mixed_corpus / "rows.parquet"))
@@ -242,40 +243,44 @@ def test_chunked_with_two_workers_is_byte_identical_to_one_pass(
 
 @pytest.mark.launch
 def test_resume_after_kill_redoes_only_unfinished_chunks(
-    mixed_corpus: Path, one_chunk_per_shard: str, sentencepiece_model: Path, tmp_path: Path, capsys, monkeypatch  # noqa: F811
+    mixed_corpus: Path, one_chunk_per_file: str, sentencepiece_model: Path, tmp_path: Path, capsys, monkeypatch  # noqa: F811
 ):
     prefix = tmp_path / "resumed"
     args = ["--input", mixed_corpus, "--output-prefix", prefix, "--tokenizer-model", sentencepiece_model,
-            "--workers", "1", "--chunk-mb", "0.2", "--keep-parts"]
+            "--processes", "1", "--chunk-mb", "0.2", "--keep-parts"]
     parts = Path(f"{prefix}_text_document.parts")
 
-    # Shards sort as big.jsonl (0), big.jsonl.zst (1), rows.parquet (2): die in the third chunk of the zstd shard.
+    # The inputs sort as big.jsonl (0), big.jsonl.zst (1), rows.parquet (2): die in the third chunk of the zstd file.
     monkeypatch.setenv(preprocess_data.KILL_HOOK_ENV, "1:2:10")
     code, _, err = run_main(args, capsys)
-    assert code != 0 and "worker process died" in err
+    assert code != 0 and "tokenizing process died" in err
     for suffix in (".bin", ".idx", ".meta.json"):
         assert not Path(f"{prefix}_text_document{suffix}").exists()
-    assert (parts / "shard-00000.json").exists()  # the plain shard: planned and finished
-    finished_zstd = sorted(path.name for path in parts.glob("shard-00001-chunk-*.json"))
-    assert finished_zstd == ["shard-00001-chunk-00000.json", "shard-00001-chunk-00001.json"]
-    done_before = sorted(parts.glob("shard-00000-chunk-*")) + sorted(parts.glob("shard-00001-chunk-0000[01].*"))
+    assert (parts / "input-00000.json").exists()  # the plain file: planned and finished
+    finished_zstd = sorted(path.name for path in parts.glob("input-00001-chunk-*.json"))
+    assert finished_zstd == ["input-00001-chunk-00000.json", "input-00001-chunk-00001.json"]
+    done_before = sorted(parts.glob("input-00000*")) + sorted(parts.glob("input-00001-chunk-0000[01].*"))
     mtimes = {path: os.stat(path).st_mtime_ns for path in done_before}
-    first_shard_chunks = len(list(parts.glob("shard-00000-chunk-*.json")))
+    first_file_chunks = len(list(parts.glob("input-00000-chunk-*.json")))
+    # The first file's parts as a run before the rename named them ("shard-"): they are reused all the same.
+    for path in parts.glob("input-00000*"):
+        path.rename(parts / path.name.replace("input-", "shard-"))
 
     monkeypatch.delenv(preprocess_data.KILL_HOOK_ENV)
     code, _, err = run_main(args, capsys)
     assert code == 0, err
-    assert f"resuming: reused {first_shard_chunks + 2} finished chunks" in err
+    assert f"resuming: reused {first_file_chunks + 2} finished chunks" in err
     assert mtimes == {path: os.stat(path).st_mtime_ns for path in mtimes}
-    assert same_files(f"{prefix}_text_document", one_chunk_per_shard)
+    assert same_files(f"{prefix}_text_document", one_chunk_per_file)
 
 
 # ---------------------------------------------------------------------------------------------
-# Unreadable shards, empty results, and the metadata the trainer checks.
+# Unreadable input files, empty results, and the metadata the trainer checks.
 
 
 @pytest.mark.launch
-def test_unreadable_shards_are_reported_and_skipped(sentencepiece_model: Path, tmp_path: Path, capsys):  # noqa: F811
+def test_unreadable_input_files_are_reported_and_skipped(sentencepiece_model: Path, tmp_path: Path,  # noqa: F811
+                                                         capsys):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a_good.jsonl").write_bytes(jsonl("kept"))
@@ -283,11 +288,11 @@ def test_unreadable_shards_are_reported_and_skipped(sentencepiece_model: Path, t
     (corpus / "c_fake.parquet").write_bytes(b'{"text": "this is JSON, not parquet"}\n')
     (corpus / "d_fake.jsonl.gz").write_bytes(b"not gzip at all\n")
     code, out, err = run_main(["--input", corpus, "--output-prefix", tmp_path / "out",
-                               "--tokenizer-model", sentencepiece_model, "--workers", "2"], capsys)
+                               "--tokenizer-model", sentencepiece_model, "--processes", "2"], capsys)
     assert code == 0, err
     lines = err.splitlines()
     for name, kind in (("b_no_text.parquet", "missing_column: no 'text' column"),
-                       ("c_fake.parquet", "unreadable_shard"), ("d_fake.jsonl.gz", "unreadable_shard")):
+                       ("c_fake.parquet", "unreadable_file"), ("d_fake.jsonl.gz", "unreadable_file")):
         reports = [line for line in lines if str(corpus / name) in line]
         assert len(reports) == 1 and f"{corpus / name}:0: {kind}" in reports[0], reports
     assert "Traceback" not in err and "documents=1 " in out
@@ -307,10 +312,10 @@ def test_zero_documents_is_an_error(sentencepiece_model: Path, tmp_path: Path, c
 
 
 def test_a_utf8_byte_order_mark_is_not_a_malformed_record(tmp_path: Path):
-    shard = tmp_path / "windows.jsonl"
-    shard.write_bytes(b"\xef\xbb\xbf" + jsonl("first", "second"))
+    path = tmp_path / "windows.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + jsonl("first", "second"))
     bad = []
-    assert [doc.text for doc in read_documents(shard, "text", bad.append)] == ["first", "second"]
+    assert [doc.text for doc in read_documents(path, "text", bad.append)] == ["first", "second"]
     assert bad == []
 
 
@@ -330,13 +335,13 @@ def test_meta_json_records_the_largest_token_id(shakespeare_dataset: str, senten
 
 @pytest.mark.launch
 def test_megatron_flag_spellings(sentencepiece_model: Path, tmp_path: Path, capsys):  # noqa: F811
-    shard = tmp_path / "both.jsonl"
-    shard.write_text(json.dumps({"text": "alpha", "body": "beta gamma"}) + "\n")
-    common = ["--input", shard, "--tokenizer-model", sentencepiece_model]
+    both = tmp_path / "both.jsonl"
+    both.write_text(json.dumps({"text": "alpha", "body": "beta gamma"}) + "\n")
+    common = ["--input", both, "--tokenizer-model", sentencepiece_model]
     tokenizer = SentencePieceTokenizer(sentencepiece_model)
 
     code, _, err = run_main(common + ["--output-prefix", tmp_path / "megatron", "--json-keys", "body", "--append-eod",
-                                      "--tokenizer-type", "SentencePieceTokenizer"], capsys)
+                                      "--tokenizer-type", "SentencePieceTokenizer", "--workers", "2"], capsys)
     assert code == 0, err
     megatron = IndexedDataset(str(tmp_path / "megatron_text_document"))
     assert megatron[0].tolist() == tokenizer.encode("beta gamma") + [tokenizer.eod_id]
@@ -350,3 +355,6 @@ def test_megatron_flag_spellings(sentencepiece_model: Path, tmp_path: Path, caps
     with pytest.raises(SystemExit):
         preprocess_data.parse_args(["--input", "x", "--output-prefix", "y", "--tokenizer-model", "m",
                                     "--json-keys", "text", "title"])
+    # Megatron's --workers is --processes (the word "worker" names a DiLoCo replica here).
+    assert preprocess_data.parse_args(["--input", "x", "--output-prefix", "y", "--tokenizer-model", "m",
+                                       "--workers", "3"]).processes == 3

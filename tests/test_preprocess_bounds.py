@@ -1,6 +1,6 @@
-"""Preprocessing holds a bounded amount of any input (dataprep/long_lines.py, dataprep/shards.py): a record
+"""Preprocessing holds a bounded amount of any input (dataprep/long_lines.py, dataprep/input_files.py): a record
 longer than --max-document-bytes is one bad record naming file and line (or stops the run under --strict),
-in every input format and however the shard is cut into chunks; compressed bombs inflate a piece at a time
+in every input format and however the input file is cut into chunks; compressed bombs inflate a piece at a time
 and their giant lines stream past, within a memory limit far below their size."""
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def long_records(tmp_path: Path) -> Path:
     return corpus
 
 
-@pytest.mark.parametrize("chunking", [[], ["--workers", "2", "--chunk-mb", "0.00002"]], ids=["per_shard", "chunk_per_line"])
+@pytest.mark.parametrize("chunking", [[], ["--processes", "2", "--chunk-mb", "0.00002"]], ids=["per_file", "chunk_per_line"])
 @pytest.mark.launch
 def test_an_over_long_record_is_a_bad_record_with_file_and_line(long_records, sentencepiece_model, tmp_path, capsys,  # noqa: F811
                                                                  chunking):
@@ -115,7 +115,7 @@ def test_a_bomb_streams_within_a_memory_limit(tmp_path, suffix):
     reader = textwrap.dedent(f"""
         import resource
         from pathlib import Path
-        from dataprep.shards import read_documents
+        from dataprep.input_files import read_documents
         size = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize:"))
         limit = size * 1024 + {HEADROOM_BYTES}
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))

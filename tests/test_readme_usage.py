@@ -4,7 +4,7 @@ export back), then the planner.
 
 The block is taken from README.md as it stands and run by `bash -e` in a folder that stands for the
 checkout (the repository's files linked in, nothing the block writes), on the sample corpus placed where
-the block reads Nemotron-CC shards. Only its sizes change, by the textual replacements of TINY below, each
+the block reads Nemotron-CC input files. Only its sizes change, by the textual replacements of TINY below, each
 of which must match (a README edit that drops a knob fails here, instead of launching 8 ranks of the 150m
 model). Nothing else is replaced: a step whose input no earlier step writes stops the chain and fails
 the test."""
@@ -34,7 +34,7 @@ TINY = [
     (r"--model 150m", "--model tiny", "the tiny preset"),
     (r"--train-iters 10000", "--train-iters 2", "two steps per run"),
     (r"--vocab-size 32000", "--vocab-size 1024", "a vocabulary the sample corpus fills"),
-    (r"--workers 16", "--workers 1", "one preprocessing worker"),
+    (r"--processes 16", "--processes 1", "one preprocessing process"),
     (r"(?m)^python tools/compare_methods\.py .*$", "# (the method comparison: tests/test_compare_methods.py)",
      "the comparison trains several runs: minutes"),
 ]
@@ -97,7 +97,7 @@ def _written_by(path: str, written: str) -> bool:
 
 def _checkout(folder: Path, corpus: Path) -> None:
     """`folder` as a checkout the block runs in: the repository's files linked in, the sample corpus where
-    the block reads Nemotron-CC shards, and the environment running the tests as .venv."""
+    the block reads Nemotron-CC input files, and the environment running the tests as .venv."""
     for entry in REPO_ROOT.iterdir():
         if entry.name not in {".git", ".venv", "data", "tok", "hf", "ckpt", "runs", "demo_data"}:
             (folder / entry.name).symlink_to(entry)

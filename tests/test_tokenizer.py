@@ -10,7 +10,7 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from dataprep.dataset_meta import DatasetMeta, write_dataset_meta
-from dataprep.shards import read_documents, resolve_inputs
+from dataprep.input_files import read_documents, resolve_inputs
 from tokenizer.hf_export import export_hf_tokenizer
 from tokenizer.identity import tokenizer_identity
 from tokenizer.interface import HUGGINGFACE, SENTENCEPIECE, load_tokenizer
@@ -51,8 +51,8 @@ def sentencepiece_model(shakespeare: Path, tmp_path_factory) -> Path:
 
 
 def sample_texts(shakespeare: Path, count: int) -> list[str]:
-    shards = resolve_inputs([str(shakespeare / "valid")])
-    documents = (doc.text for shard in shards for doc in read_documents(shard, "text", print))
+    paths = resolve_inputs([str(shakespeare / "valid")])
+    documents = (doc.text for path in paths for doc in read_documents(path, "text", print))
     return list(islice(documents, count))
 
 
@@ -81,11 +81,11 @@ def test_training_reads_an_even_share_of_every_file(shakespeare: Path, tmp_path:
 
 
 def test_training_drops_lone_surrogates(tmp_path: Path, capsys):
-    (tmp_path / "shard.jsonl").write_bytes(b'{"text": "kept line"}\n{"text": "lone \\udc80 surrogate"}\n')
-    config = TokenizerTrainingConfig(inputs=(str(tmp_path / "shard.jsonl"),), output_prefix=tmp_path / "unused")
+    (tmp_path / "input.jsonl").write_bytes(b'{"text": "kept line"}\n{"text": "lone \\udc80 surrogate"}\n')
+    config = TokenizerTrainingConfig(inputs=(str(tmp_path / "input.jsonl"),), output_prefix=tmp_path / "unused")
     assert list(training_sentences(config)) == ["kept line"]
     err = capsys.readouterr().err
-    assert "skipped 1 bad records" in err and f"{tmp_path / 'shard.jsonl'}:2: lone_surrogate" in err
+    assert "skipped 1 bad records" in err and f"{tmp_path / 'input.jsonl'}:2: lone_surrogate" in err
 
 
 def test_hf_export_loads_offline_and_matches_sentencepiece(

@@ -17,7 +17,7 @@ class SentencePieceTokenizer:
         self.model_path = Path(model_path)
         if not self.model_path.is_file():
             raise FileNotFoundError(f"SentencePiece model not found: {self.model_path}")
-        # One thread per batch: parallelism comes from preprocessing's worker processes.
+        # One thread per batch: parallelism comes from preprocessing's --processes.
         self._processor = sentencepiece.SentencePieceProcessor(model_file=str(self.model_path), num_threads=1)
         if self._processor.eos_id() < 0:
             raise ValueError(f"{self.model_path} has no eos piece, which the data needs as end-of-document")

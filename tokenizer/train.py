@@ -1,7 +1,7 @@
 """Train the project's SentencePiece tokenizer: BPE with byte fallback, lossless on any text.
 
 python -m tokenizer.train --input <files/dirs/globs ...> --vocab-size N --output-prefix P
-writes P.model and P.vocab. Inputs are corpus shards (the formats tools/preprocess_data.py reads)
+writes P.model and P.vocab. Inputs are a corpus's input files (the formats tools/preprocess_data.py reads)
 or plain .txt files. Training reads at most --max-chars characters, spread evenly over the input
 files, so that a tokenizer for a huge corpus still trains in minutes on a CPU.
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import sentencepiece
 
-from dataprep.shards import (
-    SHARD_SUFFIXES,
+from dataprep.input_files import (
+    INPUT_SUFFIXES,
     BadRecord,
     has_suffix,
     read_documents,
@@ -53,7 +53,7 @@ def training_sentences(config: TokenizerTrainingConfig) -> Iterator[str]:
     Lines rather than whole documents: SentencePiece drops over-long sentences, and newlines are
     then byte-fallback tokens, which keeps the Hugging Face export exactly equivalent.
     """
-    paths = resolve_inputs(config.inputs, SHARD_SUFFIXES + TEXT_SUFFIXES)
+    paths = resolve_inputs(config.inputs, INPUT_SUFFIXES + TEXT_SUFFIXES)
     budget_per_file = max(1, config.max_chars // len(paths))
     bad_records: list[BadRecord] = []
     for path in paths:
@@ -111,7 +111,7 @@ def train_tokenizer(config: TokenizerTrainingConfig) -> SentencePieceTokenizer:
 def parse_args(argv: Sequence[str] | None = None) -> TokenizerTrainingConfig:
     defaults = TokenizerTrainingConfig(inputs=(), output_prefix=Path())
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", nargs="+", required=True, help="shard/text files, dirs or globs")
+    parser.add_argument("--input", nargs="+", required=True, help="input files (corpus formats or .txt), dirs or globs")
     parser.add_argument("--output-prefix", type=Path, required=True, help="writes PREFIX.model, PREFIX.vocab")
     parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
     parser.add_argument("--max-chars", type=int, default=defaults.max_chars,

@@ -1,11 +1,11 @@
-"""Build a small real-text demo corpus in Nemotron-CC layout from the Python standard library docs.
+"""Build a small real-text demo corpus, in Nemotron-CC form, from the Python standard library docs.
 
-python -m tools.build_demo_corpus --output DIR [--max-mb N] [--train-shards N]
+python -m tools.build_demo_corpus --output DIR [--max-mb N] [--train-files N]
 
 Every machine that runs the project has the standard library, so this corpus needs no download:
 one document per importable stdlib module (and first-level submodule), holding the module's
 docstring and those of its public classes, methods and functions. DIR/train/ and DIR/valid/ get
-*.jsonl.zstd shards with Nemotron-CC's fields. Validation is a fixed ~10% of modules chosen by a
+*.jsonl.zstd files with Nemotron-CC's fields. Validation is a fixed ~10% of modules chosen by a
 hash of the module name, so the split does not move when a module is missing on some machine.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ SKIPPED_MODULES = frozenset({
     "test", "tests", "__main__", "ensurepip", "venv", "lib2to3", "pydoc_data",
 })
 VALID_PERCENT = 10
-SHARD_NAME = "CC-MAIN-pystdlib-part-{:05d}.jsonl.zstd"
+FILE_NAME = "CC-MAIN-pystdlib-part-{:05d}.jsonl.zstd"
 WARC_DATE = "2024-01-01T00:00:00Z"  # fixed: the corpus must be byte-for-byte reproducible
 _MEMORY_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
@@ -46,7 +46,7 @@ _MEMORY_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 class DemoCorpusConfig:
     output: Path
     max_mb: float = 4.0
-    train_shards: int = 4
+    train_files: int = 4
 
 
 def stdlib_module_names() -> list[str]:
@@ -174,19 +174,19 @@ def demo_records(max_bytes: int) -> Iterator[tuple[str, dict]]:
 
 
 def build_demo_corpus(config: DemoCorpusConfig) -> dict[str, int]:
-    """Write the shards; returns the number of documents per split."""
-    splits = {"train": [[] for _ in range(config.train_shards)], "valid": [[]]}
+    """Write the files; returns the number of documents per split."""
+    splits = {"train": [[] for _ in range(config.train_files)], "valid": [[]]}
     counts = {"train": 0, "valid": 0}
     for split, record in demo_records(int(config.max_mb * 1e6)):
-        shards = splits[split]
-        shards[counts[split] % len(shards)].append(record)  # round-robin keeps shards similar
+        files = splits[split]
+        files[counts[split] % len(files)].append(record)  # round-robin keeps the files similar
         counts[split] += 1
-    for split, shards in splits.items():
+    for split, files in splits.items():
         directory = config.output / split
         directory.mkdir(parents=True, exist_ok=True)
-        for index, records in enumerate(shards):
+        for index, records in enumerate(files):
             lines = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
-            (directory / SHARD_NAME.format(index)).write_bytes(
+            (directory / FILE_NAME.format(index)).write_bytes(
                 zstandard.ZstdCompressor(level=10).compress(lines.encode())
             )
     return counts
@@ -196,9 +196,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", type=Path, required=True, help="directory for train/ and valid/")
     parser.add_argument("--max-mb", type=float, default=DemoCorpusConfig.max_mb, help="text size target in MB")
-    parser.add_argument("--train-shards", type=int, default=DemoCorpusConfig.train_shards)
+    parser.add_argument("--train-files", "--train-shards", type=int, default=DemoCorpusConfig.train_files,
+                        help="files the train split is spread over (--train-shards: its former spelling)")
     args = parser.parse_args(argv)
-    counts = build_demo_corpus(DemoCorpusConfig(args.output, args.max_mb, args.train_shards))
+    counts = build_demo_corpus(DemoCorpusConfig(args.output, args.max_mb, args.train_files))
     print(f"wrote {counts['train']} train and {counts['valid']} valid documents to {args.output}")
     return 0
 

@@ -1,6 +1,6 @@
 """The paper's method comparison at its recipe, at CPU scale: DP AdamW, DP Muon, DiLoCo and MuLoCo at
 K = 1, 2, 4, 8, pseudogradient compression at K = 4 (statistical 4-bit, statistical / linear 2-bit +
-error feedback), the paper's alignment measure, on a corpus in Nemotron-CC layout.
+error feedback), the paper's alignment measure, on a corpus in Nemotron-CC form.
 
     python tools/compare_methods.py [--out results/compare] [--corpus DIR] [--jobs 2]
         [--max-runs N] [--deadline-minutes M] [--quick] [--steps N] [--sync-interval H] [--warmup N]
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--work-dir", type=Path, default=REPO / "runs" / "compare")
     p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS,
-                   help="a corpus in Nemotron-CC layout (DIR/train, DIR/valid); its name is the folder's")
+                   help="a corpus in Nemotron-CC form (DIR/train, DIR/valid); its name is the folder's")
     p.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK.steps} steps, H={QUICK.sync_interval}, "
                    f"{QUICK.lr_grid_size} inner lrs on the selection seed only, {len(QUICK.methods)} methods")
     p.add_argument("--steps", type=int)

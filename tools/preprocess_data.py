@@ -1,35 +1,35 @@
-"""Tokenize corpus shards into Megatron's indexed dataset format (P_text_document.bin/.idx/.meta.json).
+"""Tokenize a corpus's input files into Megatron's indexed dataset format (P_text_document.bin/.idx/.meta.json).
 
 python tools/preprocess_data.py --input <files/dirs/globs ...> --output-prefix P \
-    --tokenizer-model M [--tokenizer-type T] [--json-key text] [--workers N] [--strict] [--keep-parts]
-    [--partition I/N] [--shards-per-file K] [--max-tokens-per-file T]
+    --tokenizer-model M [--tokenizer-type T] [--json-key text] [--processes N] [--strict] [--keep-parts]
+    [--partition I/N] [--input-files-per-output K] [--max-tokens-per-file T]
 python tools/preprocess_data.py --merge-manifests 'P_partition-*.json' --data-args-path P.data_args \
-    [--bucket-weights high=2,medium=1 | weights.json]
+    [--subset-weights high=2,medium=1 | weights.json]
 
 One document per JSON line (or parquet row), each followed by the end-of-document token (unless
---no-append-eod). Megatron's spellings work too: --json-keys text, --append-eod, --tokenizer-type
-SentencePieceTokenizer|HuggingFaceTokenizer. --tokenizer-model names a SentencePiece .model, a Hugging
-Face tokenizer.json, or a folder holding one.
+--no-append-eod). Megatron's spellings work too: --json-keys text, --append-eod, --workers N (for
+--processes), --tokenizer-type SentencePieceTokenizer|HuggingFaceTokenizer. --tokenizer-model names a
+SentencePiece .model, a Hugging Face tokenizer.json, or a folder holding one.
 
-Each shard is cut into chunks (dataprep.chunks) so that N workers share even one big shard: uncompressed
+Each input file is cut into chunks (dataprep.chunks) so that N processes share even one big file: uncompressed
 JSONL by byte ranges, compressed JSONL decompressed once here and handed out in blocks of lines, parquet by
 row groups. Each chunk's result is published atomically as a part file pair in a .parts/ folder with a
-manifest; the parts are merged in order, so the output is byte-identical for any number of workers. A rerun
+manifest; the parts are merged in order, so the output is byte-identical for any number of processes. A rerun
 with the same arguments reuses the finished chunks, so an interrupted run resumes; the final files appear
 only once complete, their .meta.json (dataprep.dataset_meta) last.
 
-Without --partition, --shards-per-file or --max-tokens-per-file everything goes into P_text_document. With
-any of them the output is sharded: the shards are grouped (dataprep.partition: K consecutive shards of one
-bucket, default 1), each group written as P_000123_text_document (P_000123_0000_text_document, ... when
-cut by --max-tokens-per-file), the same files whichever process writes them. --partition I/N (or a Slurm
+Without --partition, --input-files-per-output or --max-tokens-per-file everything goes into P_text_document.
+With any of them there is one output per input group (dataprep.partition: K consecutive input files of one
+subset, default 1), written as P_000123_text_document (P_000123_0000_text_document, ... when cut by
+--max-tokens-per-file), the same files whichever process writes them. --partition I/N (or a Slurm
 array's variables) processes only the I-th of N shares of the groups and records them in
 P_partition-IIIII-of-NNNNN.json (dataprep.manifest); a rerun skips its finished groups. --merge-manifests
-checks that the partitions covered every shard exactly once and writes the blend (dataprep.blend).
+checks that the partitions covered every input file exactly once and writes the blend (dataprep.blend).
 
 Bad records (malformed JSON, missing key, invalid UTF-8, lone surrogates, a record longer than
---max-document-bytes, ...) are dropped, counted and reported with file and line; a shard that cannot be read
-is reported and skipped. --strict stops at the first. Writing no document at all is an error. No input is
-held whole: compressed shards inflate a piece at a time and an over-long line streams past unread.
+--max-document-bytes, ...) are dropped, counted and reported with file and line; an input file that cannot be
+read is reported and skipped. --strict stops at the first. Writing no document at all is an error. No input is
+held whole: compressed files inflate a piece at a time and an over-long line streams past unread.
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ with warnings.catch_warnings():  # megatron warns about GPU kernels that preproc
     warnings.simplefilter("ignore")
     from dataprep.indexed_writer import DocumentWriter, document_lengths, plan_files
 
-from dataprep.blend import BlendEntry, bucket_multipliers, parse_bucket_weights, write_data_args
+from dataprep.blend import BlendEntry, parse_subset_weights, subset_multipliers, write_data_args
 from dataprep.chunks import (
     Chunk,
     chunk_bytes_for,
@@ -72,34 +72,35 @@ from dataprep.chunks import (
 )
 from dataprep.dataset_meta import DatasetMeta, meta_path, write_dataset_meta
 from dataprep.listing import Listing
+from dataprep.input_files import DEFAULT_MAX_DOCUMENT_BYTES, BadRecord, NoInputMatchedError, resolve_inputs
 from dataprep.manifest import (
-    BucketStats,
     GroupRecord,
     ManifestError,
     OutputFile,
     PartitionManifest,
-    bucket_totals,
+    SubsetStats,
     check_coverage,
     manifest_path,
     output_file_problem,
     read_manifest,
+    subset_totals,
     write_manifest,
 )
-from dataprep.partition import Partition, PartitionError, ShardGroup, assign_groups, plan_groups
+from dataprep.partition import InputGroup, Partition, PartitionError, assign_groups, plan_groups
 from dataprep.progress import ProgressLine
-from dataprep.shards import DEFAULT_MAX_DOCUMENT_BYTES, BadRecord, NoInputMatchedError, resolve_inputs
 from tokenizer.identity import tokenizer_identity
 from tokenizer.interface import TOKENIZER_TYPES, load_tokenizer
 from trainer.durable import fsync_dir, write_text_durably
 
 # Bump when the part file contents would change for the same inputs, to invalidate old parts.
 PART_FORMAT_VERSION = 2
-BAD_RECORDS_REPORTED_PER_SHARD = 10
+BAD_RECORDS_REPORTED_PER_FILE = 10
 ENCODE_BATCH_DOCUMENTS = 64
 ENCODE_BATCH_BYTES = 4 << 20  # the tokenizer needs tens of bytes per byte of text: batches stay small
 PROGRESS_EVERY_DOCUMENTS = 256
-CHUNKS_IN_FLIGHT_PER_WORKER = 2  # bounds the decompressed bytes held for the workers
-# Test hook: "SHARD:CHUNK:DOCUMENTS" SIGKILLs the worker once that many documents of that chunk are encoded.
+CHUNKS_IN_FLIGHT_PER_PROCESS = 2  # bounds the decompressed bytes held for the processes
+# Test hook: "FILE:CHUNK:DOCUMENTS" SIGKILLs the process once that many documents of that chunk (of that input file,
+# by its position in the listing) are encoded.
 KILL_HOOK_ENV = "MULOCO_PREPROCESS_TEST_KILL_AT"
 
 
@@ -111,23 +112,24 @@ class PreprocessConfig:
     tokenizer_type: str | None = None  # None: read from the model file
     json_key: str = "text"
     append_eod: bool = True
-    workers: int = 1
+    processes: int = 1
     strict: bool = False
     keep_parts: bool = False
-    chunk_bytes: int | None = None  # None: a share of each shard (dataprep.chunks.chunk_bytes_for)
+    chunk_bytes: int | None = None  # None: a share of each input file (dataprep.chunks.chunk_bytes_for)
     partition: Partition | None = None  # None: this process covers the whole input
-    shards_per_file: int | None = None  # None: 1 when the output is sharded
+    input_files_per_output: int | None = None  # None: 1 when there is one output per input group
     max_tokens_per_file: int | None = None
     max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES  # longer records are dropped as bad
 
     @property
-    def sharded(self) -> bool:
-        """One output per shard group (else one output for everything)."""
-        return not (self.partition is None and self.shards_per_file is None and self.max_tokens_per_file is None)
+    def output_per_group(self) -> bool:
+        """One output per input group (else one output for everything)."""
+        return not (self.partition is None and self.input_files_per_output is None
+                    and self.max_tokens_per_file is None)
 
     @property
     def dataset_prefix(self) -> str:
-        """The single output's dataset prefix (when not sharded)."""
+        """The single output's dataset prefix (without one output per group)."""
         return f"{self.output_prefix}_text_document"
 
 
@@ -135,7 +137,7 @@ class PreprocessConfig:
 class MergeConfig:
     manifests: tuple[str, ...]  # files or globs
     data_args_path: Path
-    bucket_weights: str | None = None  # dataprep.blend.parse_bucket_weights
+    subset_weights: str | None = None  # dataprep.blend.parse_subset_weights
 
 
 @dataclass
@@ -155,15 +157,15 @@ class ChunkStats:
 
     def record_bad(self, record: BadRecord) -> None:
         self.bad_by_kind[record.kind] = self.bad_by_kind.get(record.kind, 0) + 1
-        if len(self.bad_examples) < BAD_RECORDS_REPORTED_PER_SHARD:
+        if len(self.bad_examples) < BAD_RECORDS_REPORTED_PER_FILE:
             self.bad_examples.append((record.line, record.kind, record.detail))
 
 
 @dataclass
-class ShardPlan:
-    """A shard's chunks in order, and the problems of the whole shard found while planning them."""
+class InputFilePlan:
+    """An input file's chunks in order, and the problems of the whole file found while planning them."""
 
-    shard: int  # position in the listing
+    file_index: int  # position in the listing
     path: Path
     fingerprint: str
     chunks: list[Chunk] = field(default_factory=list)
@@ -173,9 +175,9 @@ class ShardPlan:
 
 @dataclass(frozen=True)
 class GroupOutput:
-    """Where a shard group's files go: `base`_text_document, or with pieces `base`_0000_text_document, ..."""
+    """Where an input group's files go: `base`_text_document, or with pieces `base`_0000_text_document, ..."""
 
-    group: ShardGroup
+    group: InputGroup
     base: str  # P for the single output, P_000123 for group 123
     pieces: bool  # cut by --max-tokens-per-file
 
@@ -189,22 +191,22 @@ class GroupOutput:
 
 @dataclass
 class PreprocessSummary:
-    shards: int
+    input_files: int
     chunks: int
     reused_chunks: int  # complete parts reused from an earlier run
-    reused_groups: int  # whole shard groups a partition's earlier run finished
+    reused_groups: int  # whole input groups a partition's earlier run finished
     documents: int
     tokens: int
     max_token_id: int
     empty_documents: int
     bad_records: int
     bad_by_kind: dict[str, int]
-    buckets: dict[str, BucketStats]
+    subsets: dict[str, SubsetStats]
     files: list[str]  # dataset prefixes written (or kept from an earlier run)
-    manifest: Path | None  # the partition's manifest (sharded output)
+    manifest: Path | None  # the partition's manifest (one output per group)
     seconds: float  # the whole run
     # First chunk handed out to last chunk done: imports, tokenizer loading and the merge excluded (the
-    # workers' own start is in: it runs in parallel with the first chunks).
+    # processes' own start is in: it runs in parallel with the first chunks).
     tokenize_seconds: float
     processed_tokens: int  # tokenized in this run, excluding reused parts
     processed_bytes: int
@@ -235,18 +237,18 @@ def part_prefix(parts_dir: Path, chunk: Chunk) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Worker side: one chunk per task.
+# The pool's side (each of the --processes processes): one chunk per task.
 
-_worker: dict = {}
+_process: dict = {}
 
 
-def _init_worker(config: PreprocessConfig, progress_queue) -> None:
-    # Workers must not die on the parent's Ctrl-C before the parent can report it.
+def _init_process(config: PreprocessConfig, progress_queue) -> None:
+    # The processes must not die on the parent's Ctrl-C before the parent can report it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per process
     tokenizer = load_tokenizer(config.tokenizer_model, config.tokenizer_type)
     kill_at = os.environ.get(KILL_HOOK_ENV)
-    _worker.update(
+    _process.update(
         config=config,
         tokenizer=tokenizer,
         dtype=token_dtype(tokenizer.vocab_size),
@@ -256,8 +258,8 @@ def _init_worker(config: PreprocessConfig, progress_queue) -> None:
 
 
 def _tokenize_chunk(chunk: Chunk, payload: bytes | None, fingerprint: str, prefix: str) -> ChunkStats:
-    config: PreprocessConfig = _worker["config"]
-    tokenizer = _worker["tokenizer"]
+    config: PreprocessConfig = _process["config"]
+    tokenizer = _process["tokenizer"]
     manifest_path_ = Path(f"{prefix}.json")
     # A manifest left from different arguments must not vouch for the files about to be replaced.
     manifest_path_.unlink(missing_ok=True)
@@ -270,7 +272,7 @@ def _tokenize_chunk(chunk: Chunk, payload: bytes | None, fingerprint: str, prefi
         stats.record_bad(record)
 
     bin_tmp, idx_tmp = f"{prefix}.bin.tmp", f"{prefix}.idx.tmp"
-    writer = DocumentWriter(bin_tmp, _worker["dtype"])
+    writer = DocumentWriter(bin_tmp, _process["dtype"])
     reported = ChunkStats()
     data = load_chunk(chunk, payload, config.max_document_bytes, on_bad)
     stats.records = count_records(chunk, data)
@@ -290,8 +292,9 @@ def _tokenize_chunk(chunk: Chunk, payload: bytes | None, fingerprint: str, prefi
         stats.documents, stats.tokens, stats.max_token_id = writer.documents, writer.tokens, writer.max_token_id
         if stats.documents // PROGRESS_EVERY_DOCUMENTS > documents_before // PROGRESS_EVERY_DOCUMENTS:
             _report_progress(stats, reported)
-        kill_at = _worker["kill_at"]
-        if kill_at and kill_at[:2] == (chunk.shard, chunk.index) and documents_before < kill_at[2] <= stats.documents:
+        kill_at = _process["kill_at"]
+        if (kill_at and kill_at[:2] == (chunk.file_index, chunk.index)
+                and documents_before < kill_at[2] <= stats.documents):
             os.kill(os.getpid(), signal.SIGKILL)
 
     for document in chunk_documents(chunk, data, config.json_key, config.max_document_bytes, on_bad):
@@ -319,7 +322,7 @@ def _tokenize_chunk(chunk: Chunk, payload: bytes | None, fingerprint: str, prefi
 
 
 def _report_progress(stats: ChunkStats, reported: ChunkStats) -> None:
-    _worker["progress"].put(stats.tokens - reported.tokens)
+    _process["progress"].put(stats.tokens - reported.tokens)
     reported.tokens = stats.tokens
 
 
@@ -327,23 +330,29 @@ def _report_progress(stats: ChunkStats, reported: ChunkStats) -> None:
 # Parent side: plan, resume, hand out, write each group's files.
 
 
-def shard_fingerprint(shard: Path, run_identity: dict, chunk_bytes: int) -> str:
-    """Everything a shard's parts depend on; a change in any of them redoes the shard."""
-    stat = shard.stat()
-    identity = {**run_identity, "shard": str(shard), "shard_size": stat.st_size,
+# The fingerprints hash their identity's keys as first spelled ("shard", "bucket", "shards_per_file", ...): the same
+# inputs and options keep their fingerprints across the renames, so a run started before one still resumes.
+
+
+def file_fingerprint(path: Path, run_identity: dict, chunk_bytes: int) -> str:
+    """Everything an input file's parts depend on; a change in any of them redoes the file."""
+    stat = path.stat()
+    identity = {**run_identity, "shard": str(path), "shard_size": stat.st_size,
                 "shard_mtime_ns": stat.st_mtime_ns, "chunk_bytes": chunk_bytes}
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
-def chunk_fingerprint(shard_fingerprint_: str, chunk: Chunk) -> str:
-    return hashlib.sha256(f"{shard_fingerprint_}:{chunk.index}:{chunk.start}:{chunk.stop}".encode()).hexdigest()
+def chunk_fingerprint(file_fingerprint_: str, chunk: Chunk) -> str:
+    return hashlib.sha256(f"{file_fingerprint_}:{chunk.index}:{chunk.start}:{chunk.stop}".encode()).hexdigest()
 
 
-def group_fingerprint(output_identity: dict, listing: Listing, group: ShardGroup) -> str:
+def group_fingerprint(output_identity: dict, listing: Listing, group: InputGroup) -> str:
     """Everything a group's files depend on (chunking aside: it does not change them)."""
-    shards = [[listing.shards[p].name, listing.shards[p].size, listing.shards[p].path.stat().st_mtime_ns]
-              for p in group.shards]
-    identity = {**output_identity, "group": group.index, "bucket": group.bucket, "shards": shards}
+    files = [[listing.files[p].name, listing.files[p].size, listing.files[p].path.stat().st_mtime_ns]
+             for p in group.input_files]
+    first_spelling = {{"input_files_per_output": "shards_per_file"}.get(key, key): value
+                      for key, value in output_identity.items()}
+    identity = {**first_spelling, "group": group.index, "bucket": group.subset, "shards": files}
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
@@ -362,16 +371,16 @@ def completed_chunk_stats(parts_dir: Path, chunk: Chunk, fingerprint: str) -> Ch
 
 
 class _ChunkDispatcher:
-    """Hands chunks to the worker pool, a bounded number at a time, and reports each finished one."""
+    """Hands chunks to the process pool, a bounded number at a time, and reports each finished one."""
 
     def __init__(self, config: PreprocessConfig, on_done: Callable[[Chunk, ChunkStats], None],
                  progress: ProgressLine):
-        # fork: workers inherit the already-imported megatron and tokenizer modules for free.
+        # fork: the processes inherit the already-imported megatron and tokenizer modules for free.
         context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
         self._progress_queue = context.Queue()
-        self._pool = ProcessPoolExecutor(max_workers=config.workers, mp_context=context,
-                                         initializer=_init_worker, initargs=(config, self._progress_queue))
-        self._max_in_flight = CHUNKS_IN_FLIGHT_PER_WORKER * config.workers
+        self._pool = ProcessPoolExecutor(max_workers=config.processes, mp_context=context,
+                                         initializer=_init_process, initargs=(config, self._progress_queue))
+        self._max_in_flight = CHUNKS_IN_FLIGHT_PER_PROCESS * config.processes
         self._in_flight: dict[Future, Chunk] = {}
         self._on_done = on_done
         self._progress = progress
@@ -412,14 +421,14 @@ class _ChunkDispatcher:
 @dataclass
 class _GroupWork:
     output: GroupOutput
-    plans: list[ShardPlan] = field(default_factory=list)
+    plans: list[InputFilePlan] = field(default_factory=list)
     stats: dict[tuple[int, int], ChunkStats] = field(default_factory=dict)
     pending: int = 0  # chunks handed out and not yet done
     planned: bool = False
 
 
 class _Preprocess:
-    """One run (or partition): its shard groups planned, tokenized and written, group by group."""
+    """One run (or partition): its input groups planned, tokenized and written, group by group."""
 
     def __init__(self, config: PreprocessConfig):
         self.config = config
@@ -430,30 +439,30 @@ class _Preprocess:
         self.part_identity = {"version": PART_FORMAT_VERSION, "tokenizer_sha256": self.tokenizer_hash,
                               "json_key": config.json_key, "append_eod": config.append_eod,
                               "dtype": np.dtype(self.dtype).name, "max_document_bytes": config.max_document_bytes}
-        self.output_identity = {**self.part_identity, "shards_per_file": config.shards_per_file or 1,
+        self.output_identity = {**self.part_identity, "input_files_per_output": config.input_files_per_output or 1,
                                 "max_tokens_per_file": config.max_tokens_per_file}
-        if config.sharded:
-            groups = plan_groups(self.listing, config.shards_per_file or 1)
+        if config.output_per_group:
+            groups = plan_groups(self.listing, config.input_files_per_output or 1)
             self.partition = config.partition or Partition(0, 1, "the whole input")
             self.groups = assign_groups(groups, self.partition.count)[self.partition.index]
         else:
-            everything = tuple(range(len(self.listing.shards)))
-            self.groups = [ShardGroup(0, "", everything, sum(shard.size for shard in self.listing.shards))]
+            everything = tuple(range(len(self.listing.files)))
+            self.groups = [InputGroup(0, "", everything, sum(file.size for file in self.listing.files))]
             self.partition = None
         self.manifest: PartitionManifest | None = None
-        self.records: dict[int, GroupRecord] = {}  # finished groups (sharded output)
-        self.buckets: dict[str, BucketStats] = {}
+        self.records: dict[int, GroupRecord] = {}  # finished groups (one output per group)
+        self.subsets: dict[str, SubsetStats] = {}
         self.files: list[str] = []
         self.max_token_id = -1
         self.chunks = self.reused_chunks = self.reused_groups = 0
-        self._work_of_shard: dict[int, _GroupWork] = {}
-        self._shards_done: set[int] = set()
+        self._work_of_file: dict[int, _GroupWork] = {}
+        self._files_done: set[int] = set()
         label = f"partition {self.partition}: " if config.partition else ""
-        self.progress = ProgressLine(label, sum(len(group.shards) for group in self.groups),
+        self.progress = ProgressLine(label, sum(len(group.input_files) for group in self.groups),
                                      sum(group.size for group in self.groups))
 
-    def output_of(self, group: ShardGroup) -> GroupOutput:
-        if not self.config.sharded:
+    def output_of(self, group: InputGroup) -> GroupOutput:
+        if not self.config.output_per_group:
             return GroupOutput(group, self.config.output_prefix, pieces=False)
         return GroupOutput(group, f"{self.config.output_prefix}_{group.index:06d}",
                            pieces=self.config.max_tokens_per_file is not None)
@@ -461,7 +470,7 @@ class _Preprocess:
     def run(self) -> PreprocessSummary:
         start = time.monotonic()
         Path(self.config.output_prefix).parent.mkdir(parents=True, exist_ok=True)
-        if self.config.sharded:
+        if self.config.output_per_group:
             self._open_manifest()
         with _ChunkDispatcher(self.config, self._chunk_done, self.progress) as dispatcher:
             for group in self.groups:
@@ -479,104 +488,105 @@ class _Preprocess:
             self.manifest.complete = True
             manifest_file = self._write_manifest()
         self.progress.print()
-        totals = BucketStats()
-        for stats in self.buckets.values():
+        totals = SubsetStats()
+        for stats in self.subsets.values():
             totals.add(stats)
         if totals.documents == 0 and self.groups:
-            where = (f"; {manifest_file} records its shards as covered" if manifest_file
+            where = (f"; {manifest_file} records its input files as covered" if manifest_file
                      else f"; nothing was written to {self.config.dataset_prefix}")
-            raise NoDocumentsError(f"no document written: every record of the {totals.shards} shard(s) was empty or "
-                                   f"bad (see the bad records above){where}")
+            raise NoDocumentsError(f"no document written: every record of the {totals.input_files} input file(s) was "
+                                   f"empty or bad (see the bad records above){where}")
         return PreprocessSummary(
-            shards=totals.shards, chunks=self.chunks, reused_chunks=self.reused_chunks,
+            input_files=totals.input_files, chunks=self.chunks, reused_chunks=self.reused_chunks,
             reused_groups=self.reused_groups, documents=totals.documents, tokens=totals.tokens,
             max_token_id=self.max_token_id, empty_documents=totals.empty_documents,
-            bad_records=totals.dropped_records, bad_by_kind=totals.dropped, buckets=self.buckets, files=self.files,
+            bad_records=totals.dropped_records, bad_by_kind=totals.dropped, subsets=self.subsets, files=self.files,
             manifest=manifest_file, seconds=time.monotonic() - start, tokenize_seconds=tokenize_seconds,
             processed_tokens=sum(s.tokens for s in new_stats), processed_bytes=sum(s.input_bytes for s in new_stats))
 
     # -- planning and handing out
 
-    def _plan_group(self, group: ShardGroup, dispatcher: _ChunkDispatcher) -> None:
+    def _plan_group(self, group: InputGroup, dispatcher: _ChunkDispatcher) -> None:
         work = _GroupWork(self.output_of(group))
         parts_dir = work.output.parts_dir
         parts_dir.mkdir(parents=True, exist_ok=True)
-        for shard in group.shards:
-            path = self.listing.shards[shard].path
+        _rename_format_1_parts(parts_dir)
+        for file_index in group.input_files:
+            path = self.listing.files[file_index].path
             chunk_bytes = chunk_bytes_for(path, self.config.chunk_bytes)
-            plan = ShardPlan(shard, path, shard_fingerprint(path, self.part_identity, chunk_bytes))
+            plan = InputFilePlan(file_index, path, file_fingerprint(path, self.part_identity, chunk_bytes))
             work.plans.append(plan)
-            self._work_of_shard[shard] = work
-            finished = _reuse_finished_shard(parts_dir, plan)
+            self._work_of_file[file_index] = work
+            finished = _reuse_finished_file(parts_dir, plan)
             if finished is not None:
                 work.stats.update(finished)
                 self.chunks += len(finished)
                 self.reused_chunks += len(finished)
                 plan.planned = True
-                self._shard_finished(work, plan)
+                self._file_finished(work, plan)
                 continue
-            for chunk, payload in plan_chunks(shard, path, chunk_bytes, self.config.json_key,
+            for chunk, payload in plan_chunks(file_index, path, chunk_bytes, self.config.json_key,
                                               self.config.max_document_bytes,
-                                              functools.partial(_shard_problem, self.config, plan)):
+                                              functools.partial(_file_problem, self.config, plan)):
                 plan.chunks.append(chunk)
                 self.chunks += 1
                 fingerprint = chunk_fingerprint(plan.fingerprint, chunk)
                 previous = completed_chunk_stats(parts_dir, chunk, fingerprint)
                 if previous is not None:
-                    work.stats[(shard, chunk.index)] = previous
+                    work.stats[(file_index, chunk.index)] = previous
                     self.reused_chunks += 1
                 else:
                     work.pending += 1
                     dispatcher.submit(chunk, payload, fingerprint, part_prefix(parts_dir, chunk))
-            _write_shard_manifest(parts_dir, plan)
+            _write_file_plan(parts_dir, plan)
             plan.planned = True
-            self._shard_finished(work, plan)
+            self._file_finished(work, plan)
         work.planned = True
         if work.pending == 0:
             self._finish_group(work)
 
     def _chunk_done(self, chunk: Chunk, stats: ChunkStats) -> None:
-        work = self._work_of_shard[chunk.shard]
-        work.stats[(chunk.shard, chunk.index)] = stats
+        work = self._work_of_file[chunk.file_index]
+        work.stats[(chunk.file_index, chunk.index)] = stats
         work.pending -= 1
-        self._shard_finished(work, next(plan for plan in work.plans if plan.shard == chunk.shard))
+        self._file_finished(work, next(plan for plan in work.plans if plan.file_index == chunk.file_index))
         if work.planned and work.pending == 0:
             self._finish_group(work)  # at once: its parts go, and the manifest records it for a resume
 
-    def _shard_finished(self, work: _GroupWork, plan: ShardPlan) -> None:
-        """Count the shard as done for the progress line once it is planned whole and all its chunks are in."""
-        if plan.planned and plan.shard not in self._shards_done and all(
-                (plan.shard, chunk.index) in work.stats for chunk in plan.chunks):
-            self._shards_done.add(plan.shard)
-            self.progress.shard_done(self.listing.shards[plan.shard].size)
+    def _file_finished(self, work: _GroupWork, plan: InputFilePlan) -> None:
+        """Count the input file as done for the progress line once it is planned whole and all its chunks are in."""
+        if plan.planned and plan.file_index not in self._files_done and all(
+                (plan.file_index, chunk.index) in work.stats for chunk in plan.chunks):
+            self._files_done.add(plan.file_index)
+            self.progress.file_done(self.listing.files[plan.file_index].size)
 
     # -- writing a finished group
 
     def _finish_group(self, work: _GroupWork) -> None:
         group = work.output.group
-        group_stats = BucketStats()
+        group_stats = SubsetStats()
         for plan in work.plans:
-            shard_stats = _account_shard(plan, [work.stats[(plan.shard, chunk.index)] for chunk in plan.chunks])
-            self.buckets.setdefault(self.listing.shards[plan.shard].bucket, BucketStats()).add(shard_stats)
-            group_stats.add(shard_stats)
+            file_stats = _account_file(plan, [work.stats[(plan.file_index, chunk.index)] for chunk in plan.chunks])
+            self.subsets.setdefault(self.listing.files[plan.file_index].subset, SubsetStats()).add(file_stats)
+            group_stats.add(file_stats)
         written = group_stats.documents > 0
         files = self._write_files(work) if written else []
         if not self.config.keep_parts:
             shutil.rmtree(work.output.parts_dir, ignore_errors=True)
-        if not self.config.sharded and not written:
+        if not self.config.output_per_group and not written:
             return  # run() reports it; nothing is written
         if self.manifest is not None:
             self.records[group.index] = GroupRecord(
-                group.index, group.bucket, [self.listing.shards[p].name for p in group.shards],
+                group.index, group.subset, [self.listing.files[p].name for p in group.input_files],
                 group_fingerprint(self.output_identity, self.listing, group), files, group_stats)
             self.manifest.groups = [self.records[index] for index in sorted(self.records)]
             self._write_manifest()
 
     def _write_files(self, work: _GroupWork) -> list[OutputFile]:
-        chunks = [(plan.shard, chunk) for plan in work.plans for chunk in plan.chunks]
-        prefixes = [part_prefix(work.output.parts_dir, chunk) for _, chunk in chunks]
-        lengths = [document_lengths(prefix) if work.stats[(shard, chunk.index)].documents else np.zeros(0, np.int64)
-                   for prefix, (shard, chunk) in zip(prefixes, chunks)]
+        chunks = [chunk for plan in work.plans for chunk in plan.chunks]
+        prefixes = [part_prefix(work.output.parts_dir, chunk) for chunk in chunks]
+        lengths = [document_lengths(prefix) if work.stats[(chunk.file_index, chunk.index)].documents
+                   else np.zeros(0, np.int64) for prefix, chunk in zip(prefixes, chunks)]
         files = []
         for piece, ranges in enumerate(plan_files(lengths, self.config.max_tokens_per_file)):
             dataset_prefix = work.output.dataset_prefix(piece)
@@ -624,11 +634,11 @@ class _Preprocess:
                     continue
                 self.records[record.index] = record
                 self.reused_groups += 1
-                self.buckets.setdefault(record.bucket, BucketStats()).add(record.stats)
+                self.subsets.setdefault(record.subset, SubsetStats()).add(record.stats)
                 self.files += [str(path.parent / output.name) for output in record.files]
                 self.max_token_id = max([self.max_token_id, *(output.max_token_id for output in record.files)])
-                for shard in group.shards:
-                    self.progress.shard_done(self.listing.shards[shard].size, reused=True)
+                for file_index in group.input_files:
+                    self.progress.file_done(self.listing.files[file_index].size, reused=True)
         if self.reused_groups:
             print(f"resuming: partition {self.partition} reuses {self.reused_groups} finished group(s) of "
                   f"{len(self.groups)}", file=sys.stderr)
@@ -637,7 +647,7 @@ class _Preprocess:
 
 
 def run_preprocess(config: PreprocessConfig) -> PreprocessSummary:
-    """Tokenize all shards (of this partition) and write the indexed datasets. Raises on errors (see main)."""
+    """Tokenize all input files (of this partition) and write the indexed datasets. Raises on errors (see main)."""
     return _Preprocess(config).run()
 
 
@@ -656,50 +666,57 @@ def _publish(writer: DocumentWriter, dataset_prefix: str) -> None:
     fsync_dir(Path(final_idx).parent)
 
 
-def _shard_problem(config: PreprocessConfig, plan: ShardPlan, record: BadRecord) -> None:
+def _file_problem(config: PreprocessConfig, plan: InputFilePlan, record: BadRecord) -> None:
     if config.strict:
         raise StrictModeError(f"bad record (--strict): {record}")
     plan.problems.append(record)
 
 
-def _shard_manifest_path(parts_dir: Path, shard: int) -> Path:
-    return parts_dir / f"shard-{shard:05d}.json"
+def _file_plan_path(parts_dir: Path, file_index: int) -> Path:
+    return parts_dir / f"input-{file_index:05d}.json"
 
 
-def _write_shard_manifest(parts_dir: Path, plan: ShardPlan) -> None:
-    """The shard's full chunk plan: with it, a rerun that finds every chunk done need not read the shard."""
+def _rename_format_1_parts(parts_dir: Path) -> None:
+    """Give the parts of a run interrupted before input files were called so (`shard-00001-chunk-00002.bin`,
+    `shard-00001.json`) today's names, so that the rerun reuses them."""
+    for path in parts_dir.glob("shard-*"):
+        path.rename(parts_dir / ("input-" + path.name.removeprefix("shard-")))
+
+
+def _write_file_plan(parts_dir: Path, plan: InputFilePlan) -> None:
+    """The input file's full chunk plan: with it, a rerun that finds every chunk done need not read the file."""
     manifest = {
         "fingerprint": plan.fingerprint,
         "chunks": [[chunk.start, chunk.stop, chunk.records_before] for chunk in plan.chunks],
         "problems": [[record.line, record.kind, record.detail] for record in plan.problems],
     }
-    write_text_durably(_shard_manifest_path(parts_dir, plan.shard), json.dumps(manifest))
+    write_text_durably(_file_plan_path(parts_dir, plan.file_index), json.dumps(manifest))
 
 
-def _reuse_finished_shard(parts_dir: Path, plan: ShardPlan) -> dict | None:
-    """The stats of every chunk when an earlier run finished the whole shard (filling `plan`), else None."""
+def _reuse_finished_file(parts_dir: Path, plan: InputFilePlan) -> dict | None:
+    """The stats of every chunk when an earlier run finished the whole input file (filling `plan`), else None."""
     try:
-        manifest = json.loads(_shard_manifest_path(parts_dir, plan.shard).read_text())
+        manifest = json.loads(_file_plan_path(parts_dir, plan.file_index).read_text())
     except (OSError, ValueError):
         return None
     if manifest.get("fingerprint") != plan.fingerprint:
         return None
-    chunks = [Chunk(plan.shard, index, plan.path, start, stop, before)
+    chunks = [Chunk(plan.file_index, index, plan.path, start, stop, before)
               for index, (start, stop, before) in enumerate(manifest["chunks"])]
     finished = {}
     for chunk in chunks:
         previous = completed_chunk_stats(parts_dir, chunk, chunk_fingerprint(plan.fingerprint, chunk))
         if previous is None:
             return None
-        finished[(plan.shard, chunk.index)] = previous
+        finished[(plan.file_index, chunk.index)] = previous
     plan.chunks = chunks
     plan.problems = [BadRecord(str(plan.path), line, kind, detail) for line, kind, detail in manifest["problems"]]
     return finished
 
 
-def _account_shard(plan: ShardPlan, chunk_stats: list[ChunkStats]) -> BucketStats:
-    """Print the shard's first bad records with their line in the shard; return its counts."""
-    stats = BucketStats(shards=1)
+def _account_file(plan: InputFilePlan, chunk_stats: list[ChunkStats]) -> SubsetStats:
+    """Print the input file's first bad records with their line in the file; return its counts."""
+    stats = SubsetStats(input_files=1)
     records: list[BadRecord] = list(plan.problems)
     lines_before = well_formed = 0
     for chunk in chunk_stats:
@@ -715,13 +732,13 @@ def _account_shard(plan: ShardPlan, chunk_stats: list[ChunkStats]) -> BucketStat
     for record in plan.problems:
         stats.dropped[record.kind] = stats.dropped.get(record.kind, 0) + 1
     if well_formed == 0 and not any(record.line == 0 for record in plan.problems):
-        records.append(BadRecord(str(plan.path), 0, "empty_shard", "shard holds no document"))
-        stats.dropped["empty_shard"] = stats.dropped.get("empty_shard", 0) + 1
+        records.append(BadRecord(str(plan.path), 0, "empty_file", "the file holds no document"))
+        stats.dropped["empty_file"] = stats.dropped.get("empty_file", 0) + 1
     records.sort(key=lambda record: record.line)
-    for record in records[:BAD_RECORDS_REPORTED_PER_SHARD]:
+    for record in records[:BAD_RECORDS_REPORTED_PER_FILE]:
         print(f"bad record: {record}", file=sys.stderr)
-    if stats.dropped_records > BAD_RECORDS_REPORTED_PER_SHARD:
-        print(f"bad record: ... and {stats.dropped_records - BAD_RECORDS_REPORTED_PER_SHARD} more in {plan.path}",
+    if stats.dropped_records > BAD_RECORDS_REPORTED_PER_FILE:
+        print(f"bad record: ... and {stats.dropped_records - BAD_RECORDS_REPORTED_PER_FILE} more in {plan.path}",
               file=sys.stderr)
     return stats
 
@@ -747,12 +764,12 @@ def _fsync_file(path: str | Path) -> None:
 class MergeSummary:
     partitions: int
     entries: list[BlendEntry]
-    buckets: dict[str, BucketStats]
+    subsets: dict[str, SubsetStats]
     multipliers: dict[str, float]
 
 
 def run_merge(config: MergeConfig) -> MergeSummary:
-    """Check that the partitions' manifests cover every shard exactly once; write the blend."""
+    """Check that the partitions' manifests cover every input file exactly once; write the blend."""
     paths = []
     for pattern in config.manifests:
         matches = sorted(glob.glob(pattern)) or ([pattern] if Path(pattern).exists() else [])
@@ -761,16 +778,17 @@ def run_merge(config: MergeConfig) -> MergeSummary:
         paths += [Path(match) for match in matches]
     manifests = {path: read_manifest(path) for path in dict.fromkeys(paths)}
     groups = check_coverage(manifests)
-    buckets = bucket_totals([covered.record for covered in groups])
-    weights = parse_bucket_weights(config.bucket_weights) if config.bucket_weights else {}
-    multipliers = bucket_multipliers(buckets, weights)
-    entries = [BlendEntry(output.tokens * multipliers[covered.record.bucket], str((covered.folder / output.name).resolve()))
-               for covered in groups for output in covered.record.files if multipliers[covered.record.bucket] > 0]
+    subsets = subset_totals([covered.record for covered in groups])
+    weights = parse_subset_weights(config.subset_weights) if config.subset_weights else {}
+    multipliers = subset_multipliers(subsets, weights)
+    entries = [BlendEntry(output.tokens * multipliers[covered.record.subset],
+                          str((covered.folder / output.name).resolve()))
+               for covered in groups for output in covered.record.files if multipliers[covered.record.subset] > 0]
     if not entries:
         raise ManifestError("the blend would be empty: no partition wrote a document"
-                            + (" in a bucket of weight > 0" if weights else ""))
+                            + (" in a subset of weight > 0" if weights else ""))
     write_data_args(config.data_args_path, entries)
-    return MergeSummary(len(manifests), entries, buckets, multipliers)
+    return MergeSummary(len(manifests), entries, subsets, multipliers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -780,10 +798,10 @@ def run_merge(config: MergeConfig) -> MergeSummary:
 def parse_args(argv: Sequence[str] | None = None) -> PreprocessConfig | MergeConfig:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+",
-                        help="shard files, dirs (searched recursively) or globs: "
+                        help="input files, dirs (searched recursively) or globs: "
                              ".jsonl.zstd .jsonl.zst .jsonl.gz .jsonl .parquet")
-    parser.add_argument("--output-prefix", help="writes PREFIX_text_document.bin/.idx/.meta.json "
-                                                "(sharded: PREFIX_000123_text_document..., and a manifest)")
+    parser.add_argument("--output-prefix", help="writes PREFIX_text_document.bin/.idx/.meta.json (one output per "
+                                                "input group: PREFIX_000123_text_document..., and a manifest)")
     parser.add_argument("--tokenizer-model", type=Path,
                         help="SentencePiece .model, Hugging Face tokenizer.json, or a folder holding a tokenizer.json")
     parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES,
@@ -795,32 +813,34 @@ def parse_args(argv: Sequence[str] | None = None) -> PreprocessConfig | MergeCon
                         help="end every document with the end-of-document token (the default here; "
                              "accepted for Megatron's scripts, where it is off by default)")
     parser.add_argument("--no-append-eod", dest="append_eod", action="store_false")
-    parser.add_argument("--workers", type=int, default=1,
-                        help="tokenizing processes; they share the chunks of every shard, big or small")
+    parser.add_argument("--processes", "--workers", type=int, default=1,
+                        help="tokenizing processes; they share the chunks of every input file, big or small "
+                             "(--workers: Megatron's spelling)")
     parser.add_argument("--chunk-mb", type=float,
-                        help="chunk size in MB of uncompressed text (default: 1/64 of each shard, 1-256 MiB)")
+                        help="chunk size in MB of uncompressed text (default: 1/64 of each input file, 1-256 MiB)")
     parser.add_argument("--max-document-bytes", type=int, default=DEFAULT_MAX_DOCUMENT_BYTES,
                         help="drop (as a bad record) a JSON line or parquet text longer than this many bytes, "
                              "without holding it (default: %(default)s)")
     parser.add_argument("--strict", action="store_true", help="fail on the first bad record")
     parser.add_argument("--keep-parts", action="store_true", help="keep the per-chunk parts after merging")
-    sharding = parser.add_argument_group("sharded output, split across machines")
-    sharding.add_argument("--partition", metavar="I/N",
-                          help="process the I-th (0-based) of N shares of the input (default inside a Slurm array "
-                               "job: its SLURM_ARRAY_TASK_ID among the array's tasks)")
-    sharding.add_argument("--shards-per-file", type=int,
-                          help="input shards (of one bucket) per output file (default 1 when sharded)")
-    sharding.add_argument("--max-tokens-per-file", type=int,
-                          help="cut each output file at document boundaries to at most this many tokens (a group's "
-                                "last file, if under half of it, shares the documents of the one before evenly)")
+    per_group = parser.add_argument_group("one output per group of input files, split across machines")
+    per_group.add_argument("--partition", metavar="I/N",
+                           help="process the I-th (0-based) of N shares of the input (default inside a Slurm array "
+                                "job: its SLURM_ARRAY_TASK_ID among the array's tasks)")
+    per_group.add_argument("--input-files-per-output", "--shards-per-file", type=int,
+                           help="input files (of one subset) per output (default 1; --shards-per-file: its "
+                                "former spelling)")
+    per_group.add_argument("--max-tokens-per-file", type=int,
+                           help="cut each output file at document boundaries to at most this many tokens (a group's "
+                                 "last file, if under half of it, shares the documents of the one before evenly)")
     merge = parser.add_argument_group("merging the partitions (reads metadata only)")
     merge.add_argument("--merge-manifests", nargs="+", metavar="MANIFEST",
                        help="the partitions' PREFIX_partition-*-of-*.json files (or globs)")
     merge.add_argument("--data-args-path", type=Path, help="where the merge writes the blend (weights and prefixes, "
                                                            "as the trainer's and Megatron's --data-args-path read it)")
-    merge.add_argument("--bucket-weights", metavar="NAME=W,...|FILE.json",
-                       help="multiply the token-count weight of each bucket matching NAME (a folder such as "
-                            "quality=high, or its value high) by W")
+    merge.add_argument("--subset-weights", "--bucket-weights", metavar="NAME=W,...|FILE.json",
+                       help="multiply the token-count weight of each subset matching NAME (a folder such as "
+                            "quality=high, or its value high) by W (--bucket-weights: its former spelling)")
     args = parser.parse_args(argv)
     if args.merge_manifests:
         if not args.data_args_path:
@@ -828,21 +848,21 @@ def parse_args(argv: Sequence[str] | None = None) -> PreprocessConfig | MergeCon
         given = [flag for flag in ("input", "output_prefix", "tokenizer_model", "partition") if getattr(args, flag)]
         if given:
             parser.error(f"--merge-manifests reads manifests only; drop --{given[0].replace('_', '-')}")
-        return MergeConfig(tuple(args.merge_manifests), args.data_args_path, args.bucket_weights)
+        return MergeConfig(tuple(args.merge_manifests), args.data_args_path, args.subset_weights)
     missing = [flag for flag in ("input", "output_prefix", "tokenizer_model") if not getattr(args, flag)]
     if missing:
         parser.error(f"the following arguments are required: --{missing[0].replace('_', '-')}")
-    if args.data_args_path or args.bucket_weights:
-        parser.error("--data-args-path and --bucket-weights belong to --merge-manifests")
-    if args.workers < 1:
-        parser.error("--workers must be at least 1")
+    if args.data_args_path or args.subset_weights:
+        parser.error("--data-args-path and --subset-weights belong to --merge-manifests")
+    if args.processes < 1:
+        parser.error("--processes must be at least 1")
     if args.json_keys is not None and len(args.json_keys) != 1:
         parser.error(f"--json-keys takes one key here (every document is one field), got {args.json_keys}")
     if args.chunk_mb is not None and args.chunk_mb <= 0:
         parser.error("--chunk-mb must be positive")
     if args.max_document_bytes < 1:
         parser.error("--max-document-bytes must be at least 1")
-    for flag in ("shards_per_file", "max_tokens_per_file"):
+    for flag in ("input_files_per_output", "max_tokens_per_file"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     try:
@@ -856,12 +876,12 @@ def parse_args(argv: Sequence[str] | None = None) -> PreprocessConfig | MergeCon
         tokenizer_type=args.tokenizer_type,
         json_key=args.json_keys[0] if args.json_keys else args.json_key,
         append_eod=args.append_eod,
-        workers=args.workers,
+        processes=args.processes,
         strict=args.strict,
         keep_parts=args.keep_parts,
         chunk_bytes=None if args.chunk_mb is None else max(1, int(args.chunk_mb * 1e6)),
         partition=partition,
-        shards_per_file=args.shards_per_file,
+        input_files_per_output=args.input_files_per_output,
         max_tokens_per_file=args.max_tokens_per_file,
         max_document_bytes=args.max_document_bytes,
     )
@@ -880,18 +900,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"preprocess_data: error: {error}", file=sys.stderr)
         return 1
     except BrokenProcessPool:
-        print("preprocess_data: error: a worker process died; rerun the same command to resume",
+        print("preprocess_data: error: a tokenizing process died; rerun the same command to resume",
               file=sys.stderr)
         return 1
     bad = ", ".join(f"{kind}={count}" for kind, count in sorted(summary.bad_by_kind.items())) or "none"
     print(
-        f"done: shards={summary.shards} chunks={summary.chunks} (reused {summary.reused_chunks}) "
+        f"done: input_files={summary.input_files} chunks={summary.chunks} (reused {summary.reused_chunks}) "
         f"documents={summary.documents} tokens={summary.tokens} max_token_id={summary.max_token_id} "
         f"empty_documents={summary.empty_documents} bad_records={summary.bad_records} ({bad}) "
         f"seconds={summary.seconds:.2f} tokens/s={summary.tokens_per_second:.0f} MB/s={summary.megabytes_per_second:.2f}"
     )
-    for bucket, stats in sorted(summary.buckets.items()):
-        print(f"bucket {bucket or '(all)'}: {stats.describe()}")
+    for subset, stats in sorted(summary.subsets.items()):
+        print(f"subset {subset or '(all)'}: {stats.describe()}")
     if summary.manifest is None:
         print(f"wrote {config.dataset_prefix}.bin, .idx and .meta.json")
     else:
@@ -905,15 +925,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _print_merge(config: MergeConfig, summary: MergeSummary) -> None:
     total_weight = sum(entry.weight for entry in summary.entries)
-    weight_of = {bucket: summary.multipliers[bucket] * stats.tokens for bucket, stats in summary.buckets.items()}
-    for bucket, stats in sorted(summary.buckets.items()):
-        print(f"bucket {bucket or '(all)'}: {stats.describe()} weight x{summary.multipliers[bucket]:g} "
-              f"share {100 * weight_of[bucket] / total_weight:.2f}%")
-    totals = BucketStats()
-    for stats in summary.buckets.values():
+    weight_of = {subset: summary.multipliers[subset] * stats.tokens for subset, stats in summary.subsets.items()}
+    for subset, stats in sorted(summary.subsets.items()):
+        print(f"subset {subset or '(all)'}: {stats.describe()} weight x{summary.multipliers[subset]:g} "
+              f"share {100 * weight_of[subset] / total_weight:.2f}%")
+    totals = SubsetStats()
+    for stats in summary.subsets.values():
         totals.add(stats)
     print(f"merged {summary.partitions} partition(s): {totals.describe()}")
-    print(f"wrote {config.data_args_path}: {len(summary.entries)} prefixes weighted by tokens x bucket weight "
+    print(f"wrote {config.data_args_path}: {len(summary.entries)} prefixes weighted by tokens x subset weight "
           f"(use it as --data-args-path)")
 
 

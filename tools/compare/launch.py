@@ -42,13 +42,13 @@ def files_sha256(root: Path, paths: list[Path]) -> str:
 
 def prepare_data(corpus: Path, work: Path) -> Data:
     """A tokenizer (vocab VOCAB_SIZE) trained on the corpus's train/ split and both splits tokenized
-    under `work` (a corpus in Nemotron-CC layout: DIR/train and DIR/valid), once per content of the
+    under `work` (a corpus in Nemotron-CC form: DIR/train and DIR/valid), once per content of the
     corpus: `work/source.sha256`, written last, says what the files were prepared from, so a corpus
     that changed, or a preparation that was cut short, is prepared again from nothing."""
     splits = ("train", "valid")
     for split in splits:
         if not (corpus / split).is_dir():
-            raise SystemExit(f"--corpus {corpus}: no {corpus / split} (Nemotron-CC layout: train/ and valid/)")
+            raise SystemExit(f"--corpus {corpus}: no {corpus / split} (in Nemotron-CC form: train/ and valid/)")
     source = files_sha256(corpus, sorted(p for split in splits for p in (corpus / split).rglob("*") if p.is_file()))
     tokenizer, stamp = work / "tok.model", work / "source.sha256"
     data_prefixes = {split: work / f"{split}_text_document" for split in splits}
@@ -59,7 +59,7 @@ def prepare_data(corpus: Path, work: Path) -> Data:
                      str(VOCAB_SIZE), "--output-prefix", str(tokenizer.with_suffix(""))])
         for split, prefix in data_prefixes.items():
             _check_call([sys.executable, "tools/preprocess_data.py", "--input", str(corpus / split),
-                         "--output-prefix", str(work / split), "--tokenizer-model", str(tokenizer), "--workers", "2"])
+                         "--output-prefix", str(work / split), "--tokenizer-model", str(tokenizer), "--processes", "2"])
         stamp.write_text(source)
     read = [tokenizer, *(Path(f"{prefix}{suffix}") for prefix in data_prefixes.values() for suffix in (".bin", ".idx"))]
     return Data(str(data_prefixes["train"]), str(data_prefixes["valid"]), ("--tokenizer-model", str(tokenizer)),

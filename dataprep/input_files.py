@@ -1,8 +1,9 @@
-"""Streaming reader for pretraining corpus shards (Nemotron-CC layout and similar).
+"""Streaming reader for a pretraining corpus's input files (Nemotron-CC's and similar).
 
-Finds shards from globs/dirs and turns their records (JSON lines, parquet rows) into documents, never
-holding a whole shard, or more than --max-document-bytes of one record, in memory. Bad records are handed to a callback with file and line so that one
-broken line never costs its good neighbours; a shard that cannot be read at all is one bad record.
+Finds input files from globs/dirs and turns their records (JSON lines, parquet rows) into documents, never
+holding a whole file, or more than --max-document-bytes of one record, in memory. Bad records are handed to a
+callback with file and line so that one broken line never costs its good neighbours; an input file that cannot be
+read at all is one bad record.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import zstandard
 from dataprep.long_lines import LineLimit
 
 # Nemotron-CC v1 ships zstd JSONL, v2 parquet; the others are common in the wild.
-SHARD_SUFFIXES = (".jsonl.zstd", ".jsonl.zst", ".jsonl.gz", ".jsonl", ".parquet")
+INPUT_SUFFIXES = (".jsonl.zstd", ".jsonl.zst", ".jsonl.gz", ".jsonl", ".parquet")
 
 _READ_CHUNK_BYTES = 1 << 20
 # A zstd block inflates to at most 128 KiB from 4 bytes, so this much input gives at most 32 MiB of output
@@ -36,7 +37,7 @@ class NoInputMatchedError(ValueError):
 
 
 class TruncatedStreamError(EOFError):
-    """A compressed shard ends in the middle of a frame."""
+    """A compressed input file ends in the middle of a frame."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ def has_suffix(path: Path | str, suffixes: Sequence[str]) -> bool:
     return str(path).endswith(tuple(suffixes))
 
 
-def resolve_inputs(patterns: Iterable[str], suffixes: Sequence[str] = SHARD_SUFFIXES) -> list[Path]:
+def resolve_inputs(patterns: Iterable[str], suffixes: Sequence[str] = INPUT_SUFFIXES) -> list[Path]:
     """Expand files, dirs (searched recursively) and globs into a sorted, de-duplicated list.
 
     Raises NoInputMatchedError naming the first pattern that yields no usable file, so a typo
@@ -97,7 +98,7 @@ def is_compressed(path: Path | str) -> bool:
 
 def read_documents(path: Path, json_key: str, on_bad: OnBadRecord,
                    max_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES) -> Iterator[Document]:
-    """Yield every well-formed document of one shard; report everything else to `on_bad`."""
+    """Yield every well-formed document of one input file; report everything else to `on_bad`."""
     records = functools.partial(_parquet_documents if is_parquet(path) else _jsonl_documents, max_bytes=max_bytes)
     unreadable = False
 
@@ -111,7 +112,7 @@ def read_documents(path: Path, json_key: str, on_bad: OnBadRecord,
         count += 1
         yield document
     if count == 0 and not unreadable:
-        on_bad(BadRecord(str(path), 0, "empty_shard", "shard holds no document"))
+        on_bad(BadRecord(str(path), 0, "empty_file", "the file holds no document"))
 
 
 def _jsonl_documents(path: Path, json_key: str, on_bad: OnBadRecord, max_bytes: int) -> Iterator[Document]:
@@ -136,7 +137,7 @@ def line_limit(path: Path, max_bytes: int, on_bad: OnBadRecord) -> LineLimit:
 
 
 def read_line_blocks(path: Path, min_bytes: int, max_line_bytes: int, on_bad: OnBadRecord) -> Iterator[bytes]:
-    """The (decompressed) bytes of a JSONL shard in blocks of whole lines, each ending at the first
+    """The (decompressed) bytes of a JSONL input file in blocks of whole lines, each ending at the first
     newline at or after `min_bytes` (the last block: at the end of the stream). The cut points depend
     only on the content and `min_bytes`, so a rerun cuts the same blocks. A line longer than
     `max_line_bytes` is reported and left empty (streamed past, never held).
@@ -162,7 +163,7 @@ def read_line_blocks(path: Path, min_bytes: int, max_line_bytes: int, on_bad: On
         # gzip raises EOFError, our zstd reader TruncatedStreamError (an EOFError), corrupt data
         # ZstdError or BadGzipFile. The partial last line is dropped with the damage.
         if produced == 0:
-            on_bad(BadRecord(str(path), 0, "unreadable_shard", f"cannot read the file ({error})"))
+            on_bad(BadRecord(str(path), 0, "unreadable_file", f"cannot read the file ({error})"))
             return
         if buffer:  # whole lines only: the partial last one stays in the limit, dropped
             lines += count_lines(bytes(buffer))
@@ -177,9 +178,9 @@ def read_line_blocks(path: Path, min_bytes: int, max_line_bytes: int, on_bad: On
 def documents_in_lines(
     path: Path, block: bytes, first_line: int, json_key: str, on_bad: OnBadRecord
 ) -> Iterator[Document]:
-    """The documents of a block of whole JSON lines whose first line is line `first_line` of the shard."""
+    """The documents of a block of whole JSON lines whose first line is line `first_line` of the file."""
     # Lines stay bytes until each is decoded on its own: one invalid byte sequence must not poison the
-    # rest of the shard, as a TextIOWrapper would.
+    # rest of the file, as a TextIOWrapper would.
     for line_number, raw in enumerate(io.BytesIO(block), start=first_line):
         if not raw.strip():
             continue
@@ -230,14 +231,14 @@ def _has_lone_surrogate(text: str) -> bool:
 
 
 def open_parquet(path: Path, column: str, on_bad: OnBadRecord):
-    """The shard's pyarrow ParquetFile, or None (reported) when it is no parquet file or lacks the column."""
+    """The input file's pyarrow ParquetFile, or None (reported) when it is no parquet file or lacks the column."""
     import pyarrow
     import pyarrow.parquet as pq
 
     try:
         parquet = pq.ParquetFile(path)
     except (pyarrow.ArrowException, OSError) as error:
-        on_bad(BadRecord(str(path), 0, "unreadable_shard", f"not a readable parquet file ({error})"))
+        on_bad(BadRecord(str(path), 0, "unreadable_file", f"not a readable parquet file ({error})"))
         return None
     if column not in parquet.schema_arrow.names:
         on_bad(BadRecord(str(path), 0, "missing_column",
@@ -255,7 +256,7 @@ def open_parquet_metadata(path: Path):
 def parquet_row_group_documents(
     path: Path, parquet, groups: range, first_row: int, column: str, max_bytes: int, on_bad: OnBadRecord
 ) -> Iterator[Document]:
-    """The documents of row groups `groups`, whose first row is row `first_row` (1-based) of the shard."""
+    """The documents of row groups `groups`, whose first row is row `first_row` (1-based) of the file."""
     row = first_row - 1
     for group in groups:
         for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, row_groups=[group], columns=[column]):
