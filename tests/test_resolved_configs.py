@@ -7,7 +7,8 @@ final_sync, on by default: a run whose last step is not a sync step now ends wit
 elastic block for quorum_request_timeout_s, a new setting: a quorum request unanswered that long is
 asked again; every muon block for ns_form, new, `auto`, and momentum_dtype, new, `float32`; every muloco
 block for emulate_slowdown and pace, new settings whose defaults leave a run as it was: no emulated
-slowdown, fixed-H syncs). A
+slowdown, fixed-H syncs; every compression block for granularity, new, `row`, and topk_value_bits, new,
+32: the codec as it was). A
 changed default or a value that takes another path shows up here as a changed run. The comparison's
 configs/compare/ are generated from the recipe and checked against it (tests/test_compare_configs.py)."""
 import dataclasses
