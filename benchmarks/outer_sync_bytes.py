@@ -31,6 +31,15 @@ COMPRESSIONS = {
     "statistical 2-bit + EF": {"method": "statistical", "bits": 2, "error_feedback": True},
     "linear 4-bit + EF": {"method": "linear", "bits": 4, "error_feedback": True},
     "top-2% + EF": {"method": "topk", "topk_fraction": 0.02, "error_feedback": True},
+    # The codec at the paper's settings (issue 44): per row and per tensor, and SparseLoCo's form.
+    "statistical 4-bit": {"method": "statistical", "bits": 4},
+    "statistical 2-bit + EF per tensor": {"method": "statistical", "bits": 2, "error_feedback": True,
+                                          "granularity": "tensor"},
+    "linear 2-bit + EF": {"method": "linear", "bits": 2, "error_feedback": True},
+    "linear 2-bit + EF per tensor": {"method": "linear", "bits": 2, "error_feedback": True, "granularity": "tensor"},
+    **{f"SparseLoCo {percent}% + 2-bit + EF": {"method": "topk", "topk_fraction": percent / 100, "topk_value_bits": 2,
+                                              "granularity": "tensor", "error_feedback": True}
+       for percent in (1.5, 2, 3)},
 }
 COLLECTIVES = ("all_gather", "reduce_scatter")
 
@@ -125,13 +134,13 @@ def main() -> None:
     widths = CompressionConfig(**group_bits(args))
     print(f"model {args.model}, H = {args.sync_interval}, embeddings/head at {widths.embedding_bits} bits, "
           f"1-D tensors at {widths.vector_bits} bits (32 = fp32)", flush=True)
-    print(f"{'K':>2} {'compression':<24} {'collective':<15} {'MB/rank/sync':>13} {'DP MB/rank/H':>13} "
+    print(f"{'K':>2} {'compression':<34} {'collective':<15} {'MB/rank/sync':>13} {'DP MB/rank/H':>13} "
           f"{'DP/outer':>9} {'rel. error':>10} {'sync s':>7}", flush=True)
     rows = []
     for K in args.workers:  # each K's rows as soon as its launch is done
         rows += launch(args, K)
         for r in rows[-len(args.compressions) * len(COLLECTIVES):]:
-            print(f"{r['K']:>2} {r['compression']:<24} {r['collective']:<15} {r['bytes_per_rank_per_sync'] / 1e6:>13.2f} "
+            print(f"{r['K']:>2} {r['compression']:<34} {r['collective']:<15} {r['bytes_per_rank_per_sync'] / 1e6:>13.2f} "
                   f"{r['dp_bytes_per_rank_per_H_steps'] / 1e6:>13.1f} {r['dp_over_outer']:>9.1f} "
                   f"{r['compression_error']:>10.3f} {r['sync_seconds']:>7.2f}", flush=True)
     print(f"parameters: {rows[0]['parameters']:,}")

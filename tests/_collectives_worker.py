@@ -28,6 +28,8 @@ CONFIGS = [
     CompressionConfig(method="linear", bits=2, zstd=True),
     CompressionConfig(method="topk", topk_fraction=0.1, error_feedback=True),
     CompressionConfig(method="topk", topk_fraction=0.25, zstd=True),
+    CompressionConfig(method="linear", bits=2, error_feedback=True, granularity="tensor"),
+    CompressionConfig(method="topk", topk_fraction=0.1, topk_value_bits=2, granularity="tensor", error_feedback=True),
 ]
 OUTER_STEPS = 2  # the second step exercises the error-feedback state
 HEADER_BYTES = 16  # a skip-vote ballot's size

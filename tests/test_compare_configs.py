@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tools.compare.launch import Data, trainer_flags, with_job_secret
-from tools.compare.methods import BY_NAME, METHOD_ORDER
+from tools.compare.methods import BY_NAME, EVERY_MATRIX, METHOD_ORDER, PAPER_GROUPS
 from tools.compare.protocol import RunSpec, Settings
 from tools.write_compare_configs import compare_ds_config
 from trainer.config import build_parser, resolve
@@ -21,6 +21,7 @@ CONFIGS = {p.stem: json.loads(p.read_text()) for p in sorted(CONFIG_DIR.glob("*.
 SETTINGS = Settings()
 # The authors' tuned outer (lr, momentum): MuLoCo K=1, DiLoCo K=1, and every K > 1.
 PAPER_OUTER = {("muon", 1): (0.7, 0.6), ("adamw", 1): (0.7, 0.8)}
+BYTES_GOAL = ("muloco_k8_stat2ef_emb2", "muloco_k8_sparseloco")  # every matrix compressed (claims g1, g2)
 
 
 def _differences(a, b, path="") -> set[str]:
@@ -59,8 +60,10 @@ def test_config_follows_the_papers_recipe(name):
     assert block["nesterov"] and block["sync_interval"] == 30
     compression = block["compression"]
     if compression["method"] != "none":  # the paper's codec: fp32 embeddings, head and norms; official forms
-        assert (compression["embedding_bits"], compression["vector_bits"]) == (32, 32)
-        assert compression["error_feedback"] == (compression["bits"] == 2)
+        groups = EVERY_MATRIX if name in BYTES_GOAL else PAPER_GROUPS
+        assert (compression["embedding_bits"], compression["vector_bits"]) == tuple(groups.values())
+        bits = compression["topk_value_bits"] if compression["method"] == "topk" else compression["bits"]
+        assert compression["error_feedback"] == (bits == 2)
         if compression["error_feedback"]:
             assert (compression["ef_form"], compression["ef_beta"]) == ("paper", 0.9)
         if compression["method"] == "statistical":

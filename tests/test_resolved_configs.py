@@ -8,7 +8,8 @@ elastic block for quorum_request_timeout_s, a new setting: a quorum request unan
 asked again; every muon block for ns_form, new, `auto`, and momentum_dtype, new, `float32`; every muloco
 block for emulate_slowdown and pace, new settings whose defaults leave a run as it was: no emulated
 slowdown, fixed-H syncs; every elastic block for min_workers, new, absent: min(2, K), which refuses a
-quorum of one worker that the run before it took). A
+quorum of one worker that the run before it took; every compression block for granularity, new, `row`,
+and topk_value_bits, new, 32: the codec as it was). A
 changed default or a value that takes another path shows up here as a changed run. The comparison's
 configs/compare/ are generated from the recipe and checked against it (tests/test_compare_configs.py)."""
 import dataclasses

@@ -51,7 +51,7 @@ def compare_ds_config(m: MethodSpec, settings: Settings = Settings()) -> dict:
         "steps_per_print": 1000000,
     }
     if m.workers is not None:
-        config["muloco"] = muloco_block(r, settings.sync_interval, m.compression or {"method": "none"}, "all_gather")
+        config["muloco"] = muloco_block(r, settings.sync_interval, m.compression or {"method": "none"}, m.collective)
     return config
 
 

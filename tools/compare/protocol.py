@@ -140,9 +140,14 @@ class Method:
     def compression(self) -> str:
         if self.ds.muloco is None or self.ds.muloco.compression.method == "none":
             return "none"
-        c = self.ds.muloco.compression
-        return f"{c.method} {c.bits}-bit (emb {c.embedding_bits}, 1-D {c.vector_bits})" + (" + EF" if c.error_feedback
-                                                                                           else "")
+        muloco = self.ds.muloco
+        c = muloco.compression
+        codec = (f"top-{c.topk_fraction:.0%} ({c.topk_value_bits}-bit values)" if c.method == "topk" else
+                 f"{c.method} {c.bits}-bit")
+        groups = "" if c.granularity == "row" else f" per {c.granularity}"
+        collective = "" if muloco.collective == "all_gather" else f", {muloco.collective}"
+        return (f"{codec}{groups} (emb {c.embedding_bits}, 1-D {c.vector_bits})" + (" + EF" if c.error_feedback else "")
+                + collective)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,13 @@
 """Pseudogradient compression for the DiLoCo outer sync.
 
-Every quantizer works on ROWS: each tensor is handed as (rows, columns) whose rows are the
-quantization groups (rows of a column-parallel weight, the transpose of a row-parallel one), so each
-row is a vector one tensor-parallel rank holds whole and the result does not depend on the TP degree.
-A 1-D tensor is a single row; a tensor of more dimensions is viewed as (shape[0], rest).
+Every quantizer works on GROUPS, by default ROWS: each tensor is handed as (rows, columns) whose rows
+are the quantization groups (rows of a column-parallel weight, the transpose of a row-parallel one),
+so each row is a vector one tensor-parallel rank holds whole and the result does not depend on the TP
+degree. A 1-D tensor is a single row; a tensor of more dimensions is viewed as (shape[0], rest). With
+`granularity` "tensor" each tensor of a payload is one group: its (rows, columns) block is coded as
+one row of rows*columns, so the wire format below holds with R = the tensors of the bucket. A
+payload may carry part of a tensor (a reduce-scatter chunk: rows/K of each; a TP rank: its shard),
+and then that part is the group.
 
 The codec works on a BUCKET: many tensors flattened one after another into one fp32 buffer,
 described by its layout, a tuple of (rows, columns) blocks. Consecutive blocks of equal width are one
@@ -15,7 +19,8 @@ Which config a tensor is sent with depends on its group (`compression_group`): m
 embeddings and the output head at `embedding_bits`, 1-D tensors at `vector_bits`; 32 means fp32.
 
 Wire format of a bucket (no header: both sides know the layout and the config). Sections in this
-order, R = rows of the bucket, N = its elements; numbers little-endian:
+order, R = groups of the bucket (rows; tensors with granularity "tensor"), N = its elements; numbers
+little-endian:
 
   none         fp32 values                                            4*N bytes
   statistical  fp32 row means [R], fp32 row sigmas [R],               8*R + 2*R*2**b + ceil(N*b/8)
@@ -23,9 +28,13 @@ order, R = rows of the bucket, N = its elements; numbers little-endian:
                codes packed b bits each
   linear       fp32 row minima [R], fp32 row maxima [R],              8*R + ceil(N*b/8)
                codes packed b bits each
-  topk         fp32 kept values [R, k] of every run, then per run     4*sum(R*k) + sum ceil(R*k*w/8)
+  topk         the kept values [R, k] of every run, then per run         V + sum ceil(R*k*w/8)
                column indices [R, k] packed w = max(1, bit_length(C-1)) bits each,
-               ascending within a row; k = min(C, ceil(fraction*C))
+               ascending within a group; k = min(C, ceil(fraction*C)), C = its width.
+               The kept values: fp32 (topk_value_bits 32, V = 4*sum(R*k)), or the
+               statistical section of the kept values, each group's k values a row
+               (V = 8*R + 2*R*2**v + ceil(sum(R*k)*v/8) at v = topk_value_bits;
+               SparseLoCo's form at v = 2)
 
 With `zstd` the payload is the zstd frame of those bytes, so its size depends on the data.
 
@@ -36,8 +45,10 @@ raises PayloadError, which the receiver turns into a rejection of that sender.
 
 At 8 bits the statistical quantizer's 256 bins are fine enough that their centres replace the
 codebook, which would otherwise cost more than the codes on rows shorter than 1024. Top-k values are
-sent in fp32 so the kept entries arrive exactly: top-k only drops, and error feedback carries exactly
-what was dropped.
+sent in fp32 by default so the kept entries arrive exactly: top-k only drops, and error feedback
+carries exactly what was dropped; with quantized values it also carries their rounding. A group's k
+values are few (k = 3 of a 128-wide row at 2%), too few to pay for a quantizer's 16-byte row
+statistics, so quantized values go with granularity "tensor".
 
 Two choices exist in two forms, this trainer's (the defaults) and the official MuLoCo code's:
 - `statistical_rounding`: "centred" tiles [-3 sigma, 3 sigma) with 2**b equal bins symmetric about
@@ -58,7 +69,7 @@ from typing import Sequence
 import torch
 import zstandard
 
-from trainer.diloco.config import CompressionConfig, StatisticalRounding
+from trainer.diloco.config import FP32_BITS, CompressionConfig, Granularity, StatisticalRounding
 
 # The statistical quantizer's bins cover mean +- this many standard deviations.
 STATISTICAL_HALF_RANGE_SIGMAS = 3.0
@@ -143,6 +154,14 @@ def rows_shape(shape: Sequence[int]) -> tuple[int, int]:
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """The (rows, columns) fp32 view the quantizers work on."""
     return x.float().reshape(rows_shape(x.shape))
+
+
+def groups_of(layout: Layout, granularity: Granularity) -> Layout:
+    """The layout as the quantizer's groups: the rows themselves, or each block as one row (an empty
+    block as no row)."""
+    if granularity == "row":
+        return layout
+    return tuple((1, rows * cols) if rows * cols else (0, 0) for rows, cols in layout)
 
 
 def runs_of(layout: Layout) -> list[tuple[int, int]]:
@@ -353,11 +372,13 @@ class _Linear:
 
 
 class _TopK:
-    """Per row: the k largest-magnitude entries (fp32) and their column indices."""
+    """Per row: the k largest-magnitude entries and their column indices; the kept values go through
+    `values` (a row codec over the [R, k] kept matrices: fp32, or a quantizer)."""
     row_separable = False  # each matrix's indices are packed on their own (byte-padded)
 
-    def __init__(self, fraction: float):
+    def __init__(self, fraction: float, values: _Raw | _Statistical):
         self.fraction = fraction
+        self.values = values
 
     def kept(self, n_cols: int) -> int:
         return min(n_cols, math.ceil(self.fraction * n_cols))
@@ -366,28 +387,30 @@ class _TopK:
     def index_bits(n_cols: int) -> int:
         return max(1, (n_cols - 1).bit_length())
 
+    def _kept_runs(self, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        return [(rows, self.kept(cols)) for rows, cols in runs]
+
     def encode(self, mats: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        values, indices, decoded = [], [], []
-        for rows in mats:
-            n_cols = rows.shape[1]
-            index = rows.abs().topk(self.kept(n_cols), dim=1, sorted=False).indices.sort(dim=1).values
-            kept = torch.gather(rows, 1, index)
-            values.append(_bytes(kept)), indices.append(pack_bits(index, self.index_bits(n_cols)))
-            decoded.append(torch.zeros_like(rows).scatter_(1, index, kept))
+        index = [m.abs().topk(self.kept(m.shape[1]), dim=1, sorted=False).indices.sort(dim=1).values for m in mats]
+        values, kept = self.values.encode([torch.gather(m, 1, i) for m, i in zip(mats, index)])
+        indices = [pack_bits(i, self.index_bits(m.shape[1])) for m, i in zip(mats, index)]
+        decoded = [torch.zeros_like(m).scatter_(1, i, k.view(i.shape)) for m, i, k in zip(mats, index, kept)]
         return values + indices, decoded
 
     def decode(self, reader: _ByteReader, runs: list[tuple[int, int]]) -> torch.Tensor:
-        kept = [reader.values(torch.float32, rows * self.kept(cols)).view(rows, self.kept(cols)) for rows, cols in runs]
+        kept_runs = self._kept_runs(runs)
+        kept = self.values.decode(reader, kept_runs).split([r * k for r, k in kept_runs])
         out = []
-        for (rows, cols), values in zip(runs, kept):
-            index = reader.packed(self.index_bits(cols), values.numel()).view(values.shape)
+        for (rows, cols), (_, k), values in zip(runs, kept_runs, kept):
+            index = reader.packed(self.index_bits(cols), rows * k).view(rows, k)
             if index.numel() and int(index.max()) >= cols:  # checked here: out of range it would fault a GPU
                 raise PayloadError(f"top-k payload holds a column index beyond its row of {cols}")
-            out.append(torch.zeros(rows, cols, device=values.device).scatter_(1, index, values).reshape(-1))
+            out.append(torch.zeros(rows, cols, device=values.device).scatter_(1, index, values.view(rows, k)).reshape(-1))
         return torch.cat(out) if out else torch.zeros(0, device=reader.data.device)
 
     def nbytes(self, runs: list[tuple[int, int]]) -> int:
-        return sum(4 * r * self.kept(c) + math.ceil(r * self.kept(c) * self.index_bits(c) / 8) for r, c in runs)
+        return self.values.nbytes(self._kept_runs(runs)) + sum(
+            math.ceil(r * self.kept(c) * self.index_bits(c) / 8) for r, c in runs)
 
 
 def _run_codec(config: CompressionConfig):
@@ -396,7 +419,9 @@ def _run_codec(config: CompressionConfig):
     if config.method == "linear":
         return _Linear(config.bits)
     if config.method == "topk":
-        return _TopK(config.topk_fraction)
+        values = _Raw() if config.topk_value_bits == FP32_BITS else _Statistical(config.topk_value_bits,
+                                                                                config.statistical_rounding)
+        return _TopK(config.topk_fraction, values)
     return _Raw()
 
 
@@ -410,8 +435,11 @@ class Compressor:
         self.config = config
         self._runs = _run_codec(config)
 
+    def _runs_of(self, layout: Layout) -> list[tuple[int, int]]:
+        return runs_of(groups_of(layout, self.config.granularity))
+
     def encode_bucket(self, flat: torch.Tensor, layout: Layout) -> Encoded:
-        mats = _run_matrices(flat.float(), runs_of(layout))
+        mats = _run_matrices(flat.float(), self._runs_of(layout))
         sections, decoded = self._runs.encode(_row_blocks(mats) if self._runs.row_separable else mats)
         data = torch.cat(sections) if sections else torch.empty(0, dtype=torch.uint8, device=flat.device)
         flat_decoded = torch.cat([d.reshape(-1) for d in decoded]) if decoded else flat.float()
@@ -420,7 +448,7 @@ class Compressor:
     def decode_bucket(self, data: torch.Tensor, layout: Layout) -> torch.Tensor:
         """The fp32 buffer a payload encodes; PayloadError for anything that is not a payload of
         this layout (it may come from anyone)."""
-        runs = runs_of(layout)
+        runs = self._runs_of(layout)
         expected = self._runs.nbytes(runs)
         if self.config.zstd:
             data = _zstd_decompress(data, expected)
@@ -430,11 +458,11 @@ class Compressor:
 
     def bucket_nbytes(self, layout: Layout) -> int | None:
         """Bytes of a bucket's payload; None when zstd makes it data-dependent."""
-        return None if self.config.zstd else self._runs.nbytes(runs_of(layout))
+        return None if self.config.zstd else self._runs.nbytes(self._runs_of(layout))
 
     def max_bucket_nbytes(self, layout: Layout) -> int:
         """The most bytes a valid payload of this layout can have (a zstd frame: zstd's bound)."""
-        raw = self._runs.nbytes(runs_of(layout))
+        raw = self._runs.nbytes(self._runs_of(layout))
         return _zstd_bound(raw) if self.config.zstd else raw
 
     # One tensor: a bucket of one block.

@@ -39,6 +39,7 @@ FP32_BITS = 32  # a group width meaning "sent uncompressed"
 GroupBits = Literal[2, 4, 8, 32]
 EFForm = Literal["plain", "paper"]
 StatisticalRounding = Literal["centred", "paper"]
+Granularity = Literal["row", "tensor"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,13 @@ class CompressionConfig(ConfigBlock):
     # uncompressed validation loss in results/compression_groups.md (the paper sends them in fp32).
     embedding_bits: GroupBits = setting(4, doc="bits of the embeddings and the head; 32: sent in fp32 (the paper's)")
     vector_bits: GroupBits = setting(4, doc="bits of the 1-D tensors (norms); 32: sent in fp32 (the paper's)")
-    topk_fraction: float = setting(0.02, gt=0, le=1, doc="fraction of each row topk keeps (sent in fp32)")
+    granularity: Granularity = setting(
+        "row", doc="the groups the codec works on: each `row` (one min/max, mean/sigma or top-k per row), or each "
+                   "`tensor` whole (per tensor: the part of it one payload carries, rows/K of it under "
+                   "`reduce_scatter`, a tensor-parallel rank's shard)")
+    topk_fraction: float = setting(0.02, gt=0, le=1, doc="fraction of each group topk keeps")
+    topk_value_bits: GroupBits = setting(32, doc="topk: the kept values in fp32 (32), or quantized statistically "
+                                                 "over each group's kept values (2: SparseLoCo's form)")
     error_feedback: bool = setting(False, doc="carry what a payload did not send into the next sync")
     ef_form: EFForm = setting("plain", doc="`plain` e = beta e + delta, or `paper` e = beta e + outer_lr delta "
                                            "(the official code's)")
