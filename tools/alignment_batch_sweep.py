@@ -62,12 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     runs_file = RecordFile(args.out / corpus / RUNS, RunRecord)
     records = RecordFile(args.out / corpus / RECORDS, BatchAlignmentRecord)
     failures: list[str] = []
+    # The comparison's records may carry another digest of the same data (its tokenizer file once held the
+    # path it was prepared at); each DP rerun here must reproduce its recorded loss (batch_sweep._start_states).
+    runs = runs_file.load(corpus, None, settings.protocol(), hashes)
     if args.report_only:
-        runs = runs_file.load(corpus, None, settings.protocol(), hashes)
-        done = records.load(corpus, next((r.data_sha256 for r in runs.values()), None), settings.protocol(), hashes)
+        done = records.load(corpus, None, settings.protocol(), hashes)
     else:
         data = prepare_data(corpus_dir, args.work_dir / corpus / "data")
-        runs = runs_file.load(corpus, data.sha256, settings.protocol(), hashes)
         done = records.load(corpus, data.sha256, settings.protocol(), hashes)
         work = args.work_dir / corpus / f"steps{settings.steps}_h{settings.sync_interval}_b{settings.global_batch}"
         # The comparison's work directory and files (its DP reruns here are not recorded again).

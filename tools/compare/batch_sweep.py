@@ -58,11 +58,19 @@ class Plan:
                                            self.methods.index(k.method)))
 
 
+# How far a DP rerun's final val loss may lie from its record: bit for bit on one CPU, 3e-6 seen across
+# machines; more says the rerun is not the recorded run (other data, code or settings).
+RERUN_TOLERANCE = 1e-4
+
+
 def _start_states(dp: Method, dp_spec: RunSpec, ctx: Context, runs: dict[RunSpec, RunRecord]) -> None:
-    """The DP run again, keeping its start states; it must reproduce its record (the same start states
-    as the comparison's alignment)."""
+    """The DP run again, keeping its start states; it must reproduce its record, which makes them the
+    start states of the comparison's alignment (and shows the data is the records' data)."""
     rerun = execute_run(dp, Launch(dp_spec, start_states=True), ctx)
     recorded = runs[dp_spec].final_val_loss
+    if abs(rerun.final_val_loss - recorded) > RERUN_TOLERANCE:
+        raise RuntimeError(f"{dp_spec.name} reran to val loss {rerun.final_val_loss:.6f}, recorded {recorded:.6f}: "
+                           "not the comparison's run")
     if rerun.final_val_loss != recorded:
         print(f"warning: {dp_spec.name} reran to val loss {rerun.final_val_loss:.6f}, recorded {recorded:.6f}",
               file=sys.stderr, flush=True)

@@ -56,8 +56,10 @@ def prepare_data(corpus: Path, work: Path) -> Data:
     if not (stamp.exists() and stamp.read_text() == source):
         shutil.rmtree(work, ignore_errors=True)  # derived files only: made again below
         work.mkdir(parents=True)
+        # Trained in `work` under a relative name: the model file holds its output prefix, and the digest
+        # of the prepared data must not depend on where it was prepared.
         _check_call([sys.executable, "-m", "tokenizer.train", "--input", str(corpus / "train"), "--vocab-size",
-                     str(VOCAB_SIZE), "--output-prefix", str(tokenizer.with_suffix(""))])
+                     str(VOCAB_SIZE), "--output-prefix", tokenizer.stem], cwd=work)
         for split, prefix in data_prefixes.items():
             _check_call([sys.executable, "tools/preprocess_data.py", "--input", str(corpus / split),
                          "--output-prefix", str(work / split), "--tokenizer-model", str(tokenizer), "--workers", "2"])
@@ -71,8 +73,8 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
-def _check_call(command: list[str]) -> None:
-    subprocess.run(command, cwd=REPO, env=_env(), check=True, stdout=subprocess.DEVNULL)
+def _check_call(command: list[str], cwd: Path = REPO) -> None:
+    subprocess.run(command, cwd=cwd, env=_env(), check=True, stdout=subprocess.DEVNULL)
 
 
 class _Ports:
