@@ -166,6 +166,25 @@ def test_the_sweep_resumes_from_its_records_and_stops_at_its_budget(tmp_path, mo
     assert run_sweep(plan, ctx, runs, done, records, Budget(1)) == [] and launched == []
 
 
+def test_a_failure_skips_the_measurements_from_its_dp_run_for_the_sitting(tmp_path, monkeypatch):
+    measured: list[str] = []
+
+    def start_states(dp, dp_spec, ctx, runs):
+        if dp.name == "dp_adamw":
+            raise RuntimeError(f"{dp_spec.name} reran to another val loss")
+
+    monkeypatch.setattr(batch_sweep, "_start_states", start_states)
+    monkeypatch.setattr(batch_sweep, "measure", lambda key, *_: measured.append(key.name) or batch_record(
+        key.method, key.per_worker_batch, key.lr_multiplier, key.seed, key.start_step))
+    monkeypatch.setattr(alignment, "has_start_states", lambda root, steps: False)
+    ctx = Context("shakespeare", SETTINGS, None, tmp_path, None, None)
+    plan = Plan((150,), per_worker_batches=(2, 8), lr_multipliers=(1.0,), seeds=(1,))
+    failures = run_sweep(plan, ctx, _selection_runs(), {}, RecordFile(tmp_path / "a.jsonl", BatchAlignmentRecord),
+                         Budget(1))
+    assert failures == ["diloco_k8_bk2_x1_s1_at150: RuntimeError: dp_adamw_lr0.01_s1 reran to another val loss"]
+    assert measured == ["muloco_k8_bk2_x1_s1_at150", "muloco_k8_bk8_x1_s1_at150"]
+
+
 def test_the_sweep_needs_the_comparisons_selection(tmp_path):
     ctx = Context("shakespeare", SETTINGS, None, tmp_path, None, None)
     failures = run_sweep(Plan((150,)), ctx, {}, {}, None, Budget(1))

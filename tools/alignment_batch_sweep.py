@@ -4,7 +4,8 @@ comparison's DP start states, resuming from its records over several sittings.
 
     python tools/alignment_batch_sweep.py [--corpus corpus/shakespeare] [--out results/compare]
         [--deadline-minutes M] [--per-worker-batches 2 8 32 128] [--seeds 1 2 3]
-        [--lr-multipliers 0.5 1 2] [--start-steps 150] [--report-only] [--work-dir runs/compare]
+        [--lr-multipliers 0.5 1 2] [--start-steps 150] [--methods muloco_k8 diloco_k8] [--report-only]
+        [--work-dir runs/compare]
 
 It needs the comparison's records (tools/compare_methods.py) for the selected lrs and the DP runs;
 it appends to <out>/<corpus>/alignment_batch.jsonl and ends by writing alignment_batch.md and
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from tools.compare import alignment
 from tools.compare.batch_report import write
-from tools.compare.batch_sweep import PER_WORKER_BATCHES, Plan, run_sweep
+from tools.compare.batch_sweep import METHODS, PER_WORKER_BATCHES, Plan, run_sweep
 from tools.compare.launch import end_live_launches, prepare_data
 from tools.compare.protocol import DEFAULT_CORPUS, MODEL, REPO, Method, Settings
 from tools.compare.records import AlignmentRecord, BatchAlignmentRecord, RecordFile, RunRecord
@@ -48,14 +50,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr-multipliers", type=float, nargs="+", default=list(alignment.LR_MULTIPLIERS))
     p.add_argument("--start-steps", type=int, nargs="+", default=[starts[len(starts) // 2]],
                    help=f"of the comparison's {' '.join(map(str, starts))} (default: the middle one)")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                   help="measure only these this sitting (the report shows both)")
     p.add_argument("--report-only", action="store_true", help="write the report from the records; run nothing")
     args = p.parse_args(argv)
     if not set(args.start_steps) <= set(starts):
         raise SystemExit(f"--start-steps must be of {starts}, got {args.start_steps}")
     if settings.selection_seed in args.seeds:
         raise SystemExit(f"the selection seed {settings.selection_seed} chose the lrs: it cannot be measured here")
-    plan = Plan(tuple(args.start_steps), per_worker_batches=tuple(args.per_worker_batches),
-                lr_multipliers=tuple(args.lr_multipliers), seeds=tuple(args.seeds))
+    plan = Plan(tuple(args.start_steps), methods=tuple(m for m in METHODS if m in args.methods),
+                per_worker_batches=tuple(args.per_worker_batches), lr_multipliers=tuple(args.lr_multipliers),
+                seeds=tuple(args.seeds))
     corpus_dir = args.corpus.resolve()
     corpus = corpus_dir.name
     hashes = config_hashes()
@@ -83,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                " --per-worker-batches " + " ".join(map(str, plan.per_worker_batches)) + " --seeds "
                + " ".join(map(str, plan.seeds)) + " --lr-multipliers " + " ".join(f"{x:g}" for x in plan.lr_multipliers)
                + " --start-steps " + " ".join(map(str, plan.start_steps)) + " [--deadline-minutes M]")
-    write(args.out / corpus, corpus, done, len(plan.order()), plan.methods[0], plan.methods[1],
-          Method.load(plan.methods[0]).workers, PRESETS[MODEL].seq_length, command)
+    write(args.out / corpus, corpus, done, len(replace(plan, methods=METHODS).order()), *METHODS,
+          Method.load(METHODS[0]).workers, PRESETS[MODEL].seq_length, command)
     for failure in failures:
         print(failure, file=sys.stderr)
     return 1 if failures else 0

@@ -92,7 +92,8 @@ def measure(key: BatchBranchKey, method: Method, chosen: Selection, dp_run: str,
 def run_sweep(plan: Plan, ctx: Context, runs: dict[RunSpec, RunRecord], done: dict[BatchBranchKey, BatchAlignmentRecord],
               records: RecordFile, budget: Budget) -> list[str]:
     """Measure what `plan` asks and `done` lacks, in order, until the budget is spent; `done` gains the
-    new records. Returns the failures (a failure ends the sitting)."""
+    new records. Returns the failures: a failure skips, for the sitting, every measurement from the
+    same DP run."""
     methods = {m: Method.load(m) for m in plan.methods}
     baselines = {m.spec.start_method: Method.load(m.spec.start_method) for m in methods.values()}
     chosen = selected([*methods.values(), *baselines.values()], ctx.settings, runs)
@@ -101,10 +102,14 @@ def run_sweep(plan: Plan, ctx: Context, runs: dict[RunSpec, RunRecord], done: di
         return [f"no selected lr for {', '.join(missing)} in the comparison's records: run tools/compare_methods.py"]
     todo = [k for k in plan.order() if k not in done]
     print(f"[{ctx.corpus}] alignment vs per-worker batch: {len(done)} recorded, {len(todo)} to measure", flush=True)
+    failures: list[str] = []
+    failed_starts: set[str] = set()
     for number, key in enumerate(todo, start=1):
         method = methods[key.method]
         dp = baselines[method.spec.start_method]
         dp_spec = replace(chosen[dp.name].spec, seed=key.seed)
+        if dp_spec.name in failed_starts:
+            continue
         root = start_root(ctx, dp_spec.name)
         try:
             if not alignment.has_start_states(root, alignment.start_steps(ctx.settings)):
@@ -118,10 +123,11 @@ def run_sweep(plan: Plan, ctx: Context, runs: dict[RunSpec, RunRecord], done: di
                 print(f"[{ctx.corpus}] {number}/{len(todo)} {key.name} (B={key.per_worker_batch * method.workers})",
                       flush=True)
                 record = measure(key, method, chosen[method.name], dp_spec.name, ctx)
-        except Exception as err:  # a failed launch, or a checkpoint the measure cannot read
-            message = f"{key.name}: {type(err).__name__}: {err}"
-            print(message, file=sys.stderr, flush=True)
-            return [message]
+        except Exception as err:  # a failed launch, a rerun that is not the recorded run, an unreadable checkpoint
+            failures.append(f"{key.name}: {type(err).__name__}: {err}")
+            print(failures[-1], file=sys.stderr, flush=True)
+            failed_starts.add(dp_spec.name)
+            continue
         records.append(record)
         done[key] = record
         print(f"[{ctx.corpus}]   cosine {record.cosine:.4f}, loss after average {record.loss_after_average:.4f} "
@@ -129,4 +135,4 @@ def run_sweep(plan: Plan, ctx: Context, runs: dict[RunSpec, RunRecord], done: di
         if not any(k not in done and k.seed == key.seed and methods[k.method].spec.start_method == dp.name
                    for k in todo):
             shutil.rmtree(root, ignore_errors=True)  # no planned measurement starts there any more
-    return []
+    return failures
