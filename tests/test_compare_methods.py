@@ -93,12 +93,14 @@ def test_prepared_data_is_made_once_per_content_of_the_corpus(tmp_path, monkeypa
         (corpus / split / "a.jsonl").write_text(f'{{"text": "{split}"}}\n')
     outputs = []
 
-    def fake_step(command):  # the tokenizer and the tokenized splits, each a function of its input
+    def fake_step(command, cwd=REPO):  # the tokenizer and the tokenized splits, each a function of its input
         source, out = (Path(command[command.index(flag) + 1]) for flag in ("--input", "--output-prefix"))
         outputs.append(out.name)
         text = "".join(p.read_text() for p in sorted(source.iterdir()))
-        suffixes = [".model"] if "tokenizer.train" in command else ["_text_document.bin", "_text_document.idx"]
-        for suffix in suffixes:
+        if "tokenizer.train" in command:  # SentencePiece keeps its output prefix, as given, in the model
+            (cwd / f"{out}.model").write_text(text + str(out))
+            return
+        for suffix in ("_text_document.bin", "_text_document.idx"):
             Path(f"{out}{suffix}").write_text(text + suffix)
 
     monkeypatch.setattr(launch, "_check_call", fake_step)

@@ -163,6 +163,7 @@ def test_refusals_name_what_does_not_fit():
         start(worker=2)
     with pytest.raises(CheckpointError, match="global batch is 4 sequences, this run 8"):
         start(batch=8)
+    start(batch=None)  # --load-worker-new-batch: any batch
     with pytest.raises(CheckpointError, match="padded vocabulary 2048"):
         start(_meta(padded_vocab_size=2048))
 
@@ -174,4 +175,14 @@ def test_flag_needs_load():
     args = build_parser().parse_args(["--ds_config", "ds_configs/cpu_tiny_muon.json", "--data-path", "x",
                                       "--load-worker", "0"])
     with pytest.raises(ConfigError, match="^--load-worker needs --load DIR$"):
+        resolve(args, world_size=1)
+
+
+def test_new_batch_needs_load_worker():
+    from trainer.config import build_parser, resolve
+    from trainer.errors import ConfigError
+
+    args = build_parser().parse_args(["--ds_config", "ds_configs/cpu_tiny_muon.json", "--data-path", "x",
+                                      "--load", "ckpt", "--load-worker-new-batch"])
+    with pytest.raises(ConfigError, match="--load-worker-new-batch needs --load-worker W"):
         resolve(args, world_size=1)

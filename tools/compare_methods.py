@@ -41,7 +41,7 @@ DEFAULT_OUT = REPO / "results" / "compare"
 PERFORMANCE_DOC = REPO / "docs" / "performance.md"
 
 
-def _config_hashes() -> dict[str, str]:
+def config_hashes() -> dict[str, str]:
     return {p.stem: Method.load(p.stem).config_sha256 for p in sorted(CONFIG_DIR.glob("*.json"))}
 
 
@@ -72,7 +72,7 @@ def _recorded_settings(corpus: str, runs: dict) -> Settings:
 
 def _report_corpus(out: Path, corpus: str, settings: Settings | None, failures: list[str]) -> CorpusReport:
     runs_file, alignments_file = _record_files(out, corpus)
-    protocol, hashes = None if settings is None else settings.protocol(), _config_hashes()
+    protocol, hashes = None if settings is None else settings.protocol(), config_hashes()
     # Every line of both files must share the first run's data; a sitting checked it against the prepared
     # data before it ran.
     runs = runs_file.load(corpus, None, protocol, hashes)
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--jobs must be >= 1, got {args.jobs}")
     data = prepare_data(corpus_dir, args.work_dir / corpus / "data")
     runs_file, alignments_file = _record_files(args.out, corpus)
-    hashes = _config_hashes()
+    hashes = config_hashes()
     progress = Progress(runs_file.load(corpus, data.sha256, settings.protocol(), hashes),
                         alignments_file.load(corpus, data.sha256, settings.protocol(), hashes))
     work = args.work_dir / corpus / f"steps{settings.steps}_h{settings.sync_interval}_b{settings.global_batch}"

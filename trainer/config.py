@@ -100,6 +100,11 @@ class RunConfig(ConfigBlock):
             "state and RNG are not carried: with a muloco block a new outer loop starts at the loaded weights (e.g. "
             "one worker's H steps with the full global batch, K workers branching from a data-parallel checkpoint, "
             "or one datacenter carrying on alone)")
+    load_worker_new_batch: bool = setting(
+        False, flag="--load-worker-new-batch",
+        doc="with --load-worker: start even where this run's global batch differs from the checkpoint's; the run "
+            "then reads its own data stream from the loaded step x its batch instead of continuing the checkpoint "
+            "run's (the alignment's per-worker-batch sweep branches from one state at several batches)")
     finetune: bool = setting(
         False, flag="--finetune",
         doc="load only the model's weights from --load (worker --load-worker, default 0, resharded to this layout, "
@@ -163,6 +168,8 @@ class RunConfig(ConfigBlock):
             problems.append(("", f"{' and '.join(stops)} save a checkpoint before exiting: give --save DIR"))
         if self.async_save and not self.save:
             problems.append(("--async-save", "needs --save DIR"))
+        if self.load_worker_new_batch and self.load_worker is None:
+            problems.append(("--load-worker-new-batch", "needs --load-worker W"))
         for flag, given in (("--load-worker", self.load_worker is not None), ("--finetune", self.finetune),
                             ("--no-load-optim", not self.load_optim), ("--no-load-rng", not self.load_rng)):
             if given and not self.load:

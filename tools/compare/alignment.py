@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from tools.compare.launch import Data, launch, run_config, trainer_flags
+from tools.compare.launch import Data, launch, read_curves, run_config, trainer_flags
 from tools.compare.protocol import Method, RunSpec, Settings
 from trainer.checkpoint.format import LATEST, CheckpointReader, complete_iterations, iteration_dir
 from trainer.model.sharding import logical_matrices
@@ -105,28 +105,66 @@ def _start_view(run_root: Path, step: int, view: Path) -> Path:
     return view
 
 
+@dataclass(frozen=True)
+class HeldOutLosses:
+    """The functional measure: the val loss on the same held-out sequences of the model after one outer
+    step of outer lr 1 and momentum 0 (the start weights minus Delta_K) and after the K=1 reference's
+    H steps (the start weights minus Delta_1)."""
+    after_average: float
+    after_reference: float
+    sequences: int
+
+
+@dataclass(frozen=True)
+class Measurement:
+    alignment: Comparison
+    losses: HeldOutLosses | None  # only where measure() was asked for them
+
+
 def _run_from(method: Method, spec: RunSpec, settings: Settings, data: Data, view: Path, work: Path,
-              outer_loop: bool) -> Path:
+              outer_loop: bool, held_out: bool) -> Path:
     """H steps of `method` (its K workers, or one worker on the whole batch) from `view`; returns the
-    checkpoint root holding the state after them."""
+    checkpoint root holding the state after them. `held_out`: the branch's one outer step is plain
+    (outer lr 1, momentum 0), and the run evaluates once, after its last step."""
     workers = method.workers if outer_loop else 1
-    flags = [*trainer_flags(spec, settings, data, workers, work, eval_interval=0), "--load", str(view),
-             "--load-worker", "0", "--save", str(work / "ckpt"), "--exit-interval", str(settings.sync_interval)]
-    launch(run_config(method, settings, spec.outer_lr, outer_loop), flags, workers, work, settings.run_timeout_s)
+    flags = [*trainer_flags(spec, settings, data, workers, work, eval_interval=settings.sync_interval if held_out else 0),
+             "--load", str(view), "--load-worker", "0", "--save", str(work / "ckpt"),
+             "--exit-interval", str(settings.sync_interval)]
+    if CheckpointReader(view).meta.global_batch != settings.global_batch:
+        flags.append("--load-worker-new-batch")
+    config = (run_config(method, settings, 1.0, outer_loop, outer_momentum=0.0) if held_out
+              else run_config(method, settings, spec.outer_lr, outer_loop))
+    launch(config, flags, workers, work, settings.run_timeout_s)
     return work / "ckpt"
 
 
+def held_out_sequences(settings: Settings) -> int:
+    """Both runs evaluate E*B sequences (trainer_flags: E*K batches of B/K, or E of B)."""
+    return settings.eval_batches * settings.global_batch
+
+
+def _last_val_loss(run_dir: Path, step: int) -> float:
+    (last,) = [r for r in read_curves(run_dir, 1).val if r[0] == step]
+    return last[1]
+
+
 def measure(method: Method, spec: RunSpec, settings: Settings, data: Data, start_root: Path, start_step: int,
-            work: Path) -> Comparison:
+            work: Path, held_out: bool = False) -> Measurement:
     """The alignment of `method` (at `spec`'s lrs and seed) from the state at `start_step` of the DP
-    run whose checkpoints are under `start_root`."""
+    run whose checkpoints are under `start_root`, at `settings`' global batch (which may differ from
+    the DP run's); `held_out`: also the functional measure (HeldOutLosses), which leaves the cosine as
+    it is (the momentum after the first sync from zero is Delta_K whatever the outer hyperparameters)."""
     end = start_step + settings.sync_interval
     view = _start_view(start_root, start_step, work / "start")
-    branch = _run_from(method, spec, settings, data, view, work / "branch", outer_loop=True)
+    branch = _run_from(method, spec, settings, data, view, work / "branch", outer_loop=True, held_out=held_out)
     averaged = worker0_state(branch, end)["extra"]["muloco"]["momentum"]  # zero before the one sync
-    reference = _run_from(method, spec, settings, data, view, work / "reference", outer_loop=False)
+    reference = _run_from(method, spec, settings, data, view, work / "reference", outer_loop=False, held_out=held_out)
     start = worker0_state(start_root, start_step)["model"]
     finish = worker0_state(reference, end)["model"]
     result = compare(averaged, {n: start[n] - finish[n] for n in start}, CheckpointReader(start_root, start_step).meta.model)
+    losses = None
+    if held_out:
+        losses = HeldOutLosses(_last_val_loss(work / "branch", end), _last_val_loss(work / "reference", end),
+                               held_out_sequences(settings))
     shutil.rmtree(work)  # ~25 MB per rank per checkpoint
-    return result
+    return Measurement(result, losses)

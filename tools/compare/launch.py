@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -55,8 +56,10 @@ def prepare_data(corpus: Path, work: Path) -> Data:
     if not (stamp.exists() and stamp.read_text() == source):
         shutil.rmtree(work, ignore_errors=True)  # derived files only: made again below
         work.mkdir(parents=True)
+        # Trained in `work` under a relative name: the model file holds its output prefix, and the digest
+        # of the prepared data must not depend on where it was prepared.
         _check_call([sys.executable, "-m", "tokenizer.train", "--input", str(corpus / "train"), "--vocab-size",
-                     str(VOCAB_SIZE), "--output-prefix", str(tokenizer.with_suffix(""))])
+                     str(VOCAB_SIZE), "--output-prefix", tokenizer.stem], cwd=work)
         for split, prefix in data_prefixes.items():
             _check_call([sys.executable, "tools/preprocess_data.py", "--input", str(corpus / split),
                          "--output-prefix", str(work / split), "--tokenizer-model", str(tokenizer), "--processes", "2"])
@@ -70,8 +73,8 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
-def _check_call(command: list[str]) -> None:
-    subprocess.run(command, cwd=REPO, env=_env(), check=True, stdout=subprocess.DEVNULL)
+def _check_call(command: list[str], cwd: Path = REPO) -> None:
+    subprocess.run(command, cwd=cwd, env=_env(), check=True, stdout=subprocess.DEVNULL)
 
 
 class _Ports:
@@ -94,6 +97,9 @@ class _Ports:
 
 
 _PORTS = _Ports()
+# Sequences per micro-batch: the per-worker batches of the alignment's batch sweep (up to 1,024 sequences
+# in the K=1 reference) in one micro-batch would hold gigabytes of logits.
+MAX_MICRO_BATCH = 64
 SHARED_MEMORY = Path("/dev/shm")
 _LIVE: set[int] = set()  # process groups of running launches, ended if the tool is interrupted
 
@@ -112,9 +118,11 @@ def _remove_shared_memory(port: int) -> None:
         path.unlink(missing_ok=True)
 
 
-def run_config(method: Method, settings: Settings, outer_lr: float | None, outer_loop: bool = True) -> dict:
-    """The method's ds_config with this run's warm-up, sync interval and outer lr; without the outer
-    loop (`outer_loop` False) it is the one-worker run of the same inner optimizer."""
+def run_config(method: Method, settings: Settings, outer_lr: float | None, outer_loop: bool = True,
+               outer_momentum: float | None = None) -> dict:
+    """The method's ds_config with this run's warm-up, sync interval and outer lr (and outer momentum,
+    where given); without the outer loop (`outer_loop` False) it is the one-worker run of the same
+    inner optimizer."""
     config = json.loads(json.dumps(method.config))
     config["scheduler"]["params"]["warmup_iters"] = settings.warmup
     if not outer_loop:
@@ -122,16 +130,20 @@ def run_config(method: Method, settings: Settings, outer_lr: float | None, outer
     elif "muloco" in config:
         config["muloco"]["sync_interval"] = settings.sync_interval
         config["muloco"]["outer_lr"] = outer_lr
+        if outer_momentum is not None:
+            config["muloco"]["outer_momentum"] = outer_momentum
     return config
 
 
 def trainer_flags(spec: RunSpec, settings: Settings, data: Data, workers: int, run_dir: Path,
                   eval_interval: int) -> list[str]:
     """The trainer's flags shared by a run and its alignment references: the same data, schedule and
-    seed (the seed also fixes the data order), global batch B in one micro-batch of B/K per worker."""
+    seed (the seed also fixes the data order), global batch B, B/K per worker in micro-batches of at
+    most MAX_MICRO_BATCH."""
+    per_worker = settings.global_batch // workers
     return ["--model", MODEL, "--arch", ARCH, "--num-query-groups", str(QUERY_GROUPS), *data.flags(), "--train-iters", str(settings.steps), "--lr", str(spec.inner_lr),
             "--global-batch-size", str(settings.global_batch),
-            "--micro-batch-size", str(settings.global_batch // workers), "--seed", str(spec.seed),
+            "--micro-batch-size", str(math.gcd(per_worker, MAX_MICRO_BATCH)), "--seed", str(spec.seed),
             "--eval-interval", str(eval_interval),
             "--eval-iters", str(settings.eval_batches * workers),  # E*K batches of B/K: E*B sequences
             "--log-interval", str(settings.sync_interval), "--run-dir", str(run_dir)]

@@ -1,6 +1,7 @@
 """The records of finished work, one JSON line each (committed): `<out>/<corpus>/runs.jsonl` for
-training runs, `<out>/<corpus>/alignment.jsonl` for alignment measurements. A rerun skips what is
-recorded, so the protocol completes over several sittings.
+training runs, `<out>/<corpus>/alignment.jsonl` for alignment measurements,
+`<out>/<corpus>/alignment_batch.jsonl` for the alignment's per-worker-batch sweep. A rerun skips what
+is recorded, so the protocol completes over several sittings.
 
 A line is appended whole (one write of the encoded line, then fsync) only after its work finished,
 so a killed sitting leaves no partial line; a line that does not parse, or that misses fields, stops
@@ -87,10 +88,55 @@ class AlignmentRecord:
         return BranchKey(self.method, self.lr_multiplier, self.seed, self.start_step)
 
 
-Record = TypeVar("Record", RunRecord, AlignmentRecord)
+@dataclass(frozen=True)
+class BatchBranchKey:
+    """One measurement of the alignment's per-worker-batch sweep (tools/alignment_batch_sweep.py): as
+    BranchKey, with the branch and its K=1 reference at `per_worker_batch` sequences per worker (the
+    reference at K x that)."""
+    method: str
+    per_worker_batch: int
+    lr_multiplier: float
+    seed: int
+    start_step: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.method}_bk{self.per_worker_batch}_x{self.lr_multiplier:g}_s{self.seed}_at{self.start_step}"
 
 
-def to_line(record: RunRecord | AlignmentRecord) -> str:
+@dataclass(frozen=True)
+class BatchAlignmentRecord:
+    """An AlignmentRecord's measure at another per-worker batch, with the functional measure
+    (alignment.HeldOutLosses); in its own file, `<out>/<corpus>/alignment_batch.jsonl`."""
+    corpus: str
+    data_sha256: str
+    method: str
+    per_worker_batch: int
+    lr_multiplier: float
+    seed: int
+    start_step: int
+    inner_lr: float
+    start_run: str  # the DP run the branch started from (RunSpec.name), at the protocol's batch
+    protocol: dict  # the comparison's, whose DP runs give the start states
+    config_sha256: str
+    cosine: float
+    norm_ratio: float
+    matrix_cosines: dict[str, float]
+    held_out_sequences: int  # validation sequences both runs were evaluated on
+    loss_after_average: float  # the start weights minus the K workers' averaged pseudogradient
+    loss_after_reference: float  # the start weights minus the K=1 reference's
+    seconds: float
+    commit: str
+
+    @property
+    def key(self) -> BatchBranchKey:
+        return BatchBranchKey(self.method, self.per_worker_batch, self.lr_multiplier, self.seed, self.start_step)
+
+
+Record = TypeVar("Record", RunRecord, AlignmentRecord, BatchAlignmentRecord)
+
+
+def to_line(record: RunRecord | AlignmentRecord | BatchAlignmentRecord) -> str:
     return json.dumps(asdict(record), separators=(",", ":")) + "\n"
 
 

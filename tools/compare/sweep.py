@@ -59,7 +59,7 @@ class Budget:
             yield allowed
 
 
-def _commit() -> str:
+def commit() -> str:
     result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     return result.stdout.strip() or "unknown"
 
@@ -119,21 +119,21 @@ def execute_run(method: Method, job: Launch, ctx: Context) -> RunRecord:
     curves = read_curves(run_dir, method.workers)
     return RunRecord(ctx.corpus, ctx.data.sha256, spec.method, spec.inner_lr, spec.outer_lr, spec.seed, settings.protocol(),
                      method.config_sha256, curves.val[-1][1], curves.val, curves.sent, curves.worker_cosine,
-                     round(seconds, 1), _commit())
+                     round(seconds, 1), commit())
 
 
 def execute_branch(method: Method, chosen: Selection, key: BranchKey, ctx: Context, dp_run: str) -> AlignmentRecord:
-    spec = _branch_spec(chosen, key)
+    spec = branch_spec(chosen, key)
     start = time.time()
     print(f"[{ctx.corpus}] alignment {key.name} (K={method.workers}, lr {spec.inner_lr:g}, from {dp_run})", flush=True)
     result = alignment.measure(method, spec, ctx.settings, ctx.data, start_root(ctx, dp_run), key.start_step,
-                               ctx.work / "alignment" / key.name)
+                               ctx.work / "alignment" / key.name).alignment
     return AlignmentRecord(ctx.corpus, ctx.data.sha256, key.method, key.lr_multiplier, key.seed, key.start_step, spec.inner_lr, dp_run,
                            ctx.settings.protocol(), method.config_sha256, result.cosine, result.norm_ratio,
-                           result.matrix_cosines, round(time.time() - start, 1), _commit())
+                           result.matrix_cosines, round(time.time() - start, 1), commit())
 
 
-def _branch_spec(chosen: Selection, key: BranchKey) -> RunSpec:
+def branch_spec(chosen: Selection, key: BranchKey) -> RunSpec:
     """The branch's run: the selected setting at the multiplied inner lr, on the branch's seed."""
     return replace(chosen.spec, inner_lr=chosen.spec.inner_lr * key.lr_multiplier, seed=key.seed)
 

@@ -53,6 +53,13 @@ class Stat:
     def std(self) -> float:
         return statistics.stdev(self.by_seed.values()) if self.n > 1 else 0.0
 
+    def interval(self) -> tuple[float, float] | None:
+        """The mean's 95% Student-t interval over the seeds; None with fewer than two."""
+        if self.n < 2:
+            return None
+        half_width = t_quantile(self.n - 1) * self.std / math.sqrt(self.n)
+        return self.mean - half_width, self.mean + half_width
+
     def on(self, seeds) -> Stat:
         """The values of `seeds` only."""
         return Stat({s: v for s, v in self.by_seed.items() if s in seeds})

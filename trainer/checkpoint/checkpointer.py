@@ -143,12 +143,16 @@ def check_fits(meta: CheckpointMeta, sizes: ParallelSizes, model: ModelShape, pa
 
 
 def check_worker_start(meta: CheckpointMeta, worker: int, model: ModelShape, padded_vocab_size: int,
-                       global_batch: int) -> None:
+                       global_batch: int | None) -> None:
     """Raise unless this run can start from worker `worker` of the checkpoint (--load-worker): any K and
-    sharding, the same model, vocabulary and global batch (so the data stream continues)."""
+    sharding, the same model, vocabulary and global batch (so the data stream continues; `global_batch`
+    None: any, --load-worker-new-batch)."""
     if not 0 <= worker < meta.sizes.workers:
         raise CheckpointError(f"--load-worker {worker}: the checkpoint has workers 0..{meta.sizes.workers - 1}")
-    _check_model_and_stream(meta, model, padded_vocab_size, global_batch)
+    if global_batch is None:
+        _check_model(meta, model, padded_vocab_size)
+    else:
+        _check_model_and_stream(meta, model, padded_vocab_size, global_batch)
 
 
 # What loading weights alone may change: the training length (RoPE has no learned positions) and the
@@ -477,7 +481,7 @@ class Checkpointer:
             # A start loads before the outer loop exists (run.py), which then begins at the loaded weights.
             assert not self.trainer.extra_state, "--load-worker must load before the outer loop is built"
             check_worker_start(reader.meta, worker, self.config.model, self.padded_vocab_size,
-                               self.config.batch.global_batch)
+                               None if self.config.load_worker_new_batch else self.config.batch.global_batch)
             saved = self._resharded_state(reader, worker, self.config.load_optim)
             if self.config.load_optim:
                 engine = self.trainer.engine
