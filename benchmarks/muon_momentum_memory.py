@@ -62,7 +62,7 @@ def planned_whole_rank(preset: str, ds_config: str) -> dict[str, float]:
     """tools/plan.py's device bytes per rank (worst stage) of a shipped config, per momentum dtype."""
     from tools import plan as planner  # builds Megatron's model on meta: imported only here
 
-    inputs = planner.inputs_from_args(planner.build_parser().parse_args(["--model", preset, "--ds-config", ds_config]))
+    inputs = planner.inputs_from_args(planner.build_parser().parse_args(["--model", preset, "--ds_config", ds_config]))
     params = inputs.optimizer.params
     totals = {}
     for dtype in DTYPES:

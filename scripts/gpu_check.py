@@ -297,7 +297,7 @@ def predicted_memory_gib(preset: str, ds_config: Path, mode: Mode, micro: int, g
     from trainer.model.presets import PRESETS
 
     args = build_parser().parse_args([
-        "--model", preset, "--ds-config", str(ds_config), "--vocab-size", str(mode.vocab),
+        "--model", preset, "--ds_config", str(ds_config), "--vocab-size", str(mode.vocab),
         "--seq-length", str(PRESETS[preset].seq_length), "--micro-batch-size", str(micro),
         "--global-batch-size", str(global_batch), "--gpu-memory-gib", "141"])
     return make_plan(inputs_from_args(args)).memory[0].device_total / 2**30

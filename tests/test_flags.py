@@ -16,7 +16,7 @@ from trainer.typed_json import ConfigBlock, field_default, spec_of
 
 # Flags that set no one setting: the launcher's, the ds_config and model to start from, and the
 # flags that compute or select several values.
-META = {"--help", "--ds_config", "--deepspeed_config", "--deepspeed", "--local_rank", "--local-rank", "--model",
+META = {"--help", "--ds_config", "--deepspeed_config", "--ds-config", "--deepspeed", "--local_rank", "--local-rank", "--model",
         "--recipe", "--use-checkpoint-args", "--global-batch-size", "--optimizer", "--no-qk-layernorm"}
 
 
@@ -83,7 +83,9 @@ def test_the_ds_config_flags_are_its_fields_at_their_paths():
 
 def test_the_planner_shares_the_trainers_flags():
     trainer, plan = _options(config.build_parser()), _options(planner.build_parser())
-    shared = set(trainer) & set(plan) - {"--help", "--model"}
+    ds_config = {"--ds_config", "--deepspeed_config", "--ds-config"}  # required by the trainer alone
+    assert {trainer[o].dest for o in ds_config} == {plan[o].dest for o in ds_config} == {"ds_config"}
+    shared = set(trainer) & set(plan) - {"--help", "--model"} - ds_config
     assert shared == {"--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--micro-batch-size",
                       "--global-batch-size", "--seq-length", "--vocab-size"}
     for option in shared:

@@ -347,7 +347,7 @@ def test_cli_k2_t2_four_bit_error_feedback_run_learns_and_logs_outer_syncs(workd
     # tools/plan.py prices each sync by the bytes the trainer's collectives send (here an all-gather at T=2).
     plan = planner.make_plan(planner.inputs_from_args(planner.build_parser().parse_args([
         "--model", "tiny", "--seq-length", "128", "--vocab-size", str(VOCAB), "--tensor-model-parallel-size", "2",
-        "--data", "1", "--global-batch-size", "8", "--micro-batch-size", "4", "--ds-config", str(MULOCO_CONFIG)])))
+        "--data", "1", "--global-batch-size", "8", "--micro-batch-size", "4", "--ds_config", str(MULOCO_CONFIG)])))
     assert {r["bytes_sent_per_rank"] for r in syncs} == {plan.sync.per_rank_mean}
     assert plan.sync.per_rank_max >= plan.sync.per_rank_mean
 

@@ -63,7 +63,7 @@ def test_paper_presets_have_their_names_sizes():
 def test_memory_adds_up(ds_config):
     plan = planner.make_plan(_inputs("--model", "150m", "--tensor-model-parallel-size", "2",
                                      "--pipeline-model-parallel-size", "2", "--data", "2", "--workers", "2",
-                                     "--global-batch-size", "64", "--ds-config", ds_config))
+                                     "--global-batch-size", "64", "--ds_config", ds_config))
     for memory in plan.memory:
         parts = ("weights", "bf16_weight_copies", "gradients", "muon_momentum", "adamw_moments", "muon_workspace",
                  "activations", "logits")
@@ -85,7 +85,7 @@ def test_memory_adds_up(ds_config):
 
 def test_bf16_momentum_halves_muon_momentum_and_adds_one_fp32_sum_to_the_step():
     inputs = _inputs("--model", "150m", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                     "--data", "2", "--workers", "2", "--global-batch-size", "64", "--ds-config", "ds_configs/gpu_150m_muloco_k1.json")
+                     "--data", "2", "--workers", "2", "--global-batch-size", "64", "--ds_config", "ds_configs/gpu_150m_muloco_k1.json")
     params = inputs.optimizer.params
     bf16 = replace(inputs, optimizer=replace(inputs.optimizer, params=replace(params, momentum_dtype="bfloat16")))
     stages = planner.build_stage_shards(PRESETS["150m"], planner.PAPER_VOCAB, 2, 2)
@@ -96,8 +96,14 @@ def test_bf16_momentum_halves_muon_momentum_and_adds_one_fp32_sum_to_the_step():
         largest = max(p.numel for p in stage if p.muon)
         assert 0 <= bf16_memory.muon_workspace - fp32_memory.muon_workspace <= 4 * largest
 
+def test_the_planner_takes_the_ds_config_by_the_trainers_flag_and_its_aliases():
+    for spelling in ("--ds_config", "--deepspeed_config", "--ds-config"):
+        args = planner.build_parser().parse_args(["--model", "tiny", spelling, "ds_configs/cpu_tiny_muloco.json"])
+        assert args.ds_config == "ds_configs/cpu_tiny_muloco.json"
+
+
 def test_15b_k16_config_fits_an_80gb_gpu_at_its_own_layout():
-    plan = planner.make_plan(_inputs("--model", "15b", "--ds-config", "ds_configs/gpu_15b_muloco_k16.json"))
+    plan = planner.make_plan(_inputs("--model", "15b", "--ds_config", "ds_configs/gpu_15b_muloco_k16.json"))
     sizes = plan.inputs.sizes
     assert (sizes.workers, sizes.data, sizes.pipeline, sizes.tensor) == (16, 4, 2, 4)  # the config's layout block
     assert plan.inputs.micro_batch == 1 and plan.inputs.global_batch == 4096
@@ -107,7 +113,7 @@ def test_15b_k16_config_fits_an_80gb_gpu_at_its_own_layout():
 
 def test_uneven_15b_layouts_on_8_gpu_nodes():
     """36 heads and 54 layers: T=8 cannot split the heads, P=4 splits the layers 13 + 14 + 14 + 13."""
-    inputs = _inputs("--model", "15b", "--ds-config", "ds_configs/gpu_15b_muloco_k16.json")
+    inputs = _inputs("--model", "15b", "--ds_config", "ds_configs/gpu_15b_muloco_k16.json")
     stages = planner.build_stage_shards(PRESETS["15b"], planner.PAPER_VOCAB, 2, 4)
     layers = [len({n.split(".")[2] for n in (p.name for p in stage) if n.startswith("decoder.layers.")})
               for stage in stages]
@@ -117,7 +123,7 @@ def test_uneven_15b_layouts_on_8_gpu_nodes():
     assert not any(t == 8 for t, _ in fits)
     assert fits[(4, 2)] and fits[(2, 4)] and not fits[(1, 1)]
     # The CLI refuses a layout that does not fit.
-    assert planner.main(["--model", "15b", "--ds-config", "ds_configs/gpu_15b_muloco_k16.json",
+    assert planner.main(["--model", "15b", "--ds_config", "ds_configs/gpu_15b_muloco_k16.json",
                          "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1"]) == 1
 
 
@@ -139,7 +145,7 @@ def test_sync_bytes_equal_the_trainers_collectives(tmp_path, repo_root):
 
     plan = planner.make_plan(_inputs(
         "--model", "tiny", "--seq-length", "128", "--vocab-size", str(TINY_VOCAB), "--tensor-model-parallel-size", "1",
-        "--data", "2", "--global-batch-size", "8", "--micro-batch-size", "1", "--ds-config", str(tmp_path / "ds.json")))
+        "--data", "2", "--global-batch-size", "8", "--micro-batch-size", "1", "--ds_config", str(tmp_path / "ds.json")))
     assert plan.sync.per_rank_mean == measured
     assert plan.sync.per_rank_max >= measured
 
@@ -180,7 +186,7 @@ def test_the_planner_reads_every_config_as_the_trainer_does(path, tmp_path):
     raw = json.loads(path.read_text())
     model = raw.get("recipe", {}).get("model", "tiny")
     layout = {"tensor": 1, "pipeline": 1, "data": 1, **raw.get("layout", {})}
-    plan = _inputs("--model", model, "--ds-config", str(path))
+    plan = _inputs("--model", model, "--ds_config", str(path))
     elastic = "elastic" in raw.get("muloco", {})
     run = resolve(build_parser().parse_args([
         "--ds_config", str(path), "--model", model, "--data-path", "x",
@@ -197,4 +203,4 @@ def test_the_planner_reads_every_config_as_the_trainer_does(path, tmp_path):
 
 
 def test_the_planner_refuses_a_config_made_for_another_model():
-    assert planner.main(["--model", "3.1b", "--ds-config", "ds_configs/gpu_15b_muloco_k16.json"]) == 2
+    assert planner.main(["--model", "3.1b", "--ds_config", "ds_configs/gpu_15b_muloco_k16.json"]) == 2

@@ -47,8 +47,7 @@ ARTIFACTS = [
 # Paths the block reads that no step writes: the user's corpus and the repository's own files.
 GIVEN = ("data/nemotron-cc", "ds_configs/", "trainer/", "tools/", "tok/llama3/", "hf/Qwen3-8B")
 # Flags naming what a command reads, and what it writes.
-READS = ("--input", "--load", "--from-hf", "--data-path", "--tokenizer-model", "--model", "--ds_config",
-         "--ds-config")
+READS = ("--input", "--load", "--from-hf", "--data-path", "--tokenizer-model", "--model", "--ds_config")
 WRITES = ("--save", "--output-prefix", "--out")
 TIMEOUT_S = 420  # under pytest-timeout's 600 s (setup.cfg), so this test kills its own launches first
 

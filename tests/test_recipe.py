@@ -65,7 +65,7 @@ def test_the_15b_config_is_the_papers_run():
 def test_gpu_config_layout_fits_80gb_and_resolves(config):
     path = DS_CONFIGS / f"{config.name}.json"
     plan = planner.make_plan(planner.inputs_from_args(planner.build_parser().parse_args(
-        ["--model", config.preset, "--ds-config", str(path)])))
+        ["--model", config.preset, "--ds_config", str(path)])))
     assert (plan.inputs.sizes.tensor, plan.inputs.sizes.pipeline, plan.inputs.sizes.data) == \
         (config.tensor, config.pipeline, config.data)
     assert plan.inputs.global_batch == config.global_batch and plan.fits

@@ -4,7 +4,7 @@ an idealised wall-clock for a token budget against data-parallel AdamW and Muon.
     python tools/plan.py --model 15b --tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 --data 4 \
         --workers 16 --sync-interval 30 --compression statistical:4 --error-feedback --seq-length 2048 \
         --global-batch-size 1024 --bandwidth-gbit 10 --tokens 1e11 \
-        [--ds-config ds_configs/gpu_15b_muloco_k16.json] [--json]
+        [--ds_config ds_configs/gpu_15b_muloco_k16.json] [--json]
 
 Shapes come from the real Megatron GPTModel: every pipeline stage of one tensor-parallel rank is
 built on the meta device (no memory) in a single process that joins a *fake* T x P world
@@ -67,7 +67,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.config import (DATA_FLAGS, DS_CONFIG_FLAGS, MODEL_FLAGS, RUN_FLAGS, add_global_batch_size,
+from trainer.config import (DATA_FLAGS, DS_CONFIG_FLAGS, MODEL_FLAGS, RUN_FLAGS, add_ds_config_flag, add_global_batch_size,
                             check_model_shape)
 from trainer.flags import Flag, add_flags, field_flag
 from trainer.diloco.collectives import row_split
@@ -599,8 +599,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mfu", type=float, default=0.4)
     p.add_argument("--dp-grad-bytes", type=int, default=2, help="bytes per gradient element DP all-reduces (bf16)")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0)
-    p.add_argument("--ds-config", default=None, help="take K, H, compression, collective, optimizer, bf16, batch and layout from it, as "
-                        "the trainer reads them (without one: the trainer's defaults, AdamW in fp32)")
+    add_ds_config_flag(p, required=False, help="take K, H, compression, collective, optimizer, bf16, batch and layout "
+                       "from it, as the trainer reads them (without one: the trainer's defaults, AdamW in fp32)")
     p.add_argument("--codec-json", type=Path, default=None,
                    help="benchmarks/codec_throughput.py's output on the target device: the sync's codec time")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of markdown")

@@ -207,12 +207,18 @@ MODEL_FLAGS = declared_flags(ModelShape)
 DS_CONFIG_FLAGS = declared_flags(DsConfig)
 
 
+def add_ds_config_flag(parser, *, required: bool, help: str) -> None:
+    """The ds_config's one flag, with DeepSpeed's spelling and the planner's former one as aliases."""
+    parser.add_argument("--ds_config", "--deepspeed_config", "--ds-config", dest="ds_config", required=required,
+                        help=help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     # No abbreviations: `--deepspeed` would otherwise be taken for `--deepspeed_config` and eat the next flag.
     p = argparse.ArgumentParser(description="MuLoCo pretraining on Megatron-core shards under DeepSpeed",
                                 allow_abbrev=False)
     # The launcher's and meta flags: none sets one setting.
-    p.add_argument("--ds_config", "--deepspeed_config", dest="ds_config", required=True, help="DeepSpeed JSON config")
+    add_ds_config_flag(p, required=True, help="DeepSpeed JSON config")
     p.add_argument("--deepspeed", action="store_true",
                    help="accepted from DeepSpeed's and Megatron-DeepSpeed's command lines and ignored: this trainer "
                         "always runs under DeepSpeed")
