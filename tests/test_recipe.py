@@ -167,3 +167,13 @@ def test_recipe_sets_the_official_forms_only_where_they_apply(tmp_path):
     assert (compression.ef_form, compression.ef_beta, compression.statistical_rounding) == ("plain", 0.9, "centred")
     assert any(line.split()[:3] == ["muloco.compression.ef_form", "plain", "ds_config"] and "recipe: paper" in line
                for line in run.recipe_table.splitlines())
+
+
+def test_the_recipe_command_takes_the_trainers_batch_flag(capsys):
+    from trainer.recipe import main
+
+    for spelling in ("--global-batch-size", "--global-batch"):
+        assert main(["--model", "15b", "--workers", "16", spelling, "4096"]) == 0
+        printed = capsys.readouterr().out
+        rows = paper_recipe("15b", 16, 4096, "muon").rows()
+        assert len(printed.splitlines()) == len(rows) and all(row[0] in printed for row in rows)

@@ -15,7 +15,7 @@ From (model preset, K workers, global batch B in sequences of 2048, inner optimi
   preset names do (Llama-3 vocabulary, 128,256).
 
 `--recipe paper` (trainer/config.py) fills whatever the ds_config leaves out and prints the table;
-`python -m trainer.recipe --model 15b --workers 16 --global-batch 4096` prints the rules for one run.
+`python -m trainer.recipe --model 15b --workers 16 --global-batch-size 4096` prints the rules for one run.
 The shipped GPU ds_configs are written from it by tools/write_gpu_configs.py (tests/test_recipe.py
 checks every one against it).
 """
@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="print the paper's recipe for one run")
     p.add_argument("--model", required=True, choices=sorted(_BASE_WEIGHT_DECAY))
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--global-batch", type=int, required=True)
+    p.add_argument("--global-batch-size", "--global-batch", dest="global_batch", type=int, required=True,
+                   help="B, sequences per inner step over all workers (the trainer's --global-batch-size)")
     p.add_argument("--optimizer", choices=["muon", "adamw"], default="muon")
     args = p.parse_args(argv)
     for setting, value, why in paper_recipe(args.model, args.workers, args.global_batch, args.optimizer).rows():
