@@ -28,7 +28,7 @@ def test_the_flag_reference_is_the_parsers_with_each_settings_path():
                 "| `--arch paper/qwen3/llama` | paper (pre+post norms",
                 "| `--keep-last KEEP_LAST` | keep the newest N checkpoints, latest and the one of the best validation "
                 "loss (default: 3) |",
-                "| `--ds_config DS_CONFIG` or `--deepspeed_config DS_CONFIG` | DeepSpeed JSON config (required) |"):
+                "| `--ds_config DS_CONFIG` or `--deepspeed_config DS_CONFIG` or `--ds-config DS_CONFIG` | DeepSpeed JSON config (required) |"):
         assert row in text
     flags = {o for a in build_parser()._actions for o in a.option_strings if o.startswith("--")}
     assert flags - {"--help"} <= set(re.findall(r"`(--[a-z][a-z0-9_-]*)", text))
