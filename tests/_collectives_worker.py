@@ -11,7 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trainer.diloco.collectives import CLAIM_BYTES, Bucket, BucketLayout, CollectiveError, GroupWire, average_buckets
+from trainer.diloco.collectives import CLAIM_BYTES, Bucket, BucketPacking, CollectiveError, GroupWire, average_buckets
 from trainer.diloco.compression import Compressor, ErrorFeedback, rows_shape
 from trainer.diloco.config import CompressionConfig
 from trainer.diloco import vote
@@ -35,15 +35,15 @@ OUTER_STEPS = 2  # the second step exercises the error-feedback state
 HEADER_BYTES = 16  # a skip-vote ballot's size
 
 
-def layouts(parts: int) -> list[BucketLayout]:
-    return [BucketLayout(tuple(rows_shape(s) for s in shapes), parts) for shapes in BUCKETS]
+def packings(parts: int) -> list[BucketPacking]:
+    return [BucketPacking(tuple(rows_shape(s) for s in shapes), parts) for shapes in BUCKETS]
 
 
 def worker_deltas(worker: int, step: int, parts: int) -> list[torch.Tensor]:
     """One flat buffer per bucket."""
     generator = torch.Generator().manual_seed(1000 * step + worker)
-    return [layout.flatten([torch.randn(shape, generator=generator) * (1 + worker) for shape in layout.shapes])
-            for layout in layouts(parts)]
+    return [packing.flatten([torch.randn(shape, generator=generator) * (1 + worker) for shape in packing.shapes])
+            for packing in packings(parts)]
 
 
 def assert_identical_on_all_ranks(tensors: list[torch.Tensor], what: str) -> None:
@@ -54,8 +54,8 @@ def assert_identical_on_all_ranks(tensors: list[torch.Tensor], what: str) -> Non
         assert torch.equal(other.view(torch.int32), flat.view(torch.int32)), f"{what}: rank {rank} differs"
 
 
-def round_trip(compressor: Compressor, flat: torch.Tensor, layout) -> torch.Tensor:
-    return compressor.decode_bucket(compressor.encode_bucket(flat, layout).data, layout)
+def round_trip(compressor: Compressor, flat: torch.Tensor, blocks) -> torch.Tensor:
+    return compressor.decode_bucket(compressor.encode_bucket(flat, blocks).data, blocks)
 
 
 def mean_in_order(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -65,15 +65,15 @@ def mean_in_order(tensors: list[torch.Tensor]) -> torch.Tensor:
     return total / len(tensors)
 
 
-def reference(compressor: Compressor, layout: BucketLayout, sent_by_worker: list[torch.Tensor], collective: str):
+def reference(compressor: Compressor, packing: BucketPacking, sent_by_worker: list[torch.Tensor], collective: str):
     """The average every rank must hold, from all workers' buffers, in one process."""
     if collective == "all_gather":
-        return mean_in_order([round_trip(compressor, sent, layout.chunks[0]) for sent in sent_by_worker])
+        return mean_in_order([round_trip(compressor, sent, packing.chunks[0]) for sent in sent_by_worker])
     chunks = []
-    for j, chunk_layout in enumerate(layout.chunks):
-        parts = [sent.split(layout.chunk_numels)[j] for sent in sent_by_worker]
-        average = mean_in_order([round_trip(compressor, part, chunk_layout) for part in parts])
-        chunks.append(round_trip(compressor, average, chunk_layout))
+    for j, chunk_blocks in enumerate(packing.chunks):
+        parts = [sent.split(packing.chunk_numels)[j] for sent in sent_by_worker]
+        average = mean_in_order([round_trip(compressor, part, chunk_blocks) for part in parts])
+        chunks.append(round_trip(compressor, average, chunk_blocks))
     return torch.cat(chunks)
 
 
@@ -83,9 +83,9 @@ def expected_bytes(compressor: Compressor, collective: str, rank: int, workers: 
     verdicts (one byte per worker) and claims in front of the re-quantized chunks."""
     headers = (workers - 1) * (CLAIM_BYTES + HEADER_BYTES)
     if collective == "all_gather":
-        total = sum(compressor.bucket_nbytes(layout.chunks[0]) for layout in layouts(1))
+        total = sum(compressor.bucket_nbytes(packing.chunks[0]) for packing in packings(1))
         return (workers - 1) * total + headers, (workers - 1) * total + headers
-    per_chunk = [sum(compressor.bucket_nbytes(layout.chunks[j]) for layout in layouts(workers)) for j in range(workers)]
+    per_chunk = [sum(compressor.bucket_nbytes(packing.chunks[j]) for packing in packings(workers)) for j in range(workers)]
     gather = (workers - 1) * (max(per_chunk) + workers + CLAIM_BYTES)
     return sum(per_chunk) - per_chunk[rank] + gather + headers, (workers - 1) * per_chunk[rank] + gather + headers
 
@@ -107,24 +107,24 @@ def check_collectives(rank: int, workers: int) -> None:
                 sent = [[feedback[k][b].accumulate(d) if config.error_feedback else d for b, d in enumerate(deltas[k])]
                         for k in range(workers)]
                 exchanged = average_buckets(
-                    [Bucket(compressor, layout, flat) for layout, flat in zip(layouts(parts), sent[rank])],
+                    [Bucket(compressor, packing, flat) for packing, flat in zip(packings(parts), sent[rank])],
                     wire, collective, f"test {what}", header=header_of(rank, step))
                 stats, results = wire.take_stats(), exchanged.averaged
                 assert [h.tolist() for h in exchanged.headers] == [header_of(k, step).tolist() for k in range(workers)]
                 assert all(r.average.dtype == torch.float32 for r in results), what
                 assert_identical_on_all_ranks([r.average for r in results], what)
-                for b, (layout, result) in enumerate(zip(layouts(parts), results)):
-                    assert torch.equal(result.average, reference(compressor, layout, [s[b] for s in sent], collective)), what
+                for b, (packing, result) in enumerate(zip(packings(parts), results)):
+                    assert torch.equal(result.average, reference(compressor, packing, [s[b] for s in sent], collective)), what
                     if config.method == "none":
                         torch.testing.assert_close(result.average, mean_in_order([d[b] for d in deltas]), msg=what)
                     # the residual is what this rank's own payload did not carry
                     own = torch.cat([round_trip(compressor, part, chunk) for part, chunk in
-                                     zip(sent[rank][b].split(layout.chunk_numels), layout.chunks)])
+                                     zip(sent[rank][b].split(packing.chunk_numels), packing.chunks)])
                     assert torch.equal(result.residual, sent[rank][b] - own), what
                 for k in range(workers):  # every worker keeps its own residual (the reference's too)
-                    for b, layout in enumerate(layouts(parts)):
+                    for b, packing in enumerate(packings(parts)):
                         own = torch.cat([round_trip(compressor, part, chunk) for part, chunk in
-                                         zip(sent[k][b].split(layout.chunk_numels), layout.chunks)])
+                                         zip(sent[k][b].split(packing.chunk_numels), packing.chunks)])
                         feedback[k][b].keep(sent[k][b] - own)
                 phases = 1 if collective == "all_gather" else 2
                 assert stats.round_trips == phases * (2 if config.zstd else 1), (what, stats)
@@ -141,8 +141,8 @@ def bytes_for_one_large_tensor(rank: int, workers: int) -> dict[str, int]:
     delta = torch.randn(72, 320, generator=torch.Generator().manual_seed(rank))
     sent = {}
     for collective, parts in (("all_gather", 1), ("reduce_scatter", workers)):
-        layout = BucketLayout(((72, 320),), parts)
-        average_buckets([Bucket(compressor, layout, layout.flatten([delta]))], wire, collective, "bytes")
+        packing = BucketPacking(((72, 320),), parts)
+        average_buckets([Bucket(compressor, packing, packing.flatten([delta]))], wire, collective, "bytes")
         sent[collective] = wire.take_stats().bytes_sent
     return {"all_gather_sent": sent["all_gather"], "reduce_scatter_sent": sent["reduce_scatter"],
             "payload": CLAIM_BYTES + compressor.payload_nbytes((72, 320))}  # a rank's part: its claim, its payload
@@ -170,9 +170,9 @@ def check_failure_names_context(rank: int, workers: int) -> None:
     """A collective only rank 0 enters times out; the error names the caller's context."""
     lonely = dist.new_group(list(range(workers)), timeout=datetime.timedelta(seconds=2))
     if rank == 0:
-        layout = BucketLayout(((1, 3),), 1)
+        packing = BucketPacking(((1, 3),), 1)
         try:
-            average_buckets([Bucket(Compressor(CompressionConfig()), layout, torch.ones(3))], GroupWire(lonely, None),
+            average_buckets([Bucket(Compressor(CompressionConfig()), packing, torch.ones(3))], GroupWire(lonely, None),
                             "all_gather", "outer group 7, outer step 42")
         except CollectiveError as error:
             assert "outer group 7, outer step 42" in str(error), str(error)

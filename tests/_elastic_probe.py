@@ -8,7 +8,7 @@ OUT_DIR/sync<N>.pt (N = the outer step after the sync; written whole, then renam
     record                  the sync's metrics record (workers_in_sync, quorum, missing, step, ...)
     sha_before, sha_after   trainer.elastic's checksum of the global weights around the sync
 and, for the first sync this worker applies with a worker missing from the quorum and nobody left
-out, per bucket of flat fp32 buffers in the wire's layout: deltas (this worker's pseudogradient as
+out, per bucket of flat fp32 buffers in the wire's packing: deltas (this worker's pseudogradient as
 sent), averaged, global_before, momentum_before, global_after.
 With ELASTIC_PROBE_NAN_AT=WORKER:STEP in the environment, that worker's pseudogradient gets a NaN at
 inner step STEP.
@@ -47,7 +47,7 @@ class ProbeLoop(OuterLoop):
         return super().sync(task, deltas)
 
     def _wire_flat(self, fragment: int, tensors: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-        return [spec.layout.flatten([self.tensors[i].to_wire(tensors[i]) for i in spec.indices]).cpu().clone()
+        return [spec.packing.flatten([self.tensors[i].to_wire(tensors[i]) for i in spec.indices]).cpu().clone()
                 for spec in self.buckets[fragment]]
 
     def apply(self, result, overlapped):

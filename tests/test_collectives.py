@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer.diloco.collectives import Bucket, BucketLayout, GroupWire, average_buckets
+from trainer.diloco.collectives import Bucket, BucketPacking, GroupWire, average_buckets
 from trainer.diloco.compression import Compressor
 from trainer.diloco.config import CompressionConfig
 from trainer.diloco.link import SlowLink
@@ -65,13 +65,13 @@ def single_worker_group():
 @pytest.mark.parametrize("config", [CompressionConfig(), CompressionConfig(method="statistical", bits=2, zstd=True),
                                     CompressionConfig(method="topk")])
 def test_a_single_worker_averages_to_its_own_decoding_and_sends_nothing(config, single_worker_group):
-    compressor, layout = Compressor(config), BucketLayout(((5, 7), (1, 11)), 1)
+    compressor, packing = Compressor(config), BucketPacking(((5, 7), (1, 11)), 1)
     flat = torch.randn(46)
-    once = compressor.decode_bucket(compressor.encode_bucket(flat, layout.chunks[0]).data, layout.chunks[0])
-    twice = compressor.decode_bucket(compressor.encode_bucket(once, layout.chunks[0]).data, layout.chunks[0])
+    once = compressor.decode_bucket(compressor.encode_bucket(flat, packing.chunks[0]).data, packing.chunks[0])
+    twice = compressor.decode_bucket(compressor.encode_bucket(once, packing.chunks[0]).data, packing.chunks[0])
     wire = GroupWire(None, link=None)
     for collective, expected in (("all_gather", once), ("reduce_scatter", twice)):  # reduce-scatter re-quantizes
-        (result,) = average_buckets([Bucket(compressor, layout, flat)], wire, collective, "K=1").averaged
+        (result,) = average_buckets([Bucket(compressor, packing, flat)], wire, collective, "K=1").averaged
         assert torch.equal(result.average, expected), collective
         assert torch.equal(result.residual, flat - once), collective
     stats = wire.take_stats()
@@ -80,12 +80,12 @@ def test_a_single_worker_averages_to_its_own_decoding_and_sends_nothing(config, 
 
 def test_bucket_layout_is_chunk_major_and_round_trips():
     tensors = [torch.arange(12.0).view(4, 3), torch.arange(100.0, 102.0).view(1, 2)]
-    layout = BucketLayout(((4, 3), (1, 2)), parts=2)
-    flat = layout.flatten(tensors)
+    packing = BucketPacking(((4, 3), (1, 2)), parts=2)
+    flat = packing.flatten(tensors)
     # chunk 0: rows 0-1 of the first tensor and the second's only row; chunk 1: rows 2-3 of the first
     assert flat.tolist() == [0, 1, 2, 3, 4, 5, 100, 101, 6, 7, 8, 9, 10, 11]
-    assert layout.chunk_numels == [8, 6]
-    assert all(torch.equal(a, b) for a, b in zip(layout.unflatten(flat), tensors))
+    assert packing.chunk_numels == [8, 6]
+    assert all(torch.equal(a, b) for a, b in zip(packing.unflatten(flat), tensors))
 
 
 def test_slow_link_delay_is_latency_plus_serialization():

@@ -66,11 +66,11 @@ def test_a_bucket_encodes_like_its_tensors_one_by_one(method, bits):
     compressor = Compressor(CompressionConfig(method=method, bits=bits, topk_fraction=0.1))
     tensors = [gaussian(5, 64, seed=1), gaussian(3, 64, seed=2), gaussian(1, 40, seed=3), gaussian(0, 9),
                gaussian(7, 33, seed=4) * 100]
-    layout = tuple(tuple(t.shape) for t in tensors)
-    encoded = compressor.encode_bucket(torch.cat([t.reshape(-1) for t in tensors]), layout)
-    decoded = compressor.decode_bucket(encoded.data, layout)
+    blocks = tuple(tuple(t.shape) for t in tensors)
+    encoded = compressor.encode_bucket(torch.cat([t.reshape(-1) for t in tensors]), blocks)
+    decoded = compressor.decode_bucket(encoded.data, blocks)
     assert torch.equal(decoded, encoded.decoded)
-    assert encoded.nbytes == compressor.bucket_nbytes(layout)
+    assert encoded.nbytes == compressor.bucket_nbytes(blocks)
     one_by_one = torch.cat([round_trip(compressor.config, t).reshape(-1) for t in tensors])
     assert torch.equal(decoded, one_by_one)
 
@@ -80,12 +80,12 @@ def test_a_bucket_encodes_like_its_tensors_one_by_one(method, bits):
 def test_encoding_in_row_blocks_gives_the_same_payload(method, bits, monkeypatch):
     """A long run is encoded a few rows at a time (bounded temporaries); the bytes must not change."""
     compressor = Compressor(CompressionConfig(method=method, bits=bits, topk_fraction=0.1))
-    layout = ((37, 64), (11, 64), (1, 200), (5, 3))
-    flat = torch.cat([gaussian(r, c, seed=r).reshape(-1) for r, c in layout])
-    whole = compressor.encode_bucket(flat, layout)
+    blocks = ((37, 64), (11, 64), (1, 200), (5, 3))
+    flat = torch.cat([gaussian(r, c, seed=r).reshape(-1) for r, c in blocks])
+    whole = compressor.encode_bucket(flat, blocks)
     monkeypatch.setattr(compression, "BLOCK_ELEMENTS", 3 * 64)  # 3 rows of the 64-wide run per block
-    blocks = compressor.encode_bucket(flat, layout)
-    assert torch.equal(blocks.data, whole.data) and torch.equal(blocks.decoded, whole.decoded)
+    piecewise = compressor.encode_bucket(flat, blocks)
+    assert torch.equal(piecewise.data, whole.data) and torch.equal(piecewise.decoded, whole.decoded)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

@@ -129,14 +129,14 @@ def test_sparseloco_keeps_the_top_k_and_quantizes_their_values():
 def test_error_feedback_sends_plus_keeps_what_it_was_given(config):
     """Each sync: what is sent + the new error == the input + the old error; over many syncs nothing is lost."""
     compressor, feedback = Compressor(config), ErrorFeedback(beta=1.0)
-    layout, sent_total, total = SHAPES, 0, 0
+    blocks, sent_total, total = SHAPES, 0, 0
     for step in range(10):
         delta = torch.cat([t.reshape(-1) for t in bucket(seed=100 + step)])
         old = feedback.error if feedback.error is not None else torch.zeros_like(delta)
         accumulated = feedback.accumulate(delta)
-        encoded = compressor.encode_bucket(accumulated, layout)
+        encoded = compressor.encode_bucket(accumulated, blocks)
         feedback.keep(accumulated - encoded.decoded)
-        received = compressor.decode_bucket(encoded.data, layout)
+        received = compressor.decode_bucket(encoded.data, blocks)
         scale = delta.abs().max().item()
         torch.testing.assert_close(received + feedback.error, delta + old, rtol=0, atol=1e-6 * scale)
         sent_total, total = sent_total + received, total + delta

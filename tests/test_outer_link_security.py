@@ -17,7 +17,7 @@ import zstandard
 from fake_wire import Board, FakeWire, run_ranks
 from trainer.diloco.auth import TAG_BYTES, JobKey
 from trainer.diloco.collectives import (AUTHENTICATION, CLAIM_MISMATCH, MALFORMED, NONFINITE, OUTLIER, Bucket,
-                                        BucketLayout, average_buckets)
+                                        BucketPacking, average_buckets)
 from trainer.diloco.compression import Compressor, Encoded, PayloadError
 from trainer.diloco.config import CompressionConfig
 
@@ -26,9 +26,9 @@ SHAPES = ((6, 40), (3, 17))
 STATISTICAL = CompressionConfig(method="statistical", bits=4)
 
 
-def delta(worker: int, step: int, layout: BucketLayout) -> torch.Tensor:
+def delta(worker: int, step: int, packing: BucketPacking) -> torch.Tensor:
     generator = torch.Generator().manual_seed(100 * step + worker)
-    return layout.flatten([torch.randn(shape, generator=generator) for shape in layout.shapes])
+    return packing.flatten([torch.randn(shape, generator=generator) for shape in packing.shapes])
 
 
 def exchange(workers: int, config: CompressionConfig = STATISTICAL, collective: str = "all_gather", step: int = 1,
@@ -36,7 +36,7 @@ def exchange(workers: int, config: CompressionConfig = STATISTICAL, collective: 
     """Every rank's Exchanged for one sync; wires[r] / compressors[r] replace rank r's own."""
     board = Board(workers)
     parts = workers if collective == "reduce_scatter" else 1
-    layout = BucketLayout(SHAPES, parts)
+    packing = BucketPacking(SHAPES, parts)
 
     def rank(r: int):
         wire = (wires or {}).get(r) or FakeWire(board, r, KEY)
@@ -44,15 +44,15 @@ def exchange(workers: int, config: CompressionConfig = STATISTICAL, collective: 
             wire = wire(board, r)
         wire.begin(outer_step=step, fragment=0)
         compressor = (compressors or {}).get(r, Compressor(config))
-        return average_buckets([Bucket(compressor, layout, delta(r, step, layout))], wire, collective, "test",
+        return average_buckets([Bucket(compressor, packing, delta(r, step, packing))], wire, collective, "test",
                                max_norm_ratio=max_norm_ratio, leave_out=leave_out)
-    return run_ranks(workers, rank), layout
+    return run_ranks(workers, rank), packing
 
 
-def plain_average(senders: list[int], config: CompressionConfig, layout: BucketLayout, step: int = 1) -> torch.Tensor:
+def plain_average(senders: list[int], config: CompressionConfig, packing: BucketPacking, step: int = 1) -> torch.Tensor:
     compressor = Compressor(config)
-    decoded = [compressor.decode_bucket(compressor.encode_bucket(delta(r, step, layout), layout.chunks[0]).data,
-                                        layout.chunks[0]) for r in senders]
+    decoded = [compressor.decode_bucket(compressor.encode_bucket(delta(r, step, packing), packing.chunks[0]).data,
+                                        packing.chunks[0]) for r in senders]
     total = decoded[0].clone()
     for d in decoded[1:]:
         total += d
@@ -65,9 +65,9 @@ def assert_all_reject(results, expected: dict[int, str]) -> None:
 
 
 def test_with_the_secret_every_rank_averages_exactly_as_without_it():
-    signed, layout = exchange(3)
+    signed, packing = exchange(3)
     unsigned, _ = exchange(3, wires={r: lambda board, r: FakeWire(board, r, key=None) for r in range(3)})
-    reference = plain_average([0, 1, 2], STATISTICAL, layout)
+    reference = plain_average([0, 1, 2], STATISTICAL, packing)
     for a, b in zip(signed, unsigned):
         assert not a.rejected and torch.equal(a.averaged[0].average, reference)
         assert torch.equal(a.averaged[0].average, b.averaged[0].average)
@@ -82,14 +82,14 @@ class Stranger(FakeWire):
 
 @pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
 def test_a_stranger_without_the_secret_is_rejected_by_every_rank(collective):
-    results, layout = exchange(3, collective=collective, wires={2: Stranger})
+    results, packing = exchange(3, collective=collective, wires={2: Stranger})
     assert_all_reject(results[:2], {2: AUTHENTICATION})
     assert all(not r.averaged for r in results[:2])  # the single-world loop skips such a sync
 
 
 def test_the_others_average_without_a_rejected_stranger_bit_identically():
-    results, layout = exchange(3, wires={2: Stranger}, leave_out=True)
-    reference = plain_average([0, 1], STATISTICAL, layout)
+    results, packing = exchange(3, wires={2: Stranger}, leave_out=True)
+    reference = plain_average([0, 1], STATISTICAL, packing)
     for result in results[:2]:
         assert torch.equal(result.averaged[0].average, reference)
 
@@ -133,10 +133,10 @@ class NaNCodebook(Compressor):
     """An insider's encoder: statistical payloads whose fp16 codebooks are NaN, while the claimed norm
     (computed from the honest decoding it returns) stays small and finite."""
 
-    def encode_bucket(self, flat, layout):
-        honest = super().encode_bucket(flat, layout)
+    def encode_bucket(self, flat, blocks):
+        honest = super().encode_bucket(flat, blocks)
         data = honest.data.clone()
-        rows = sum(r for r, _ in layout)
+        rows = sum(r for r, _ in blocks)
         book = data[8 * rows:8 * rows + 2 * rows * 16].view(torch.float16)
         book.fill_(float("nan"))
         return Encoded(data, honest.decoded)
@@ -145,19 +145,19 @@ class NaNCodebook(Compressor):
 class Inflated(Compressor):
     """An insider that sends its values x5 but claims the norm of the true ones."""
 
-    def encode_bucket(self, flat, layout):
-        honest = super().encode_bucket(flat, layout)
+    def encode_bucket(self, flat, blocks):
+        honest = super().encode_bucket(flat, blocks)
         data = (honest.data.clone().view(torch.float32) * 5).view(torch.uint8)
         return Encoded(data, honest.decoded)
 
 
 @pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
 def test_an_insider_whose_payload_decodes_to_nan_with_a_finite_claim_is_left_out(collective):
-    results, layout = exchange(4, collective=collective, compressors={1: NaNCodebook(STATISTICAL)})
+    results, packing = exchange(4, collective=collective, compressors={1: NaNCodebook(STATISTICAL)})
     assert_all_reject(results, {1: NONFINITE})
     if collective == "all_gather":
         left_out, _ = exchange(4, compressors={1: NaNCodebook(STATISTICAL)}, leave_out=True)
-        reference = plain_average([0, 2, 3], STATISTICAL, layout)
+        reference = plain_average([0, 2, 3], STATISTICAL, packing)
         assert all(torch.equal(r.averaged[0].average, reference) for r in left_out)
 
 
@@ -169,8 +169,8 @@ def test_an_insider_lying_about_its_norm_is_left_out():
 
 def test_an_honest_outlier_is_left_out_by_the_norm_ratio():
     class Huge(Compressor):
-        def encode_bucket(self, flat, layout):
-            return super().encode_bucket(flat * 1000, layout)
+        def encode_bucket(self, flat, blocks):
+            return super().encode_bucket(flat * 1000, blocks)
     results, _ = exchange(4, compressors={3: Huge(STATISTICAL)})
     assert_all_reject(results, {3: OUTLIER})
 
@@ -178,8 +178,8 @@ def test_an_honest_outlier_is_left_out_by_the_norm_ratio():
 class ZstdBomb(Compressor):
     """An insider's frame: a few KB that inflate to 256 MiB (its header says so)."""
 
-    def encode_bucket(self, flat, layout):
-        honest = super().encode_bucket(flat, layout)
+    def encode_bucket(self, flat, blocks):
+        honest = super().encode_bucket(flat, blocks)
         frame = zstandard.ZstdCompressor(level=19).compress(bytes(256 << 20))
         return Encoded(torch.frombuffer(bytearray(frame), dtype=torch.uint8), honest.decoded)
 
@@ -187,7 +187,7 @@ class ZstdBomb(Compressor):
 def test_a_zstd_bomb_is_refused_within_its_layouts_size():
     config = CompressionConfig(method="statistical", bits=4, zstd=True)
     bomb = ZstdBomb(config)
-    frame = bomb.encode_bucket(delta(0, 1, BucketLayout(SHAPES, 1)), SHAPES).data
+    frame = bomb.encode_bucket(delta(0, 1, BucketPacking(SHAPES, 1)), SHAPES).data
     assert frame.numel() < 64 << 10
     tracemalloc.start()
     with pytest.raises(PayloadError, match="inflates past"):
@@ -218,27 +218,26 @@ def test_an_insider_claiming_a_huge_zstd_size_is_rejected_before_anything_is_all
     CompressionConfig(method="topk", topk_fraction=0.1), CompressionConfig(method="statistical", bits=4, zstd=True)])
 def test_random_bytes_decode_or_raise_payload_error_and_nothing_else(config):
     compressor = Compressor(config)
-    layout = SHAPES
-    size = compressor.bucket_nbytes(layout) or 300
+    size = compressor.bucket_nbytes(SHAPES) or 300
     generator = torch.Generator().manual_seed(0)
     for trial in range(40):
         n = size if trial % 4 else int(torch.randint(0, 2 * size, (1,), generator=generator))
         data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator)
         try:
-            out = compressor.decode_bucket(data, layout)
+            out = compressor.decode_bucket(data, SHAPES)
         except PayloadError:
             continue
-        assert out.numel() == sum(r * c for r, c in layout)
+        assert out.numel() == sum(r * c for r, c in SHAPES)
 
 
 def test_tags_are_counted_in_the_bytes_sent():
     def sent(key) -> list[int]:
         board = Board(3)
-        layout = BucketLayout(SHAPES, 1)
+        packing = BucketPacking(SHAPES, 1)
 
         def rank(r):
             wire = FakeWire(board, r, key)
-            average_buckets([Bucket(Compressor(STATISTICAL), layout, delta(r, 1, layout))], wire, "all_gather", "t")
+            average_buckets([Bucket(Compressor(STATISTICAL), packing, delta(r, 1, packing))], wire, "all_gather", "t")
             return wire.take_stats().bytes_sent
         return run_ranks(3, rank)
     assert [a - b for a, b in zip(sent(KEY), sent(None))] == [2 * TAG_BYTES] * 3

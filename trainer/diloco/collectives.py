@@ -23,7 +23,7 @@ sizes (one more round trip), and all-gather buffers are padded to the largest ra
 
 Nothing received is believed. With a job key (trainer/diloco/auth.py) every rank's part of every
 collective carries a tag, and a part whose tag fails is dropped. Every payload is decoded within the
-size its layout allows (a zstd frame that would inflate past it is malformed, not a crash), and the
+size its blocks allow (a zstd frame that would inflate past it is malformed, not a crash), and the
 decoding is checked before it is averaged: it must be finite, its squared norm must equal the one its
 sender claims in the header of the same collective (the sender computes it from its own decoding,
 which is bit-identical to the receivers'), and its norm must stay within `max_norm_ratio` of the
@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from trainer import comm
 from trainer.diloco.auth import EVERY_RANK, TAG_BYTES, JobKey, Scope
-from trainer.diloco.compression import Compressor, Encoded, Layout, PayloadError
+from trainer.diloco.compression import Blocks, Compressor, Encoded, PayloadError
 from trainer.diloco.link import SlowLink
 
 CLAIM_BYTES = 8  # a sender's squared norm of its own decoding (float64), ahead of the caller's header
@@ -237,7 +237,7 @@ class GroupWire(Wire):
 
 
 @dataclass(frozen=True)
-class BucketLayout:
+class BucketPacking:
     """Tensors of one bucket (as (rows, columns)) in one flat buffer, CHUNK-major: row chunk j of every
     tensor (row_split over `parts`), then chunk j+1, so the chunk an outer rank owns in a
     reduce-scatter is one contiguous slice. parts = 1 is the tensors one after another."""
@@ -249,7 +249,7 @@ class BucketLayout:
         return [row_split(rows, self.parts) for rows, _ in self.shapes]
 
     @property
-    def chunks(self) -> list[Layout]:
+    def chunks(self) -> list[Blocks]:
         counts = self.counts
         return [tuple((count[j], cols) for count, (_, cols) in zip(counts, self.shapes)) for j in range(self.parts)]
 
@@ -272,16 +272,16 @@ class BucketLayout:
 
 @dataclass
 class Bucket:
-    """One bucket to average: its codec, its layout and this rank's flat fp32 buffer (the
+    """One bucket to average: its codec, its packing and this rank's flat fp32 buffer (the
     pseudogradient, error feedback already added)."""
     compressor: Compressor
-    layout: BucketLayout
+    packing: BucketPacking
     flat: torch.Tensor
 
 
 @dataclass
 class Averaged:
-    average: torch.Tensor  # flat fp32, the bucket's layout, bit-identical on every rank of the group
+    average: torch.Tensor  # flat fp32 in the bucket's packing, bit-identical on every rank of the group
     residual: torch.Tensor  # flat fp32: what this rank's payload did not carry (flat - its decoding)
 
 
@@ -315,9 +315,9 @@ def _read_claim(head: torch.Tensor) -> float:
 
 
 def _encode_chunks(bucket: Bucket) -> list[Encoded]:
-    layout = bucket.layout
-    return [bucket.compressor.encode_bucket(chunk, layout_j)
-            for chunk, layout_j in zip(bucket.flat.split(layout.chunk_numels), layout.chunks)]
+    packing = bucket.packing
+    return [bucket.compressor.encode_bucket(piece, blocks)
+            for piece, blocks in zip(bucket.flat.split(packing.chunk_numels), packing.chunks)]
 
 
 def _sizes_by_rank(wire: Wire, own: Sequence[int], fixed: Sequence[int | None], limits: Sequence[int], context: str
@@ -356,7 +356,7 @@ def _verdicts(senders: Sequence[int], failed: dict[int, str], measured: dict[int
 
 
 class _Decodings:
-    """The payloads of one layout from several senders, decoded and checked one at a time: each
+    """The payloads of one bucket's blocks from several senders, decoded and checked one at a time: each
     sender's squared norm is accumulated over the buckets, and a sender whose payload is malformed or
     non-finite is marked failed and skipped from then on."""
 
@@ -364,12 +364,12 @@ class _Decodings:
         self.failed: dict[int, str] = {}
         self.measured: dict[int, float] = {}
 
-    def decode(self, sender: int, compressor: Compressor, data: torch.Tensor, layout: Layout, device
+    def decode(self, sender: int, compressor: Compressor, data: torch.Tensor, blocks: Blocks, device
                ) -> torch.Tensor | None:
         if sender in self.failed:
             return None
         try:
-            decoded = compressor.decode_bucket(data.to(device), layout)
+            decoded = compressor.decode_bucket(data.to(device), blocks)
         except PayloadError:
             self.failed[sender] = MALFORMED
             return None
@@ -381,7 +381,7 @@ class _Decodings:
         return decoded
 
     def sum_in_rank_order(self, senders: Sequence[int], payloads: Callable[[int], torch.Tensor],
-                          compressor: Compressor, layout: Layout, device, weights: Weights | None = None
+                          compressor: Compressor, blocks: Blocks, device, weights: Weights | None = None
                           ) -> tuple[torch.Tensor | None, list[int]]:
         """(sum of the senders' decodings that pass, each times its `weights` factor when given, the
         senders summed). Sums in rank order, so every rank does the same fp32 operations; only one
@@ -390,7 +390,7 @@ class _Decodings:
         for sender in senders:
             if sender in self.failed:
                 continue
-            decoded = self.decode(sender, compressor, payloads(sender), layout, device)
+            decoded = self.decode(sender, compressor, payloads(sender), blocks, device)
             if decoded is None:
                 continue
             if weights is None:
@@ -403,15 +403,15 @@ class _Decodings:
 
 
 def _average_over(kept: list[int], totals: list[tuple[torch.Tensor | None, list[int]]], buckets: Sequence[Bucket],
-                  layouts: Sequence[Layout], payloads: Callable[[int, int], torch.Tensor],
+                  bucket_blocks: Sequence[Blocks], payloads: Callable[[int, int], torch.Tensor],
                   weights: Weights | None) -> list[torch.Tensor]:
     """Each bucket's average over the `kept` senders (plain, or the `weights`' merge): the running
     sums where they hold exactly those senders, else summed again (a sender rejected after its bucket
     was summed: rare, the failure path)."""
     averages = []
-    for i, ((total, summed), bucket, layout) in enumerate(zip(totals, buckets, layouts)):
+    for i, ((total, summed), bucket, blocks) in enumerate(zip(totals, buckets, bucket_blocks)):
         if summed != kept:
-            total, _ = _Decodings().sum_in_rank_order(kept, lambda r: payloads(r, i), bucket.compressor, layout,
+            total, _ = _Decodings().sum_in_rank_order(kept, lambda r: payloads(r, i), bucket.compressor, blocks,
                                                       bucket.flat.device, weights)
         averages.append(total.div_(len(kept)) if weights is None else total.mul_(weights.scale(kept)))
     return averages
@@ -456,10 +456,10 @@ def average_buckets(buckets: Sequence[Bucket], wire: Wire, collective: str, cont
 def _all_gather_average(buckets: Sequence[Bucket], wire: Wire, context: str, header: torch.Tensor, choose: Choose,
                         max_norm_ratio: float, leave_out: bool, weigh: Weigh | None) -> Exchanged:
     encoded = [_encode_chunks(bucket)[0] for bucket in buckets]
-    layouts = [bucket.layout.chunks[0] for bucket in buckets]
+    bucket_blocks = [bucket.packing.chunks[0] for bucket in buckets]
     head = torch.cat([_claim(sum(squared_norm(e.decoded) for e in encoded)), header.cpu()])
-    fixed = [head.numel()] + [b.compressor.bucket_nbytes(layout) for b, layout in zip(buckets, layouts)]
-    limits = [head.numel()] + [b.compressor.max_bucket_nbytes(layout) for b, layout in zip(buckets, layouts)]
+    fixed = [head.numel()] + [b.compressor.bucket_nbytes(blocks) for b, blocks in zip(buckets, bucket_blocks)]
+    limits = [head.numel()] + [b.compressor.max_bucket_nbytes(blocks) for b, blocks in zip(buckets, bucket_blocks)]
     sizes, failed = _sizes_by_rank(wire, [head.numel()] + [e.nbytes for e in encoded], fixed, limits, context)
     payload = torch.cat([head.to(wire.device)] + [e.data.to(wire.device) for e in encoded])
     buffers = wire.all_gather_padded(payload, [sum(s) for s in sizes], context)
@@ -470,16 +470,16 @@ def _all_gather_average(buckets: Sequence[Bucket], wire: Wire, context: str, hea
     weights = weigh(headers, senders) if weigh is not None else None
     decodings = _Decodings()
     decodings.failed.update({r: failed.get(r, AUTHENTICATION) for r in senders if r not in parts})
-    totals = [decodings.sum_in_rank_order(senders, lambda r: parts[r][i], bucket.compressor, layout, bucket.flat.device,
+    totals = [decodings.sum_in_rank_order(senders, lambda r: parts[r][i], bucket.compressor, blocks, bucket.flat.device,
                                           weights)
-              for i, (bucket, layout) in enumerate(zip(buckets, layouts), start=1)]
+              for i, (bucket, blocks) in enumerate(zip(buckets, bucket_blocks), start=1)]
     claims = {r: _read_claim(parts[r][0]) for r in senders if r in parts}
     rejected = _verdicts(senders, decodings.failed, decodings.measured, claims, max_norm_ratio)
     kept = [r for r in senders if r not in rejected]
     rejected.update(left_out)
     if not kept or (rejected.keys() - left_out.keys() and not leave_out):
         return Exchanged([], headers, rejected)
-    averages = _average_over(kept, totals, buckets, layouts, lambda r, i: parts[r][i + 1], weights)
+    averages = _average_over(kept, totals, buckets, bucket_blocks, lambda r, i: parts[r][i + 1], weights)
     return Exchanged([Averaged(average, bucket.flat - own.decoded)
                       for average, bucket, own in zip(averages, buckets, encoded)], headers, rejected)
 
@@ -494,7 +494,7 @@ def _reduce_scatter_average(buckets: Sequence[Bucket], wire: Wire, context: str,
     heads = [torch.cat([_claim(sum(squared_norm(encoded[i][j].decoded) for i in range(n))), header.cpu()])
              for j in range(size)]
     head_size = heads[0].numel()
-    chunks = [bucket.layout.chunks for bucket in buckets]  # [bucket][chunk]
+    chunks = [bucket.packing.chunks for bucket in buckets]  # [bucket][chunk]
     fixed = [x for j in range(size) for x in [head_size] + [buckets[i].compressor.bucket_nbytes(chunks[i][j])
                                                             for i in range(n)]]
     limits = [x for j in range(size) for x in [head_size] + [buckets[i].compressor.max_bucket_nbytes(chunks[i][j])
@@ -516,17 +516,17 @@ def _reduce_scatter_average(buckets: Sequence[Bucket], wire: Wire, context: str,
     owned = [chunks[i][me] for i in range(n)]
     decodings = _Decodings()
     decodings.failed.update({src: failed.get(src, AUTHENTICATION) for src in senders if src not in parts})
-    totals = [decodings.sum_in_rank_order(senders, lambda src: parts[src][i], bucket.compressor, layout,
+    totals = [decodings.sum_in_rank_order(senders, lambda src: parts[src][i], bucket.compressor, blocks,
                                           bucket.flat.device, weights)
-              for i, (bucket, layout) in enumerate(zip(buckets, owned), start=1)]
+              for i, (bucket, blocks) in enumerate(zip(buckets, owned), start=1)]
     claims = {src: _read_claim(parts[src][0]) for src in senders if src in parts}
     verdicts = {**left_out, **_verdicts(senders, decodings.failed, decodings.measured, claims, max_norm_ratio)}
 
     def requantize(kept: list[int]) -> list[Encoded]:
         averages = (_average_over(kept, totals, buckets, owned, lambda src, i: parts[src][i + 1], weights) if kept else
-                    [torch.zeros(sum(r * c for r, c in layout), device=b.flat.device) for b, layout in zip(buckets, owned)])
-        return [bucket.compressor.encode_bucket(average, layout)
-                for bucket, average, layout in zip(buckets, averages, owned)]
+                    [torch.zeros(sum(r * c for r, c in blocks), device=b.flat.device) for b, blocks in zip(buckets, owned)])
+        return [bucket.compressor.encode_bucket(average, blocks)
+                for bucket, average, blocks in zip(buckets, averages, owned)]
 
     # Phase 3: every rank gathers every owner's verdicts (a code per sender: 0 averaged, else why not)
     # and re-quantized chunk, and checks them. Owners that saw different headers or payloads may have
@@ -568,7 +568,7 @@ class _Requantized:
 
 
 def _gather_requantized(wire: Wire, requantized: list[Encoded], codes: torch.Tensor, buckets: Sequence[Bucket],
-                        chunks: list[list[Layout]], context: str) -> _Requantized:
+                        chunks: list[list[Blocks]], context: str) -> _Requantized:
     """All-gather each owner's verdict codes, claim and re-quantized chunk; decode and check them all."""
     size, me, n = wire.size, wire.rank, len(buckets)
     q_head = torch.cat([codes, _claim(sum(squared_norm(q.decoded) for q in requantized))])

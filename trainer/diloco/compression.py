@@ -10,7 +10,7 @@ payload may carry part of a tensor (a reduce-scatter chunk: rows/K of each; a TP
 and then that part is the group.
 
 The codec works on a BUCKET: many tensors flattened one after another into one fp32 buffer,
-described by its layout, a tuple of (rows, columns) blocks. Consecutive blocks of equal width are one
+described by its blocks, a tuple of (rows, columns). Consecutive blocks of equal width are one
 dense matrix to the quantizer (a "run"), so a bucket costs a few dense tensor ops per distinct width,
 never a Python loop over its tensors; callers order a bucket's tensors by width. The same code runs
 on the host and on an accelerator: everything stays on the buffer's device.
@@ -18,7 +18,7 @@ on the host and on an accelerator: everything stays on the buffer's device.
 Which config a tensor is sent with depends on its group (`compression_group`): matrices at `bits`,
 embeddings and the output head at `embedding_bits`, 1-D tensors at `vector_bits`; 32 means fp32.
 
-Wire format of a bucket (no header: both sides know the layout and the config). Sections in this
+Wire format of a bucket (no header: both sides know the blocks and the config). Sections in this
 order, R = groups of the bucket (rows; tensors with granularity "tensor"), N = its elements; numbers
 little-endian:
 
@@ -39,7 +39,7 @@ little-endian:
 With `zstd` the payload is the zstd frame of those bytes, so its size depends on the data.
 
 Payloads come from other datacenters, so decoding trusts nothing in them: a payload must have exactly
-its layout's size, a zstd frame is inflated only up to that size (a frame that would grow past it is
+its blocks' size, a zstd frame is inflated only up to that size (a frame that would grow past it is
 refused before it is allocated), and every index it carries must fall inside its row. Anything else
 raises PayloadError, which the receiver turns into a rejection of that sender.
 
@@ -76,11 +76,11 @@ STATISTICAL_HALF_RANGE_SIGMAS = 3.0
 # Widest statistical setting that still sends a per-row codebook.
 MAX_CODEBOOK_BITS = 4
 
-Layout = tuple[tuple[int, int], ...]  # (rows, columns) of each block of a bucket, in buffer order
+Blocks = tuple[tuple[int, int], ...]  # (rows, columns) of each block of a bucket, in buffer order
 
 
 class PayloadError(ValueError):
-    """A payload that is not a valid encoding of its layout under this config."""
+    """A payload that is not a valid encoding of its blocks under this config."""
 
 
 def compression_group(shape: Sequence[int], is_embedding_or_output: bool) -> str:
@@ -95,7 +95,7 @@ class Encoded:
     """One encoded bucket: the wire bytes, and what the receivers will decode them to (the sender
     gets it for free while encoding; error feedback and the compression-error metric use it)."""
     data: torch.Tensor  # flat uint8
-    decoded: torch.Tensor  # flat fp32, the bucket's layout
+    decoded: torch.Tensor  # flat fp32, the bucket's blocks in order
 
     @property
     def nbytes(self) -> int:
@@ -156,18 +156,18 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return x.float().reshape(rows_shape(x.shape))
 
 
-def groups_of(layout: Layout, granularity: Granularity) -> Layout:
-    """The layout as the quantizer's groups: the rows themselves, or each block as one row (an empty
+def groups_of(blocks: Blocks, granularity: Granularity) -> Blocks:
+    """The blocks as the quantizer's groups: the rows themselves, or each block as one row (an empty
     block as no row)."""
     if granularity == "row":
-        return layout
-    return tuple((1, rows * cols) if rows * cols else (0, 0) for rows, cols in layout)
+        return blocks
+    return tuple((1, rows * cols) if rows * cols else (0, 0) for rows, cols in blocks)
 
 
-def runs_of(layout: Layout) -> list[tuple[int, int]]:
+def runs_of(blocks: Blocks) -> list[tuple[int, int]]:
     """Consecutive blocks of equal width merged: row-wise quantization cannot tell them apart."""
     runs: list[tuple[int, int]] = []
-    for rows, cols in layout:
+    for rows, cols in blocks:
         if runs and runs[-1][1] == cols:
             runs[-1] = (runs[-1][0] + rows, cols)
         else:
@@ -435,34 +435,34 @@ class Compressor:
         self.config = config
         self._runs = _run_codec(config)
 
-    def _runs_of(self, layout: Layout) -> list[tuple[int, int]]:
-        return runs_of(groups_of(layout, self.config.granularity))
+    def _runs_of(self, blocks: Blocks) -> list[tuple[int, int]]:
+        return runs_of(groups_of(blocks, self.config.granularity))
 
-    def encode_bucket(self, flat: torch.Tensor, layout: Layout) -> Encoded:
-        mats = _run_matrices(flat.float(), self._runs_of(layout))
+    def encode_bucket(self, flat: torch.Tensor, blocks: Blocks) -> Encoded:
+        mats = _run_matrices(flat.float(), self._runs_of(blocks))
         sections, decoded = self._runs.encode(_row_blocks(mats) if self._runs.row_separable else mats)
         data = torch.cat(sections) if sections else torch.empty(0, dtype=torch.uint8, device=flat.device)
         flat_decoded = torch.cat([d.reshape(-1) for d in decoded]) if decoded else flat.float()
         return Encoded(_zstd_compress(data, self.config.zstd_level) if self.config.zstd else data, flat_decoded)
 
-    def decode_bucket(self, data: torch.Tensor, layout: Layout) -> torch.Tensor:
+    def decode_bucket(self, data: torch.Tensor, blocks: Blocks) -> torch.Tensor:
         """The fp32 buffer a payload encodes; PayloadError for anything that is not a payload of
-        this layout (it may come from anyone)."""
-        runs = self._runs_of(layout)
+        these blocks (it may come from anyone)."""
+        runs = self._runs_of(blocks)
         expected = self._runs.nbytes(runs)
         if self.config.zstd:
             data = _zstd_decompress(data, expected)
         if data.numel() != expected:
-            raise PayloadError(f"payload has {data.numel()} bytes, layout {layout} needs {expected}")
+            raise PayloadError(f"payload has {data.numel()} bytes, blocks {blocks} need {expected}")
         return self._runs.decode(_ByteReader(data), runs)
 
-    def bucket_nbytes(self, layout: Layout) -> int | None:
+    def bucket_nbytes(self, blocks: Blocks) -> int | None:
         """Bytes of a bucket's payload; None when zstd makes it data-dependent."""
-        return None if self.config.zstd else self._runs.nbytes(self._runs_of(layout))
+        return None if self.config.zstd else self._runs.nbytes(self._runs_of(blocks))
 
-    def max_bucket_nbytes(self, layout: Layout) -> int:
-        """The most bytes a valid payload of this layout can have (a zstd frame: zstd's bound)."""
-        raw = self._runs.nbytes(self._runs_of(layout))
+    def max_bucket_nbytes(self, blocks: Blocks) -> int:
+        """The most bytes a valid payload of these blocks can have (a zstd frame: zstd's bound)."""
+        raw = self._runs.nbytes(self._runs_of(blocks))
         return _zstd_bound(raw) if self.config.zstd else raw
 
     # One tensor: a bucket of one block.
@@ -530,7 +530,7 @@ def _zstd_decompress(frame: torch.Tensor, limit: int) -> torch.Tensor:
     except zstandard.ZstdError as err:
         raise PayloadError(f"malformed zstd frame: {err}") from None
     if len(raw) > limit:
-        raise PayloadError(f"zstd frame inflates past the {limit} bytes its layout allows")
+        raise PayloadError(f"zstd frame inflates past the {limit} bytes its blocks allow")
     if not raw:
         return torch.empty(0, dtype=torch.uint8, device=frame.device)
     return torch.frombuffer(raw, dtype=torch.uint8).to(frame.device)

@@ -265,7 +265,7 @@ class OuterLoop:
     @torch.no_grad()
     def _launch(self, fragment: int, step: int, final: bool = False) -> None:
         """Start the fragment's sync after inner step `step`; a `final` one is blocking."""
-        deltas = [spec.layout.flatten([self.state.delta(i) for i in spec.indices]) for spec in self.buckets[fragment]]
+        deltas = [spec.packing.flatten([self.state.delta(i) for i in spec.indices]) for spec in self.buckets[fragment]]
         schedule = self.host.schedule_state() if self.host is not None else None
         step_seconds = self._recent_step_seconds()
         contribution = self.pacer.contribution(self.clock(), self.host.tokens_per_step) if self.pacer else None
@@ -318,7 +318,7 @@ class OuterLoop:
                 for spec, averaged in zip(specs, result.averaged):
                     if spec.error_feedback:
                         spec.error_feedback.keep(averaged.residual)
-                    for i, average in zip(spec.indices, spec.layout.unflatten(averaged.average)):
+                    for i, average in zip(spec.indices, spec.packing.unflatten(averaged.average)):
                         state.take_step(i, average, c.outer_lr, mu, c.nesterov)
                 state.outer_step += 1
         if self.pacer is not None:  # (also an elastic member's first sync, which the membership applies)
@@ -471,7 +471,7 @@ class OuterLoop:
         for specs in self.buckets:
             for spec in specs:
                 if spec.error_feedback and spec.error_feedback.error is not None:
-                    residuals = spec.layout.unflatten(spec.error_feedback.error)
+                    residuals = spec.packing.unflatten(spec.error_feedback.error)
                     state.update({self.tensors[i].name: r for i, r in zip(spec.indices, residuals)})
         return state
 
@@ -513,7 +513,7 @@ class OuterLoop:
                 if spec.error_feedback and feedback:
                     device = self.tensors[spec.indices[0]].tensor.device
                     spec.error_feedback.keep(
-                        spec.layout.flatten([feedback[self.tensors[i].name].to(device) for i in spec.indices]))
+                        spec.packing.flatten([feedback[self.tensors[i].name].to(device) for i in spec.indices]))
         tau = self.config.streaming.overlap_steps
         tasks = [SyncTask(e["fragment"], e["step"] if self.auto_overlap else e["apply_at"] - tau, e["outer_step"], None)
                  for e in state["pending"]]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.diloco.collectives import BucketLayout
+from trainer.diloco.collectives import BucketPacking
 from trainer.diloco.compression import Compressor, ErrorFeedback, compression_group, rows_shape
 from trainer.diloco.config import MuLoCoConfig
 from trainer.errors import ConfigError
@@ -147,7 +147,7 @@ class BucketSpec:
     codec) and whether they count in worker-wide sums. Ordered by row width (see compression.py)."""
     indices: list[int]
     compressor: Compressor
-    layout: BucketLayout
+    packing: BucketPacking
     counts_once: bool
     error_feedback: ErrorFeedback | None
 
@@ -157,7 +157,7 @@ class BucketSpec:
 
     @property
     def numel(self) -> int:
-        return sum(rows * cols for rows, cols in self.layout.shapes)
+        return sum(rows * cols for rows, cols in self.packing.shapes)
 
 
 def plan_buckets(tensors: list[SyncedTensor], owned: list[int], fragment: int, config: MuLoCoConfig
@@ -171,7 +171,7 @@ def plan_buckets(tensors: list[SyncedTensor], owned: list[int], fragment: int, c
     for (group, counts_once), indices in sorted(keyed.items()):
         indices.sort(key=lambda i: tensors[i].wire_shape[1])
         codec = config.compression.for_group(group)
-        specs.append(BucketSpec(indices, Compressor(codec), BucketLayout(tuple(tensors[i].wire_shape for i in indices),
+        specs.append(BucketSpec(indices, Compressor(codec), BucketPacking(tuple(tensors[i].wire_shape for i in indices),
                                                                          parts), counts_once,
                                 ErrorFeedback.from_config(codec, config.outer_lr) if codec.error_feedback else None))
     return specs

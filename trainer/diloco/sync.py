@@ -32,7 +32,7 @@ import torch
 
 from trainer import comm
 from trainer.diloco import vote
-from trainer.diloco.collectives import Averaged, Bucket, BucketLayout, average_buckets, squared_norm
+from trainer.diloco.collectives import Averaged, Bucket, BucketPacking, average_buckets, squared_norm
 from trainer.diloco.config import MuLoCoConfig
 from trainer.diloco.membership import Decision, Membership, Session
 from trainer.diloco.pace import CONTRIBUTION_BYTES, NO_CONTRIBUTION, Contribution, merge_weights, momentum_exponent
@@ -63,16 +63,16 @@ class SyncResult:
     momentum_exponent: float = 1.0  # the outer momentum decays as mu ** this (pace.py's correction)
 
 
-def _relayout(flat: torch.Tensor, source: BucketLayout, target: BucketLayout) -> torch.Tensor:
+def _repack(flat: torch.Tensor, source: BucketPacking, target: BucketPacking) -> torch.Tensor:
     return flat if source == target else target.flatten(source.unflatten(flat))
 
 
 def _recut(bucket: Bucket, parts: int) -> Bucket:
-    """The bucket in `parts` row chunks (the reduce-scatter's), when its layout has another count."""
-    if bucket.layout.parts in (1, parts):
+    """The bucket in `parts` row chunks (the reduce-scatter's), when its packing has another count."""
+    if bucket.packing.parts in (1, parts):
         return bucket
-    layout = BucketLayout(bucket.layout.shapes, parts)
-    return Bucket(bucket.compressor, layout, _relayout(bucket.flat, bucket.layout, layout))
+    packing = BucketPacking(bucket.packing.shapes, parts)
+    return Bucket(bucket.compressor, packing, _repack(bucket.flat, bucket.packing, packing))
 
 
 class SyncBody:
@@ -104,7 +104,7 @@ class SyncBody:
         contributing = not session.joining
         if not contributing:  # zeros nobody decodes; its error feedback restarts from zero
             deltas = [torch.zeros_like(d) for d in deltas]
-        buckets = [Bucket(spec.compressor, spec.layout,
+        buckets = [Bucket(spec.compressor, spec.packing,
                           spec.error_feedback.accumulate(d) if spec.error_feedback and contributing else d)
                    for spec, d in zip(specs, deltas)]
         session.wire.begin(task.outer_step, task.fragment, epoch=getattr(session, "epoch", 0))
@@ -120,7 +120,7 @@ class SyncBody:
             weigh = _merge_weights
         exchanged = average_buckets(cut, session.wire, self.config.collective, context, header=header, choose=choose,
                                     max_norm_ratio=self.config.max_norm_ratio, leave_out=session.leave_out, weigh=weigh)
-        exchanged.averaged = [Averaged(_relayout(a.average, c.layout, b.layout), _relayout(a.residual, c.layout, b.layout))
+        exchanged.averaged = [Averaged(_repack(a.average, c.packing, b.packing), _repack(a.residual, c.packing, b.packing))
                               for a, c, b in zip(exchanged.averaged, cut, buckets)]
         exchange = session.wire.take_stats()
         contributions = None
