@@ -18,6 +18,19 @@ the outer records' `inner_steps`). The three workers share the machine's cores: 
 sleeps half its time, which leaves its peers more CPU, so the steps/s ratios of the straggler cases
 read above what separate machines would give; the useful shares do not depend on that. Last line:
 JSON.
+
+    python benchmarks/straggler.py --elastic
+
+The elastic mode (`muloco.elastic`, docs/multi_datacenter.md), where a worker can be left out of a
+sync: the lighthouse and K = 3 workers, each its own launch (a world of one rank, its own master port,
+`--worker-id k`), as in tests/test_elastic.py; the same link, compression and steps:
+  elastic_equal    every worker at full speed (the reference)
+  elastic_sigstop  worker 2 frozen (SIGSTOP) once its first outer record is written (it is then
+                   training, not inside a quorum) and resumed (SIGCONT) when worker 0 has written the
+                   record of the FROZEN_SYNCS-th sync after that one
+Throughput of workers 0 and 1 as above. For worker 2: how many syncs it missed (worker 0's records
+with 2 in `missing`) and whether it came back (a record of its own with `rejoined`, the state caught
+up from a peer). ELASTIC_SETTINGS says which timeouts and why.
 """
 from __future__ import annotations
 
@@ -25,6 +38,7 @@ import argparse
 import json
 import os
 import subprocess
+import signal
 import sys
 import tempfile
 import time
@@ -34,16 +48,32 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 from timed_runs import timed_trainer, write_config
 
+from tools.trainer_runs import EXTENSIONS_ENV, free_port, shared_memory_files
+
 WORKERS = 3
 SLOW_LINK = {"bandwidth_gbit_s": 1, "latency_ms": 50}
 FOUR_BIT_EF = {"method": "statistical", "bits": 4, "error_feedback": True}
 STRAGGLER = [1.0, 1.0, 2.0]
 FAST = [0, 1]
+FROZEN_SYNCS = 3
+# The lighthouse forms a quorum at once when every worker still heartbeating (every 100 ms), or every
+# member of the previous quorum, has asked; it waits --join-timeout-s (the grace window) only for a
+# worker that heartbeats but has not asked.
+# So a frozen worker costs the others --heartbeat-timeout-s at their first sync without it (1 s: ten
+# missed heartbeats), while the join timeout can cover the start-up skew of healthy workers (10 s, on
+# 2 shared cores). sync_timeout_s is what the others wait when a member freezes inside a quorum (not
+# this case: see results/straggler.md); above the slowest healthy exchange (well under 1 s here).
+ELASTIC_SETTINGS = {"join_timeout_s": 10.0, "heartbeat_timeout_s": 1.0, "sync_timeout_s": 5.0,
+                    "quorum_timeout_s": 120.0, "quorum_request_timeout_s": 10.0}
 
 
-def muloco_block(case: str, sync_interval: int) -> dict:
+def muloco_block(case: str, sync_interval: int, lighthouse: str = "") -> dict:
     block = {"workers": WORKERS, "sync_interval": sync_interval, "outer_lr": 0.7, "outer_momentum": 0.6,
              "nesterov": True, "compression": FOUR_BIT_EF, "link": SLOW_LINK}
+    if lighthouse:
+        block["sync_timeout_s"] = ELASTIC_SETTINGS["sync_timeout_s"]
+        block["elastic"] = {"lighthouse": lighthouse, "quorum_timeout_s": ELASTIC_SETTINGS["quorum_timeout_s"],
+                            "quorum_request_timeout_s": ELASTIC_SETTINGS["quorum_request_timeout_s"]}
     if case in ("barrier", "paced"):
         block["emulate_slowdown"] = STRAGGLER
     if case == "paced":
@@ -57,14 +87,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sync-interval", type=int, default=20)
     p.add_argument("--syncs", type=int, default=6, help="outer syncs per run (the first window is warm-up)")
     p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--workdir", help=argparse.SUPPRESS)  # these three are set by the launcher
+    p.add_argument("--elastic", action="store_true", help="the elastic cases: all equal, and worker 2 frozen")
+    p.add_argument("--workdir", help=argparse.SUPPRESS)  # these four are set by the launcher
     p.add_argument("--case", help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--worker-id", type=int, help=argparse.SUPPRESS)  # elastic: this launch's worker
     return p.parse_args(argv)
 
 
+def run_dir(workdir: str | Path, case: str, worker: int | None) -> Path:
+    """A case's run folder; in the elastic mode each worker's, under the case's."""
+    return Path(workdir) / case if worker is None else Path(workdir) / case / f"worker{worker}"
+
+
 def train_one(args: argparse.Namespace) -> None:
-    """One rank of case `--case`: its metrics.jsonl (rank 0) and its step times under the workdir."""
+    """One rank of case `--case` (of worker `--worker-id` in the elastic mode): its metrics.jsonl (rank 0)
+    and its step times in its run folder."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
@@ -75,32 +113,119 @@ def train_one(args: argparse.Namespace) -> None:
 
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=COLLECTIVE_TIMEOUT)
     workdir = Path(args.workdir)
-    ds_path = workdir / f"{args.case}.json"
-    if dist.get_rank() == 0:
-        write_config(ds_path, muloco_block(args.case, args.sync_interval))
-    dist.barrier()
+    elastic = [] if args.worker_id is None else ["--worker-id", str(args.worker_id)]
     flags = build_parser().parse_args([
-        "--ds_config", str(ds_path), "--model", args.model, "--data-path", str(workdir / "markov"),
-        "--vocab-size", "1000", "--train-iters", str(args.steps), "--seq-length", str(args.seq_length),
-        "--micro-batch-size", "4", "--log-interval", str(args.sync_interval), "--eval-interval", str(args.steps),
-        "--eval-iters", "8", "--lr-warmup-iters", str(args.sync_interval), "--run-dir", str(workdir / args.case)])
+        "--ds_config", str(workdir / f"{args.case}.json"), "--model", args.model, "--data-path",
+        str(workdir / "markov"), "--vocab-size", "1000", "--train-iters", str(args.steps), "--seq-length",
+        str(args.seq_length), "--micro-batch-size", "4", "--log-interval", str(args.sync_interval),
+        "--eval-interval", str(args.steps), "--eval-iters", "8", "--lr-warmup-iters", str(args.sync_interval),
+        "--run-dir", str(run_dir(workdir, args.case, args.worker_id)), *elastic])
     run(resolve(flags, dist.get_world_size()), timed_trainer())
 
 
+def forwarded(args: argparse.Namespace, case: str, steps: int, workdir: str) -> list[str]:
+    return [__file__, "--model", args.model, "--sync-interval", str(args.sync_interval), "--seq-length",
+            str(args.seq_length), "--workdir", workdir, "--case", case, "--steps", str(steps)]
+
+
 def launch(args: argparse.Namespace, case: str, steps: int, workdir: str, env: dict) -> dict:
-    forwarded = [__file__, "--model", args.model, "--sync-interval", str(args.sync_interval), "--seq-length",
-                 str(args.seq_length), "--workdir", workdir, "--case", case, "--steps", str(steps)]
+    write_config(Path(workdir) / f"{case}.json", muloco_block(case, args.sync_interval))
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORKERS}",
-                    *forwarded], check=True, env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
-    return read_run(Path(workdir) / case, args.sync_interval, time.perf_counter() - started)
+                    *forwarded(args, case, steps, workdir)], check=True, env=env, cwd=REPO_ROOT,
+                   stdout=subprocess.DEVNULL)
+    run = run_dir(workdir, case, None)
+    per_rank = [json.loads((run / f"step_times.rank{k}.json").read_text()) for k in range(WORKERS)]
+    return read_run(read_records(run), per_rank, args.sync_interval, time.perf_counter() - started)
 
 
-def read_run(run_dir: Path, sync_interval: int, seconds: float) -> dict:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def read_records(run: Path) -> list[dict]:
+    """A run's metrics.jsonl records; while it runs, the lines written in full (the last may not be)."""
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().split("\n")[:-1] if line]
+
+
+def outer_records(run: Path) -> list[dict]:
+    """The outer syncs' records written so far (none before the first)."""
+    path = run / "metrics.jsonl"
+    return [r for r in read_records(run) if "outer_step" in r] if path.exists() else []
+
+
+def launch_elastic(args: argparse.Namespace, case: str, steps: int, workdir: str, env: dict) -> dict:
+    """The lighthouse and one launch per worker (a world of one rank each); in `elastic_sigstop` worker 2
+    frozen for FROZEN_SYNCS of the others' syncs. Every process started here is killed on the way out,
+    and the shared-memory files named by their master ports removed."""
+    lighthouse_port, ports, procs = free_port(), [], []
+    write_config(Path(workdir) / f"{case}.json",
+                 muloco_block(case, args.sync_interval, f"http://127.0.0.1:{lighthouse_port}"))
+
+    def start(command: list[str], extra_env: dict) -> subprocess.Popen:
+        with open(Path(workdir) / f"{case}.{len(procs)}.log", "w") as log:  # its own process group: killed whole
+            procs.append(subprocess.Popen(command, env={**env, **extra_env}, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                                          stderr=log, start_new_session=True))
+        return procs[-1]
+
+    started = time.perf_counter()
+    frozen_s = 0.0
+    try:
+        start([sys.executable, "-m", "trainer.elastic.lighthouse", "--bind", f"127.0.0.1:{lighthouse_port}",
+               "--join-timeout-s", str(ELASTIC_SETTINGS["join_timeout_s"]),
+               "--heartbeat-timeout-s", str(ELASTIC_SETTINGS["heartbeat_timeout_s"])], {})
+        workers = []
+        for k in range(WORKERS):
+            ports.append(free_port())
+            world = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[-1])}
+            workers.append(start([sys.executable, *forwarded(args, case, steps, workdir), "--worker-id", str(k)],
+                                 world))
+        if case == "elastic_sigstop":
+            frozen_s = freeze_worker_2(workers, run_dir(workdir, case, 0), run_dir(workdir, case, 2))
+        for k, worker in enumerate(workers):
+            if worker.wait() != 0:  # the workdir goes with the launcher: the end of its log now
+                log = (Path(workdir) / f"{case}.{k + 1}.log").read_text()[-4000:]
+                raise RuntimeError(f"{case}: worker {k} exited with {worker.returncode}; its log ends:\n{log}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for port in ports:
+            for path in shared_memory_files(port):
+                path.unlink(missing_ok=True)
+    seconds = time.perf_counter() - started
+    runs = [run_dir(workdir, case, k) for k in range(WORKERS)]
+    per_worker = [json.loads((run / "step_times.rank0.json").read_text()) for run in runs]
+    result = read_run(read_records(runs[0]), per_worker, args.sync_interval, seconds)
+    outer = outer_records(runs[0])
+    worker_2 = outer_records(runs[2])
+    result.update(syncs_without_2=sum(2 in r["missing"] for r in outer), syncs=len(outer),
+                  worker_2_rejoined=any(r["rejoined"] for r in worker_2), worker_2_syncs=len(worker_2),
+                  frozen_s=frozen_s)
+    return result
+
+
+def freeze_worker_2(workers: list[subprocess.Popen], run_0: Path, run_2: Path) -> float:
+    """SIGSTOP worker 2 once its first outer record is written, SIGCONT once worker 0 has written
+    FROZEN_SYNCS more; how long it was stopped."""
+    while not outer_records(run_2):
+        if workers[2].poll() is not None:
+            raise RuntimeError("worker 2 ended before its first sync")
+        time.sleep(0.05)
+    os.killpg(workers[2].pid, signal.SIGSTOP)
+    # Counted from worker 2's last sync, not from worker 0's records so far: worker 0 may not have
+    # written that sync's record yet.
+    stopped, resume_after = time.perf_counter(), outer_records(run_2)[-1]["outer_step"] + FROZEN_SYNCS
+    while not any(r["outer_step"] >= resume_after for r in outer_records(run_0)):
+        if workers[0].poll() is not None:
+            raise RuntimeError(f"worker 0 ended before outer step {resume_after}")
+        time.sleep(0.05)
+    os.killpg(workers[2].pid, signal.SIGCONT)
+    return time.perf_counter() - stopped
+
+
+def read_run(records: list[dict], per_rank: list[dict], sync_interval: int, seconds: float) -> dict:
+    """A case's figures from worker 0's records and each worker's step times (step_times.rank<R>.json)."""
     outer = [r for r in records if "outer_step" in r]
     val_loss = [r["val_loss"] for r in records if "val_loss" in r][-1]
-    per_rank = [json.loads((run_dir / f"step_times.rank{k}.json").read_text()) for k in range(WORKERS)]
     # Each fast worker after its first window: its inner steps over the time they took (syncs included),
     # and the share of that time outside its step hooks (the outer sync and its wait): its useful compute.
     fast, useful = [], []
@@ -130,7 +255,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         write_markov_dataset(str(Path(tmp) / "markov"), vocab_size=1000)
         write_new_key(Path(tmp) / "job.key")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", KEY_FILE_ENV: str(Path(tmp) / "job.key")}
+        env = {**os.environ, **EXTENSIONS_ENV, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", KEY_FILE_ENV: str(Path(tmp) / "job.key")}
+        if args.elastic:
+            for case in ("elastic_equal", "elastic_sigstop"):
+                print(f"{case} ...", file=sys.stderr, flush=True)
+                results[case] = launch_elastic(args, case, steps, tmp, env)
+            report_elastic(args, steps, results)
+            return
         for case in ("equal", "barrier", "paced"):
             print(f"{case} ...", file=sys.stderr, flush=True)
             results[case] = launch(args, case, steps, tmp, env)
@@ -157,6 +288,28 @@ def main() -> None:
               f"{str(r['inner_steps']):>25} {r['launch_seconds']:>9.1f}")
     for key, value in summary.items():
         print(f"{key}: {value:.3f}")
+    print(json.dumps({"summary": summary, "cases": results}))
+
+
+def report_elastic(args: argparse.Namespace, steps: int, results: dict) -> None:
+    equal, frozen = results["elastic_equal"], results["elastic_sigstop"]
+    summary = {"throughput_sigstop_vs_elastic_equal": frozen["fast_steps_per_s"] / equal["fast_steps_per_s"],
+               "useful_share_sigstop_vs_elastic_equal": frozen["fast_useful_share"] / equal["fast_useful_share"],
+               "val_loss_sigstop_vs_elastic_equal": frozen["val_loss"] / equal["val_loss"]}
+    print(f"model {args.model}, K = {WORKERS} elastic workers x 4 sequences x {args.seq_length} tokens per step, "
+          f"H = {args.sync_interval}, {steps} steps, 4-bit statistical + EF, link {SLOW_LINK['bandwidth_gbit_s']} "
+          f"Gbit/s + {SLOW_LINK['latency_ms']} ms, worker 2 stopped for {FROZEN_SYNCS} syncs, "
+          f"{ELASTIC_SETTINGS}, {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"{'case':<16} {'fast steps/s':>12} {'fast useful':>11} {'val loss':>9} {'syncs':>5} {'without 2':>9} "
+          f"{'2 rejoined':>10} {'2 syncs':>7} {'2 frozen s':>10} {'launch s':>9}")
+    for case, r in results.items():
+        print(f"{case:<16} {r['fast_steps_per_s']:>12.3f} {r['fast_useful_share']:>11.3f} {r['val_loss']:>9.4f} "
+              f"{r['syncs']:>5} {r['syncs_without_2']:>9} {str(r['worker_2_rejoined']):>10} {r['worker_2_syncs']:>7} "
+              f"{r['frozen_s']:>10.1f} {r['launch_seconds']:>9.1f}")
+    for key, value in summary.items():
+        print(f"{key}: {value:.3f}")
+    if equal["syncs_without_2"]:  # a worker that started more than the join timeout late, on a loaded machine
+        print(f"NOT all equal: worker 2 missed {equal['syncs_without_2']} sync(s) of the reference run")
     print(json.dumps({"summary": summary, "cases": results}))
 
 
