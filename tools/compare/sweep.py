@@ -91,8 +91,9 @@ class Progress:
         with self.lock:
             previous = self.runs.get(record.key)
             if previous is not None and previous.final_val_loss != record.final_val_loss:
-                # A DP run repeated for its start states reproduces its record bit for bit on CPU, or
-                # nearly on another machine (3e-6 seen); the new run's start states are the ones used.
+                # A DP run repeated for its start states reproduces its record bit for bit on one CPU;
+                # on another machine Muon's within ~3e-6, AdamW's within ~0.01 (it amplifies last-bit
+                # differences). The new run's start states are the ones used.
                 print(f"warning: {record.key.name} reran to val loss {record.final_val_loss:.6f}, recorded "
                       f"{previous.final_val_loss:.6f} (not deterministic here?)", file=sys.stderr, flush=True)
             self.runs[record.key] = record
