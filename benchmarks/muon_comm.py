@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 
-from tools.trainer_runs import TINY_VOCAB, deepspeed_launch, tiny_flags
+from tools.trainer_runs import TINY_VOCAB, launch_ranks, tiny_flags
 from trainer.ds_config import load_ds_config
 from trainer.model.presets import PRESETS
 from trainer.optim.muon import MOMENTUM_DTYPES
@@ -107,7 +107,7 @@ def measure_tiny(steps: int) -> dict:
         flags = tiny_flags(data, work / "run", "muon", "--tensor-model-parallel-size", "2",
                            "--train-iters", str(steps), "--micro-batch-size", "2", "--global-batch-size", "4",
                            "--lr-warmup-iters", "0", "--eval-interval", "0")
-        deepspeed_launch(Path(__file__), 4, ["--probe", str(work), *flags], timeout_s=600).check("tiny T=2 D=2 run")
+        launch_ranks(Path(__file__), 4, ["--probe", str(work), *flags], timeout_s=600).check("tiny T=2 D=2 run")
         ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(4)]
     per_rank = []
     for r, seen in enumerate(ranks):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 
 from tools.synthetic_data import write_markov_dataset
-from tools.trainer_runs import PRETRAIN, TINY_VOCAB, deepspeed_launch, read_metrics, tiny_flags
+from tools.trainer_runs import PRETRAIN, TINY_VOCAB, launch_ranks, read_metrics, tiny_flags
 
 LAYOUTS = {"T1_D2": [], "T2_D1": ["--tensor-model-parallel-size", "2"]}
 LOG_INTERVAL = 5
@@ -25,7 +25,7 @@ LOG_INTERVAL = 5
 
 def measure(layout: str, steps: int, optimizer: str, work_dir: Path, data: str) -> float:
     run_dir = work_dir / layout
-    deepspeed_launch(PRETRAIN, 2, tiny_flags(
+    launch_ranks(PRETRAIN, 2, tiny_flags(
         data, run_dir, optimizer, *LAYOUTS[layout], "--train-iters", str(steps), "--micro-batch-size", "4",
         "--global-batch-size", "8", "--log-interval", str(LOG_INTERVAL), "--eval-interval", "0"),
         timeout_s=600).check(f"{layout} run")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 
 from tools.synthetic_data import write_markov_dataset
-from tools.trainer_runs import PRETRAIN, TINY_VOCAB, deepspeed_launch, read_metrics, tiny_flags
+from tools.trainer_runs import PRETRAIN, TINY_VOCAB, launch_ranks, read_metrics, tiny_flags
 
 LOG_INTERVAL = 5
 
@@ -33,10 +33,10 @@ def torch_own_threads() -> str:
 
 
 def tokens_per_s(run_dir: Path, ranks: int, steps: int, data: str, omp_threads: str | None) -> float:
-    result = deepspeed_launch(PRETRAIN, ranks, tiny_flags(
+    result = launch_ranks(PRETRAIN, ranks, tiny_flags(
         data, run_dir, "muon", "--train-iters", str(steps), "--micro-batch-size", "4",
         "--global-batch-size", str(4 * ranks), "--log-interval", str(LOG_INTERVAL), "--eval-interval", "0"),
-        timeout_s=900, omp_threads=omp_threads).check(f"run with OMP_NUM_THREADS={omp_threads}")
+        timeout_s=900, omp_threads=omp_threads, launcher="deepspeed").check(f"run with OMP_NUM_THREADS={omp_threads}")
     print(next(line for line in result.output.splitlines() if "threads:" in line), flush=True)
     windows = [r["tokens_per_s"] for r in read_metrics(run_dir) if "tokens_per_s" in r and r["step"] > LOG_INTERVAL]
     return statistics.mean(windows)

@@ -21,13 +21,15 @@ fi
 # DeepSpeed JIT-builds its CPU comm op on first use; a per-venv folder keeps another venv's build
 # (other torch, or one in progress) from being waited on or loaded.
 export TORCH_EXTENSIONS_DIR="$PWD/$VENV_DIR/torch_extensions"
-# Build that op once here, not inside the first launch (where the ranks would wait on it).
-if [ ! -d "$TORCH_EXTENSIONS_DIR/deepspeed_shm_comm" ]; then
+# Build the CPU ops once here, not inside the first launch (where the ranks would wait on them): the
+# comm op every launch uses, and the FusedAdam that DeepSpeed's Muon builds for its Adam half.
+if [ ! -d "$TORCH_EXTENSIONS_DIR/deepspeed_shm_comm" ] || [ ! -d "$TORCH_EXTENSIONS_DIR/fused_adam" ]; then
     python - <<'PY'
 from deepspeed.accelerator import get_accelerator
 if get_accelerator().device_name() == "cpu":
-    print("[setup] building DeepSpeed's CPU comm op (once, about a minute)", flush=True)
-    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+    print("[setup] building DeepSpeed's CPU comm and FusedAdam ops (once, about two minutes)", flush=True)
+    from deepspeed.ops.op_builder.cpu import FusedAdamBuilder, ShareMemCommBuilder
     ShareMemCommBuilder().load(verbose=False)
+    FusedAdamBuilder().load(verbose=False)
 PY
 fi

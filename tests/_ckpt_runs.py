@@ -8,13 +8,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
-from tools.trainer_runs import launch_port
+from tools.trainer_runs import launch_port, launcher_command
 from tools.trainer_runs import EXTENSIONS_ENV
 
 from trainer.checkpoint.rank_file import read_rank_file, to_plain
@@ -36,12 +35,7 @@ def dataset(base: Path) -> str:
 def _command(base: Path, ranks: int, run_dir: Path, flags: tuple[str, ...], ds_config: str,
              data_flags: tuple[str, ...] | None, train_iters: int, port: int, launcher: str = "torchrun") -> list[str]:
     data = data_flags or ("--data-path", dataset(base), "--vocab-size", "1000")
-    if launcher == "deepspeed":  # DeepSpeed's runner, which starts its launch.py, which starts the ranks
-        start = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(port)]
-    else:
-        start = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--master-addr=127.0.0.1",
-                 f"--master-port={port}", f"--nproc_per_node={ranks}"]
-    return [*start, "trainer/pretrain.py", "--ds_config", ds_config, "--model", "tiny", *data,
+    return [*launcher_command(launcher, ranks, port), "trainer/pretrain.py", "--ds_config", ds_config, "--model", "tiny", *data,
             "--train-iters", str(train_iters), "--log-interval", "1", "--eval-interval", "0",
             "--run-dir", str(run_dir), *flags]
 

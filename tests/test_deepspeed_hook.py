@@ -21,7 +21,7 @@ import torch
 from trainer.diloco.deepspeed_hook import Workers, attach
 from trainer.errors import ConfigError
 from trainer.topology import ParallelSizes, RankCoordinates, Topology
-from tools.trainer_runs import deepspeed_launch, shared_memory_files
+from tools.trainer_runs import launch_ranks, shared_memory_files
 from tools.trainer_runs import REPO_ROOT
 
 PROBE = REPO_ROOT / "tests" / "_deepspeed_hook_probe.py"
@@ -43,7 +43,7 @@ def _example():
 @cache
 def probe_results(tmp: str) -> Path:
     out = Path(tmp) / "out"
-    result = deepspeed_launch(PROBE, 4, [str(out)], timeout_s=900)
+    result = launch_ranks(PROBE, 4, [str(out)], timeout_s=900)
     leftovers = shared_memory_files(result.master_port)
     for path in leftovers:
         path.unlink(missing_ok=True)

@@ -18,7 +18,7 @@ import torch
 from tools import plan as planner
 from _probe_common import load_rank_dumps, worker_weights
 from tools.synthetic_data import write_markov_dataset
-from tools.trainer_runs import PRETRAIN, LaunchResult, deepspeed_launch, read_metrics, shared_memory_files
+from tools.trainer_runs import PRETRAIN, LaunchResult, launch_ranks, read_metrics, shared_memory_files
 from tools.trainer_runs import REPO_ROOT
 
 PROBE = REPO_ROOT / "tests" / "_outer_probe.py"
@@ -117,7 +117,7 @@ def _probe(workdir: Path, launch: str) -> tuple[Path, LaunchResult]:
     out = workdir / launch
     out.mkdir()
     (out / "cases.json").write_text(json.dumps(cases(str(workdir / "markov"))))
-    return out, deepspeed_launch(PROBE, ranks, [str(out / "cases.json"), str(out)])
+    return out, launch_ranks(PROBE, ranks, [str(out / "cases.json"), str(out)])
 
 
 def case_dir(workdir: Path, name: str) -> Path:
@@ -326,7 +326,7 @@ def test_streaming_fragments_sync_in_turn_with_overlap_over_reduce_scatter(workd
 @pytest.mark.launch
 def test_cli_k2_t2_four_bit_error_feedback_run_learns_and_logs_outer_syncs(workdir):
     run_dir = workdir / "cli"
-    launch = deepspeed_launch(PRETRAIN, 4, [
+    launch = launch_ranks(PRETRAIN, 4, [
         "--ds_config", str(MULOCO_CONFIG), "--model", "tiny", "--data-path", str(workdir / "markov"),
         "--vocab-size", str(VOCAB), "--train-iters", "40", "--tensor-model-parallel-size", "2",
         "--eval-interval", "10", "--eval-iters", "2", "--run-dir", str(run_dir)]).check("the CLI run")

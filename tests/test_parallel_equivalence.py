@@ -14,7 +14,7 @@ import torch
 from tools.synthetic_data import write_markov_dataset
 from trainer.model.sharding import logical_matrices
 from trainer.model.presets import PRESETS
-from tools.trainer_runs import LaunchResult, deepspeed_launch
+from tools.trainer_runs import LaunchResult, launch_ranks
 from tools.trainer_runs import REPO_ROOT, TINY_VOCAB
 
 pytestmark = pytest.mark.launch  # every test here starts processes (tests/launch_tier.py)
@@ -51,7 +51,7 @@ def root(tmp_path_factory) -> Path:
 def _launch(layout: str, root: Path) -> LaunchResult:
     """One launch per layout, kept even when it failed so that later tests do not relaunch it."""
     ranks, flags = LAYOUTS[layout]
-    return deepspeed_launch(PROBE, ranks, [
+    return launch_ranks(PROBE, ranks, [
         str(root / layout), "--model", "tiny", "--data-path", str(root / "markov"), "--vocab-size", str(TINY_VOCAB),
         "--train-iters", str(STEPS), "--micro-batch-size", "2", "--global-batch-size", "4",
         "--lr-warmup-iters", "0", "--eval-interval", "0", *flags])

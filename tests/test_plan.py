@@ -9,7 +9,7 @@ import torch
 
 from tools import plan as planner
 from megatron_world import megatron_world_of_one
-from tools.trainer_runs import PRETRAIN, deepspeed_launch, read_metrics
+from tools.trainer_runs import PRETRAIN, launch_ranks, read_metrics
 from tools.trainer_runs import TINY_VOCAB
 from tools.synthetic_data import write_markov_dataset
 from trainer.model.presets import PRESETS, parameter_count
@@ -137,7 +137,7 @@ def test_sync_bytes_equal_the_trainers_collectives(tmp_path, repo_root):
     (tmp_path / "ds.json").write_text(json.dumps(config))
     data = write_markov_dataset(str(tmp_path / "markov"), vocab_size=TINY_VOCAB, num_docs=60)
     run_dir = tmp_path / "run"
-    deepspeed_launch(PRETRAIN, 4, [
+    launch_ranks(PRETRAIN, 4, [
         "--ds_config", str(tmp_path / "ds.json"), "--model", "tiny", "--data-path", data,
         "--vocab-size", str(TINY_VOCAB), "--train-iters", "2", "--eval-interval", "0", "--run-dir", str(run_dir)],
         timeout_s=900).check("K=2 MuLoCo run")  # 4 ranks start slowly on a shared 2-core machine

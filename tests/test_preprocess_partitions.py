@@ -17,7 +17,7 @@ import pytest
 import zstandard
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from test_tokenizer import sentencepiece_model  # noqa: F401 - shared session fixture
-from tools.trainer_runs import PRETRAIN, deepspeed_launch, read_metrics
+from tools.trainer_runs import PRETRAIN, launch_ranks, read_metrics
 from tools.trainer_runs import DS_CONFIGS, REPO_ROOT
 
 from dataprep.dataset_meta import read_dataset_meta
@@ -184,7 +184,7 @@ def test_merge_writes_a_token_weighted_blend_that_trains(one_partition: Path, th
                      for name in sorted(p.name[:-len(".meta.json")] for p in folder.glob("cc_*.meta.json"))]
 
     run_dir = tmp_path / "run"
-    result = deepspeed_launch(PRETRAIN, 1, [
+    result = launch_ranks(PRETRAIN, 1, [
         "--ds_config", str(DS_CONFIGS["adamw"]), "--model", "tiny", "--data-args-path", str(tmp_path / "cc.data_args"),
         "--tokenizer-model", str(sentencepiece_model), "--train-iters", "10", "--log-interval", "1",
         "--eval-interval", "10", "--eval-iters", "1", "--run-dir", str(run_dir)]).check("training on the blend")

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from tools.synthetic_data import write_markov_dataset
-from tools.trainer_runs import PRETRAIN, deepspeed_launch, read_metrics
+from tools.trainer_runs import PRETRAIN, launch_ranks, read_metrics
 from tools.trainer_runs import TINY_VOCAB, tiny_flags
 
 # Far below LAUNCH_TIMEOUT_S: a rank waiting in a collective for a peer that already quit would hang.
@@ -22,9 +22,8 @@ def data(tmp_path_factory):
 
 @pytest.mark.launch
 def test_impossible_size_exits_with_a_clear_message(data, tmp_path):
-    result = deepspeed_launch(PRETRAIN, 2, tiny_flags(data, tmp_path / "run", "muon",
-                                                      "--tensor-model-parallel-size", "4"), timeout_s=FAIL_FAST_S,
-                              omp_threads=None)
+    result = launch_ranks(PRETRAIN, 2, tiny_flags(data, tmp_path / "run", "muon", "--tensor-model-parallel-size", "4"),
+                          timeout_s=FAIL_FAST_S, omp_threads=None, launcher="deepspeed")
     assert result.returncode not in (0, 124), result.output[-4000:]
     # OMP_NUM_THREADS unset: the host's first rank says what share of the cores each of the 2 ranks took.
     assert len(re.findall(r"threads: \d+ intra-op threads per rank \(\d+ cores available / 2 ranks on this host",
@@ -37,7 +36,7 @@ def test_impossible_size_exits_with_a_clear_message(data, tmp_path):
 @pytest.mark.launch
 def test_short_tensor_parallel_run_writes_its_run_dir_and_learns(data, tmp_path):
     run_dir = tmp_path / "run"
-    deepspeed_launch(PRETRAIN, 2, tiny_flags(
+    launch_ranks(PRETRAIN, 2, tiny_flags(
         data, run_dir, "muon", "--tensor-model-parallel-size", "2", "--train-iters", str(STEPS),
         "--log-interval", "5", "--eval-interval", "10", "--eval-iters", "2")).check("T=2 run")
 
