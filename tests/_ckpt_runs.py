@@ -35,8 +35,8 @@ def dataset(base: Path) -> str:
 def _command(base: Path, ranks: int, run_dir: Path, flags: tuple[str, ...], ds_config: str,
              data_flags: tuple[str, ...] | None, train_iters: int, port: int, launcher: str = "torchrun") -> list[str]:
     data = data_flags or ("--data-path", dataset(base), "--vocab-size", "1000")
-    return [*launcher_command(launcher, ranks, port), "trainer/pretrain.py", "--ds_config", ds_config, "--model", "tiny", *data,
-            "--train-iters", str(train_iters), "--log-interval", "1", "--eval-interval", "0",
+    return [*launcher_command(launcher, ranks, port), "trainer/pretrain.py", "--ds_config", ds_config,
+            "--model", "tiny", *data, "--train-iters", str(train_iters), "--log-interval", "1", "--eval-interval", "0",
             "--run-dir", str(run_dir), *flags]
 
 

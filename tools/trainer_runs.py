@@ -98,7 +98,8 @@ def launcher_command(launcher: str, num_ranks: int, port: int) -> list[str]:
     which starts the ranks), or "torchrun" (one process fewer and no DeepSpeed import before the
     ranks start: about 4 s less per launch on 2 cores; it sets OMP_NUM_THREADS=1 where unset)."""
     if launcher == "deepspeed":
-        return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(num_ranks), "--master_port", str(port)]
+        return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(num_ranks),
+                "--master_port", str(port)]
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--master-addr=127.0.0.1",
                 f"--master-port={port}", f"--nproc_per_node={num_ranks}"]
@@ -112,7 +113,8 @@ def launch_ranks(script: str | Path, num_ranks: int, args: list[str], timeout_s:
     runner). A hang fails within the timeout: the launcher and its ranks share a new session, which is
     killed as a whole."""
     if omp_threads is None and launcher != "deepspeed":
-        raise ValueError("torchrun sets OMP_NUM_THREADS=1 where it is unset: the trainer's default needs the deepspeed runner")
+        raise ValueError("torchrun sets OMP_NUM_THREADS=1 where it is unset: the trainer's own thread default "
+                         "needs the deepspeed runner")
     port = launch_port()
     command = [*launcher_command(launcher, num_ranks, port), str(script), *args]
     env = {**os.environ, **EXTENSIONS_ENV, "PYTHONPATH": str(REPO_ROOT)}
