@@ -28,6 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tools.trainer_runs import launcher_command
+
 REPO = Path(__file__).resolve().parents[1]
 K, D = 2, 2
 
@@ -118,10 +120,9 @@ def planned_mib(parameters: int, zero: int) -> float:
 
 
 def launch(args: argparse.Namespace, zero: int, out: Path) -> list[dict]:
-    command = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(K * D), "--master_port",
-               str(29700 + zero), __file__, "--hidden", str(args.hidden), "--layers", str(args.layers),
-               "--sync-interval", str(args.sync_interval), "--syncs", str(args.syncs), "--zero-stage", str(zero),
-               "--out", str(out)]
+    command = [*launcher_command("deepspeed", K * D, 29700 + zero), __file__, "--hidden", str(args.hidden),
+               "--layers", str(args.layers), "--sync-interval", str(args.sync_interval), "--syncs", str(args.syncs),
+               "--zero-stage", str(zero), "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     out.mkdir(parents=True)
     done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools.compare.protocol import ARCH, MODEL, QUERY_GROUPS, REPO, VOCAB_SIZE, Method, RunSpec, Settings
+from tools.trainer_runs import launcher_command
 from trainer.checkpoint.format import sha256_of
 from trainer.diloco.auth import write_new_key
 
@@ -167,8 +168,8 @@ def launch(config: dict, flags: list[str], workers: int, run_dir: Path, timeout_
     ds_config = run_dir / "ds_config.json"
     ds_config.write_text(json.dumps(with_job_secret(config, run_dir), indent=2))
     port = _PORTS.take()
-    command = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(workers), "--master_port",
-               str(port), "trainer/pretrain.py", "--ds_config", str(ds_config), *flags]
+    command = [*launcher_command("deepspeed", workers, port), "trainer/pretrain.py", "--ds_config", str(ds_config),
+               *flags]
     with open(run_dir / "log.txt", "w") as log:
         proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
