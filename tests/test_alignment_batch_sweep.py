@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tools.compare import alignment, batch_sweep, launch
-from tools.compare.batch_report import cell, rows, table, write
+from tools.compare.batch_report import cell, pairing_table, rows, table, write
 from tools.compare.batch_sweep import MIN_HELD_OUT, Plan, at_batch, run_sweep
 from tools.compare.protocol import OUTER_LR_GRID, Method, RunSpec, Settings
 from tools.compare.records import AlignmentRecord, BatchAlignmentRecord, BatchBranchKey, RecordFile, RunRecord
@@ -244,3 +244,33 @@ def test_the_report_from_synthetic_records(tmp_path):
     assert "8 of 16 planned measurements (0.1 h of launches), from the DP runs' states at step 60, 150" in report
     assert "held-out sequences per B/K: 2: 256, 8: 256" in report
     assert (tmp_path / "alignment_batch.png").stat().st_size > 0
+
+
+def test_the_lr_pairing_grids_pair_each_multiplier_of_one_method_with_each_of_the_other(tmp_path):
+    """MuLoCo at 1x and 2x, DiLoCo at 0.5x and 1x, seeds 1 and 2 (DiLoCo 0.5x on seed 1 alone)."""
+    measured = [
+        batch_record("muloco_k8", 2, 1.0, seed=1, cosine=0.80, after_average=4.50),
+        batch_record("muloco_k8", 2, 1.0, seed=2, cosine=0.84, after_average=4.46),
+        batch_record("muloco_k8", 2, 2.0, seed=1, cosine=0.90, after_average=4.42),
+        batch_record("muloco_k8", 2, 2.0, seed=2, cosine=0.86, after_average=4.48),
+        batch_record("diloco_k8", 2, 0.5, seed=1, cosine=0.85, after_average=4.45),
+        batch_record("diloco_k8", 2, 1.0, seed=1, cosine=0.82, after_average=4.60),
+        batch_record("diloco_k8", 2, 1.0, seed=2, cosine=0.80, after_average=4.40),
+    ]
+    records = {r.key: r for r in measured}
+    grid = pairing_table(records, "muloco_k8", "diloco_k8", "cosine").splitlines()
+    assert grid[0] == "| B/K | MuLoCo lr | DiLoCo 0.5x | DiLoCo 1x | DiLoCo 2x |"
+    # MuLoCo 1x - DiLoCo 1x: seed 1 -0.02, seed 2 +0.04: mean +0.01, sd 0.0424, half width 12.706 x 0.03 = 0.3812.
+    assert grid[2] == "| 2 | 1x | -0.0500 (n=1) | +0.0100 [-0.3712, +0.3912] (n=2) | - |"
+    # MuLoCo 2x - DiLoCo 0.5x on seed 1: 0.90 - 0.85; against DiLoCo 1x: +0.08 and +0.06.
+    assert grid[3] == "| 2 | 2x | +0.0500 (n=1) | +0.0700 [-0.0571, +0.1971] (n=2) | - |"
+    assert len(grid) == 4  # no MuLoCo row at 0.5x: it has no measurement there
+    # The loss gap's lead is DiLoCo's gap minus MuLoCo's (every reference here is 4.4): MuLoCo 2x against
+    # DiLoCo 1x: seed 1 0.20 - 0.02, seed 2 0.00 - 0.08.
+    loss = pairing_table(records, "muloco_k8", "diloco_k8", "loss gap").splitlines()
+    assert loss[3].startswith("| 2 | 2x | +0.0300 (n=1) | +0.0500 [")
+    single = {k: r for k, r in records.items() if k.lr_multiplier == 1.0}
+    assert pairing_table(single, "muloco_k8", "diloco_k8", "cosine") == ""
+    write(tmp_path, "shakespeare", records, 16, "muloco_k8", "diloco_k8", 8, 128, "python tools/alignment_batch_sweep.py")
+    report = (tmp_path / "alignment_batch.md").read_text()
+    assert "\n".join(grid) in report and "\n".join(loss) in report

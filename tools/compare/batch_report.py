@@ -1,6 +1,6 @@
 """The report of the alignment's per-worker-batch sweep (tools/compare/batch_sweep.py), from its
-records alone: `alignment_batch.md` (a table per B/K and lr multiplier) and `alignment_batch.png`
-(MuLoCo's lead over DiLoCo against B/K).
+records alone: `alignment_batch.md` (a table per B/K and lr multiplier, and MuLoCo's lead with the two
+methods at different multipliers) and `alignment_batch.png` (MuLoCo's lead over DiLoCo against B/K).
 
 Per method and seed, each quantity is the mean over the start steps measured on that seed; the
 table shows its mean over seeds with the 95% Student-t interval (tools/compare/verdicts.py Stat), and
@@ -9,7 +9,9 @@ each gap is paired: per common seed, then over seeds. The quantities:
 - hidden: the mean over the hidden matrices of the same cosine per matrix;
 - loss gap: the held-out loss after the average's outer step minus after the K=1 step (lower: the
   average does as well as the K=1 step).
-The gaps are MuLoCo's lead: its cosine minus DiLoCo's, and DiLoCo's loss gap minus its own.
+The gaps are MuLoCo's lead: its cosine minus DiLoCo's, and DiLoCo's loss gap minus its own. The lr
+pairing grids pair MuLoCo at each of its multipliers with DiLoCo at each of its own: the selected lrs
+were chosen at B/K = 2 on final loss, so a lead that changes sign across the grid hangs on the pairing.
 """
 from __future__ import annotations
 
@@ -42,6 +44,12 @@ def paired(a: Stat, b: Stat) -> Stat:
     return Stat({s: a.by_seed[s] - b.by_seed[s] for s in sorted(set(a.by_seed) & set(b.by_seed))})
 
 
+def lead(quantity: str, muloco: Stat, diloco: Stat) -> Stat:
+    """MuLoCo's lead in `quantity`, paired by seed: its cosine minus DiLoCo's; DiLoCo's loss gap minus its
+    own (a lower gap is better)."""
+    return paired(diloco, muloco) if quantity == "loss gap" else paired(muloco, diloco)
+
+
 @dataclass(frozen=True)
 class Row:
     """One B/K at one lr multiplier: each method's quantities and MuLoCo's lead in each."""
@@ -52,18 +60,24 @@ class Row:
 
     @property
     def lead(self) -> dict[str, Stat]:
-        return {"cosine": paired(self.muloco["cosine"], self.diloco["cosine"]),
-                "hidden": paired(self.muloco["hidden"], self.diloco["hidden"]),
-                "loss gap": paired(self.diloco["loss gap"], self.muloco["loss gap"])}
+        return {name: lead(name, self.muloco[name], self.diloco[name]) for name in QUANTITIES}
+
+
+Branch = tuple[int, float, str]  # B/K, lr multiplier, method
+
+
+def by_branch(records: Mapping[BatchBranchKey, BatchAlignmentRecord]) -> dict[Branch, list[BatchAlignmentRecord]]:
+    groups: dict[Branch, list[BatchAlignmentRecord]] = {}
+    for key, record in records.items():
+        groups.setdefault((key.per_worker_batch, key.lr_multiplier, key.method), []).append(record)
+    return groups
 
 
 def rows(records: Mapping[BatchBranchKey, BatchAlignmentRecord], muloco: str, diloco: str) -> list[Row]:
-    groups: dict[tuple[int, float], dict[str, list[BatchAlignmentRecord]]] = {}
-    for key, record in records.items():
-        groups.setdefault((key.per_worker_batch, key.lr_multiplier), {}).setdefault(key.method, []).append(record)
-    return [Row(b, x, *({name: per_seed(group.get(method, []), q) for name, q in QUANTITIES.items()}
+    groups = by_branch(records)
+    return [Row(b, x, *({name: per_seed(groups.get((b, x, method), []), q) for name, q in QUANTITIES.items()}
                         for method in (muloco, diloco)))
-            for (b, x), group in sorted(groups.items())]
+            for b, x in sorted({(b, x) for b, x, _ in groups})]
 
 
 def cell(stat: Stat, signed: bool = False) -> str:
@@ -81,11 +95,33 @@ def table(table_rows: list[Row], seq_length: int) -> str:
              "DiLoCo hidden | MuLoCo − DiLoCo, hidden | MuLoCo loss gap | DiLoCo loss gap | DiLoCo − MuLoCo, loss gap |",
              "|" + "---|" * 11]
     for r in table_rows:
-        m, d, lead = r.muloco, r.diloco, r.lead
+        m, d, leads = r.muloco, r.diloco, r.lead
         lines.append(f"| {r.per_worker_batch} ({r.per_worker_batch * seq_length:,}) | {r.lr_multiplier:g}x | "
-                     f"{cell(m['cosine'])} | {cell(d['cosine'])} | {cell(lead['cosine'], True)} | {cell(m['hidden'])} | "
-                     f"{cell(d['hidden'])} | {cell(lead['hidden'], True)} | {cell(m['loss gap'], True)} | "
-                     f"{cell(d['loss gap'], True)} | {cell(lead['loss gap'], True)} |")
+                     f"{cell(m['cosine'])} | {cell(d['cosine'])} | {cell(leads['cosine'], True)} | {cell(m['hidden'])} | "
+                     f"{cell(d['hidden'])} | {cell(leads['hidden'], True)} | {cell(m['loss gap'], True)} | "
+                     f"{cell(d['loss gap'], True)} | {cell(leads['loss gap'], True)} |")
+    return "\n".join(lines)
+
+
+def pairing_table(records: Mapping[BatchBranchKey, BatchAlignmentRecord], muloco: str, diloco: str,
+                  quantity: str) -> str:
+    """MuLoCo's lead in `quantity` (a QUANTITIES name) with MuLoCo at each of its lr multipliers (rows) against
+    DiLoCo at each of its own (columns), per B/K; empty while a single multiplier is measured."""
+    groups = by_branch(records)
+    multipliers = sorted({x for _, x, _ in groups})
+    if len(multipliers) < 2:
+        return ""
+    stat = {branch: per_seed(group, QUANTITIES[quantity]) for branch, group in groups.items()}
+    empty = Stat({})
+    lines = ["| B/K | MuLoCo lr | " + " | ".join(f"DiLoCo {x:g}x" for x in multipliers) + " |",
+             "|" + "---|" * (2 + len(multipliers))]
+    for b in sorted({b for b, _, _ in groups}):
+        for xm in multipliers:
+            mine = stat.get((b, xm, muloco), empty)
+            if not mine.n:
+                continue
+            leads = [lead(quantity, mine, stat.get((b, xd, diloco), empty)) for xd in multipliers]
+            lines.append(f"| {b} | {xm:g}x | " + " | ".join(cell(lead, True) for lead in leads) + " |")
     return "\n".join(lines)
 
 
@@ -141,5 +177,10 @@ def write(out: Path, corpus: str, records: Mapping[BatchBranchKey, BatchAlignmen
         f"{', '.join(f'{b}: {n}' for b, n in held_out) or '-'}. Continue (or rewrite this report) with:",
         f"    {command}",
         table(table_rows, seq_length) if table_rows else "No measurements yet.",
-        "![MuLoCo's lead against B/K](alignment_batch.png)" if drawn else ""]))
+        "![MuLoCo's lead against B/K](alignment_batch.png)" if drawn else "",
+        *(f"{title}\n\n{grid}" for title, grid in (
+            ("MuLoCo − DiLoCo whole-model cosine by lr pairing (MuLoCo at the row's multiplier of its selected lr, "
+             "DiLoCo at the column's):", pairing_table(records, muloco, diloco, "cosine")),
+            ("DiLoCo − MuLoCo held-out loss gap by lr pairing:", pairing_table(records, muloco, diloco, "loss gap")))
+          if grid)]))
     (out / "alignment_batch.md").write_text(text + "\n")
