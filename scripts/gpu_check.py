@@ -792,12 +792,35 @@ def run_check(check, stages: list[Stage], budget: Budget, out: Path, command: st
     return code
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_run_arguments(parser: argparse.ArgumentParser, script: str, gpu: Mode, cpu: Mode) -> None:
+    """The options every device script takes (this one and gpu_evidence.py)."""
     parser.add_argument("--cpu", action="store_true", help="gloo, fp32, tiny preset; report to a temporary folder")
     parser.add_argument("--out", default=None, help="report folder (default: results/ on GPU, a temp folder on CPU)")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="seconds for the whole check from gpu_check.sh's start (default: 360 on GPU, 900 on CPU)")
+                        help=f"seconds for the whole run from {script}'s start "
+                             f"(default: {gpu.budget_s:.0f} on GPU, {cpu.budget_s:.0f} on CPU)")
+
+
+def run_script(args: argparse.Namespace, argv: list[str] | None, script: str, mode, make_check, stages: list[Stage],
+               files: ReportFiles) -> int:
+    """`stages` of `make_check(mode, work)` as `args` (add_run_arguments) ask: the budget counted from the
+    shell script's start, the report in --out (results/ on GPU, a temporary folder on CPU), a scratch
+    folder `work` removed at the end."""
+    budget = Budget(args.budget_s or mode.budget_s, float(os.environ.get(STARTED_ENV) or time.time()))
+    name = Path(script).stem
+    out = Path(args.out or (tempfile.mkdtemp(prefix=f"muloco_cpu_{name}_") if mode.cpu else REPO / "results"))
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"muloco_{name}_work_"))
+    command = " ".join([f"bash scripts/{script}", *(argv if argv is not None else sys.argv[1:])])
+    try:
+        return run_check(make_check(mode, work), stages, budget, out, command, files)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_arguments(parser, "gpu_check.sh", GPU, CPU)
     parser.add_argument("--stages", default=None, help="only these stages, e.g. 'adf' (default: all)")
     parser.add_argument("--gloo-probe", type=Path, default=None, help=argparse.SUPPRESS)  # stage f's worker
     args = parser.parse_args(argv)
@@ -807,17 +830,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.stages or "") - {s.key for s in STAGES}
     if unknown:
         parser.error(f"--stages: no stage {', '.join(sorted(unknown))} (the stages are {''.join(s.key for s in STAGES)})")
-    mode = CPU if args.cpu else GPU
-    budget = Budget(args.budget_s or mode.budget_s, float(os.environ.get(STARTED_ENV) or time.time()))
-    out = Path(args.out or (tempfile.mkdtemp(prefix="muloco_cpu_check_") if mode.cpu else REPO / "results"))
-    out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="muloco_check_work_"))
-    command = " ".join(["bash scripts/gpu_check.sh", *(argv if argv is not None else sys.argv[1:])])
     stages = [s for s in STAGES if args.stages is None or s.key in args.stages]
-    try:
-        return run_check(Check(mode, work), stages, budget, out, command, CHECK_REPORT)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    return run_script(args, argv, "gpu_check.sh", CPU if args.cpu else GPU, Check, stages, CHECK_REPORT)
 
 
 if __name__ == "__main__":

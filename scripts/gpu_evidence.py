@@ -28,16 +28,13 @@ import argparse
 import dataclasses
 import functools
 import json
-import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import gpu_check  # the device runs' shared machinery (budget, processes, report), beside this script
-from gpu_check import REPO, STARTED_ENV, Budget, ReportFiles, Stage
+from gpu_check import REPO, ReportFiles, Stage
 
 WORKERS = 8  # K
 SYNC_INTERVAL = 30  # H
@@ -252,25 +249,14 @@ def simulated_branches(spec_path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cpu", action="store_true", help="gloo, fp32, tiny preset; report to a temporary folder")
-    parser.add_argument("--out", default=None, help="report folder (default: results/ on GPU, a temp folder on CPU)")
-    parser.add_argument("--budget-s", type=float, default=None,
-                        help="seconds for the whole run from gpu_evidence.sh's start (default: 360 on GPU, 600 on CPU)")
+    gpu_check.add_run_arguments(parser, "gpu_evidence.sh", GPU, CPU)
     parser.add_argument("--branches", type=Path, default=None, help=argparse.SUPPRESS)  # a stage's trainer process
     args = parser.parse_args(argv)
     if args.branches:
         simulated_branches(args.branches)
         return 0
-    mode = CPU if args.cpu else GPU
-    budget = Budget(args.budget_s or mode.budget_s, float(os.environ.get(STARTED_ENV) or time.time()))
-    out = Path(args.out or (tempfile.mkdtemp(prefix="muloco_cpu_evidence_") if mode.cpu else REPO / "results"))
-    out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="muloco_evidence_work_"))
-    command = " ".join(["bash scripts/gpu_evidence.sh", *(argv if argv is not None else sys.argv[1:])])
-    try:
-        return gpu_check.run_check(Evidence(mode, work), STAGES, budget, out, command, EVIDENCE_REPORT)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    return gpu_check.run_script(args, argv, "gpu_evidence.sh", CPU if args.cpu else GPU, Evidence, STAGES,
+                                EVIDENCE_REPORT)
 
 
 if __name__ == "__main__":
