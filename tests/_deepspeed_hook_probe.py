@@ -15,6 +15,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from deepspeed_muon_precision import newton_schulz_in_fp32  # beside this script
 from trainer.diloco.auth import write_new_key
 from trainer.diloco.deepspeed_hook import attach, data_parallel_workers
 from trainer.errors import ConfigError
@@ -86,7 +87,8 @@ def main() -> None:
     none = {"workers": 2, "sync_interval": H, **OUTER, "compression": {"method": "none"}, "auth": "none"}
     for zero in (0, 1, 2):
         for inner in ("adamw", "muon"):
-            train(f"k2_zero{zero}_{inner}", two, zero, inner, none)
+            with newton_schulz_in_fp32():  # as the reference's (tests/deepspeed_muon_precision.py)
+                train(f"k2_zero{zero}_{inner}", two, zero, inner, none)
     # The identity: K=1 (D=4), outer lr 1, no momentum, against plain DeepSpeed training.
     train("k1_plain", one, 1, "adamw", None, steps=6)
     train("k1_identity", one, 1, "adamw", {**none, "workers": 1, "outer_lr": 1.0, "outer_momentum": 0.0,
