@@ -3,11 +3,14 @@ pass, resume after a kill, the .meta.json, Megatron's flag spellings; tools/buil
 files feed the preprocessor."""
 import gzip
 import importlib
+import io
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -17,8 +20,10 @@ import zstandard
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from test_tokenizer import sentencepiece_model  # noqa: F401 - shared session fixture
 
+from dataprep.chunks import Chunk
 from dataprep.dataset_meta import read_dataset_meta
 from dataprep.input_files import read_documents, resolve_inputs
+from dataprep.progress import ProgressLine
 from tokenizer.identity import tokenizer_identity
 from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
 from tools import preprocess_data
@@ -128,6 +133,34 @@ def test_strict_fails_on_first_bad_record(messy_corpus: Path, sentencepiece_mode
     assert code != 0
     assert f"{messy_corpus / 'a_mixed.jsonl'}:2: malformed_json" in err
     assert not Path(f"{prefix}_text_document.bin").exists()
+
+
+def _strict_chunk_failing_late_when_first(chunk, payload, fingerprint, prefix):
+    """A pool task (forked, so it can live here) for which every chunk holds a bad record on its first
+    line, and the first chunk is the slowest to find it."""
+    if chunk.index == 0:
+        time.sleep(1.0)
+    raise preprocess_data.StrictModeError(f"bad record (--strict): {chunk.path}:{chunk.records_before + 1}: kind")
+
+
+@pytest.mark.parametrize("planner_fails", [False, True], ids=["in_a_chunk", "in_the_planner"])
+@pytest.mark.launch
+def test_strict_reports_the_first_bad_record_in_input_order_when_chunks_finish_out_of_order(monkeypatch,
+                                                                                          planner_fails):
+    """Chunk 1's bad record is found first, chunk 0's a second later: the error is chunk 0's, also when
+    the planner meets a bad record of its own (after every chunk handed out) meanwhile."""
+    monkeypatch.setattr(preprocess_data, "_init_process", lambda config, progress_queue: None)
+    monkeypatch.setattr(preprocess_data, "_tokenize_chunk", _strict_chunk_failing_late_when_first)
+    chunks = [Chunk(0, i, Path("a.jsonl"), i, i + 1, i) for i in range(3)]
+    progress = ProgressLine("test", 1, 3, stream=io.StringIO())
+    with pytest.raises(preprocess_data.StrictModeError, match=r"a.jsonl:1: kind"):
+        with preprocess_data._ChunkDispatcher(SimpleNamespace(processes=3), lambda c, s: None, progress) as chunks_out:
+            for chunk in chunks:
+                chunks_out.submit(chunk, None, "fingerprint", "prefix")
+            if planner_fails:
+                time.sleep(0.3)  # chunks 1 and 2 have failed by now
+                raise preprocess_data.StrictModeError("bad record (--strict): b.jsonl:0: empty_file")
+            chunks_out.finish()
 
 
 def test_input_matching_nothing_is_an_error(sentencepiece_model: Path, tmp_path: Path, capsys):  # noqa: F811

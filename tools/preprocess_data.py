@@ -370,6 +370,10 @@ def completed_chunk_stats(parts_dir: Path, chunk: Chunk, fingerprint: str) -> Ch
     return stats
 
 
+def _input_order(chunk: Chunk) -> tuple[int, int]:
+    return chunk.file_index, chunk.index
+
+
 class _ChunkDispatcher:
     """Hands chunks to the process pool, a bounded number at a time, and reports each finished one."""
 
@@ -385,6 +389,7 @@ class _ChunkDispatcher:
         self._on_done = on_done
         self._progress = progress
         self.new_stats: list[ChunkStats] = []
+        self._reported: StrictModeError | None = None  # the strict error _collect raised, already the first
         self.first_submit: float | None = None
         self.last_done: float | None = None
 
@@ -403,19 +408,38 @@ class _ChunkDispatcher:
         done, _ = wait(self._in_flight, timeout=0.2, return_when=FIRST_COMPLETED)
         while not self._progress_queue.empty():
             self._progress.add_tokens(self._progress_queue.get())
-        for future in done:
+        for future in sorted(done, key=lambda f: _input_order(self._in_flight[f])):
             chunk = self._in_flight.pop(future)
-            stats = future.result()
+            try:
+                stats = future.result()
+            except StrictModeError as error:
+                self._reported = self.first_bad_record(error, _input_order(chunk))
+                raise self._reported from None
             self.new_stats.append(stats)
             self.last_done = time.monotonic()
             self._on_done(chunk, stats)
         self._progress.maybe_print()
 
+    def first_bad_record(self, error: StrictModeError, order: tuple[int, int] | None = None) -> StrictModeError:
+        """--strict stops at the first bad record in input order, but the chunks finish in any order: the
+        earliest strict error among the chunks in flight before `order` (None: all of them; chunks are
+        handed out in input order, so no chunk before it is still to come), else `error`."""
+        earlier = sorted((f for f, chunk in self._in_flight.items() if order is None or _input_order(chunk) < order),
+                         key=lambda f: _input_order(self._in_flight[f]))
+        wait(earlier)
+        return next((f.exception() for f in earlier if isinstance(f.exception(), StrictModeError)), error)
+
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        try:
+            if isinstance(exc, StrictModeError) and exc is not self._reported:  # the planner's: after every chunk
+                first = self.first_bad_record(exc)
+                if first is not exc:
+                    raise first from None
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclass
