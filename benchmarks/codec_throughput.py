@@ -63,8 +63,8 @@ def main() -> None:
 
     import torch
 
-    from trainer.diloco.compression import Compressor
-    from trainer.diloco.config import CompressionConfig
+    from muloco.diloco.compression import Compressor
+    from muloco.diloco.config import CompressionConfig
 
     torch.manual_seed(0)
     shapes = layer_shapes(args.model, args.layers)

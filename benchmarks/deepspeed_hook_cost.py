@@ -64,12 +64,12 @@ def measure(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainer.diloco.config import MuLoCoConfig
-    from trainer.diloco.deepspeed_hook import attach, data_parallel_workers
-    from trainer.diloco.membership import StaticMembership
-    from trainer.diloco.outer_loop import OuterLoop
-    from trainer.diloco.plan import synced_tensors
-    from trainer.typed_json import load
+    from muloco.diloco.config import MuLoCoConfig
+    from muloco.deepspeed_hook import attach, data_parallel_workers
+    from muloco.diloco.membership import StaticMembership
+    from muloco.diloco.outer_loop import OuterLoop
+    from muloco.diloco.plan import synced_tensors
+    from muloco.core.typed_json import load
 
     example = _example()
     deepspeed.init_distributed(dist_backend="gloo")

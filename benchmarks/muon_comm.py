@@ -4,12 +4,12 @@ gradient all-reduce of the same step.
     python benchmarks/muon_comm.py [--steps 2] [--vocab-size 128256]
 
 - tiny, T=2 x D=2 (measured): 4 CPU ranks train real steps with the real launcher; every call of
-  trainer.comm's collectives inside DistributedMuon.step is counted on every rank, and must equal
+  muloco.core.comm's collectives inside DistributedMuon.step is counted on every rank, and must equal
   trainer.optim.muon_comm_model's formula for that rank (the script fails otherwise).
 - 150m (T=2, D=2) and 15B (T=4, P=2, D=4): the same formulas evaluated (not run) on the shard
   shapes of Megatron's GPTModel built on the meta device (tools/plan.py's builder), per stage.
 
-"Bytes sent per rank" (trainer.comm.bytes_sent): all-to-all: what the rank addresses to the other
+"Bytes sent per rank" (muloco.core.comm.bytes_sent): all-to-all: what the rank addresses to the other
 ranks; all-gather: (g-1) x its input; ring all-reduce: 2(g-1)/g x the buffer. Muon's pieces travel
 in the Newton-Schulz dtype of the configuration's ds_config (tiny: cpu_tiny_muon.json, fp32; 150m:
 gpu_150m_dp_muon.json and 15B: gpu_15b_muloco_k16.json, bf16). The gradient all-reduce is
@@ -50,7 +50,7 @@ def probe(out_dir: Path, flags: list[str]) -> None:
     import torch.distributed as dist
 
     from tools.trainer_runs import init_distributed, run_trainer
-    from trainer import comm
+    from muloco.core import comm
     from trainer.optim.distributed_muon import DistributedMuon
     from trainer.training import Trainer
 

@@ -1,5 +1,5 @@
 """What authenticating the outer link costs: the time of one outer sync with the job secret (every
-message tagged with HMAC-SHA256 and checked, trainer/diloco/auth.py) over the same sync without it.
+message tagged with HMAC-SHA256 and checked, muloco/diloco/auth.py) over the same sync without it.
 
     python benchmarks/outer_auth_overhead.py [--model 150m] [--vocab-size 32000] [--workers 2] [--repeats 5]
 
@@ -43,11 +43,11 @@ def measure(args: argparse.Namespace) -> list[dict]:
     import torch.distributed as dist
 
     from outer_worker import worker_model
-    from trainer.diloco.auth import JobKey
-    from trainer.diloco.config import CompressionConfig
-    from trainer.diloco.config import MuLoCoConfig
-    from trainer.diloco.membership import StaticMembership
-    from trainer.diloco.outer_loop import OuterLoop
+    from muloco.diloco.auth import JobKey
+    from muloco.diloco.config import CompressionConfig
+    from muloco.diloco.config import MuLoCoConfig
+    from muloco.diloco.membership import StaticMembership
+    from muloco.diloco.outer_loop import OuterLoop
     from trainer.outer_host import megatron_tensors
     from trainer.model.builder import canonical_names
 

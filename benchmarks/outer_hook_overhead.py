@@ -13,7 +13,7 @@ since a long-lived one slowed down run after run): K = 2 workers of one rank eac
   sync+link, tau=2  the same, with two inner steps to hide it in
   sync+link, tau=auto  the same, each sync's tau picked from the previous one's wall time
   elastic nosync    the elastic mode (each worker its own job, a torchft lighthouse with the job
-                    secret, trainer/elastic/), the outer loop never syncing after the first quorum
+                    secret, muloco/elastic/), the outer loop never syncing after the first quorum
   elastic sync+link, tau=1   the elastic mode syncing over the link, tau = 1
 Elastic cases are compared with `elastic nosync` (the same runs with syncs disabled), the others with
 `nosync`. Beside each ratio, per sync: the time the emulated link held it (`link_seconds`), the CPU
@@ -141,7 +141,7 @@ def train_one(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
-    from trainer.comm import COLLECTIVE_TIMEOUT
+    from muloco.core.comm import COLLECTIVE_TIMEOUT
     from trainer.config import build_parser, resolve
     from trainer.run import run
 
@@ -186,7 +186,7 @@ def launch(args: argparse.Namespace, name: str, i: int, workdir: str, env: dict)
         return
     write_config(Path(workdir) / f"run{i}.json", cases(args.sync_interval, steps(args))[name])
     port = free_port()
-    lighthouse = subprocess.Popen([sys.executable, "-m", "trainer.elastic.lighthouse", "--bind", f"127.0.0.1:{port}",
+    lighthouse = subprocess.Popen([sys.executable, "-m", "muloco.elastic.lighthouse", "--bind", f"127.0.0.1:{port}",
                                    "--join-timeout-s", "5", "--heartbeat-timeout-s", "5"], env=env, cwd=REPO_ROOT,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -216,7 +216,7 @@ def main() -> None:
         return
     from tools.synthetic_data import write_markov_dataset
 
-    from trainer.diloco.auth import KEY_FILE_ENV, write_new_key
+    from muloco.diloco.auth import KEY_FILE_ENV, write_new_key
 
     order = run_order(args)
     with tempfile.TemporaryDirectory() as tmp:

@@ -69,9 +69,9 @@ def measure(args: argparse.Namespace) -> list[dict]:
     import torch.distributed as dist
 
     from outer_worker import worker_model
-    from trainer.diloco.config import CompressionConfig, MuLoCoConfig
-    from trainer.diloco.membership import StaticMembership
-    from trainer.diloco.outer_loop import OuterLoop
+    from muloco.diloco.config import CompressionConfig, MuLoCoConfig
+    from muloco.diloco.membership import StaticMembership
+    from muloco.diloco.outer_loop import OuterLoop
     from trainer.outer_host import megatron_tensors
     from trainer.model.builder import canonical_names
 
@@ -129,7 +129,7 @@ def main() -> None:
         if rows:
             Path(args.out).write_text(json.dumps(rows))
         return
-    from trainer.diloco.config import CompressionConfig
+    from muloco.diloco.config import CompressionConfig
 
     widths = CompressionConfig(**group_bits(args))
     print(f"model {args.model}, H = {args.sync_interval}, embeddings/head at {widths.embedding_bits} bits, "

@@ -15,7 +15,7 @@ def worker_model(model: str, vocab_size: int):
     from megatron_patches import apply_cpu_shims_if_needed, initialize_megatron_groups
     from trainer.model.builder import build_model, initialize_weights, padded_vocab_size
     from trainer.model.presets import PRESETS
-    from trainer.topology import ParallelSizes, build_topology
+    from muloco.core.topology import ParallelSizes, build_topology
 
     dist.init_process_group("gloo", timeout=TIMEOUT)
     apply_cpu_shims_if_needed()

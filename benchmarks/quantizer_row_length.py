@@ -19,8 +19,8 @@ import statistics
 import torch
 from statistical_rounding import rows  # this folder is the script's own path entry
 
-from trainer.diloco.compression import Compressor
-from trainer.diloco.config import CompressionConfig
+from muloco.diloco.compression import Compressor
+from muloco.diloco.config import CompressionConfig
 
 METHODS = ("linear", "statistical")
 

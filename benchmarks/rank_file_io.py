@@ -1,4 +1,4 @@
-"""The safetensors rank file (trainer/checkpoint/rank_file.py) against the pickled torch.save file it
+"""The safetensors rank file (muloco/core/rank_file.py) against the pickled torch.save file it
 replaced, on the same state in the same process: write (with fsync), read everything back, and the
 SHA-256 check a load adds. The state has the 150m preset's parameter shapes (vocab 128k) with two
 optimizer-state tensors each, as one rank holds at T=1 P=1.
@@ -22,7 +22,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 from trainer.checkpoint.format import sha256_of
-from trainer.checkpoint.rank_file import read_rank_file, to_plain, write_rank_file
+from muloco.core.rank_file import read_rank_file, to_plain, write_rank_file
 from trainer.model.presets import PRESETS
 
 

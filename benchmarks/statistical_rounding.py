@@ -16,8 +16,8 @@ import statistics
 import torch
 
 
-from trainer.diloco.compression import Compressor
-from trainer.diloco.config import CompressionConfig
+from muloco.diloco.compression import Compressor
+from muloco.diloco.config import CompressionConfig
 
 ROUNDINGS = ("centred", "paper")
 

@@ -6,7 +6,7 @@
 Cases, each a torchrun launch of 3 ranks (K = 3 workers of one rank each), 4-bit statistical + EF:
   equal         every worker at full speed, fixed H (the reference)
   barrier       worker 2 at slowdown 2.0, fixed H: today's sync is a barrier, every worker at its pace
-  paced         worker 2 at slowdown 2.0, `pace: {"mode": "wall_clock"}` (trainer/diloco/pace.py)
+  paced         worker 2 at slowdown 2.0, `pace: {"mode": "wall_clock"}` (muloco/diloco/pace.py)
   equal_tokens  every worker at full speed, fixed H, run for the paced run's total tokens (run after it)
 Throughput of the fast workers (0 and 1): their inner steps after the first window of H steps over
 the time they took (their own clocks, outer syncs included), against `equal`'s; and their useful
@@ -107,7 +107,7 @@ def train_one(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
-    from trainer.comm import COLLECTIVE_TIMEOUT
+    from muloco.core.comm import COLLECTIVE_TIMEOUT
     from trainer.config import build_parser, resolve
     from trainer.run import run
 
@@ -167,7 +167,7 @@ def launch_elastic(args: argparse.Namespace, case: str, steps: int, workdir: str
     started = time.perf_counter()
     frozen_s = 0.0
     try:
-        start([sys.executable, "-m", "trainer.elastic.lighthouse", "--bind", f"127.0.0.1:{lighthouse_port}",
+        start([sys.executable, "-m", "muloco.elastic.lighthouse", "--bind", f"127.0.0.1:{lighthouse_port}",
                "--join-timeout-s", str(ELASTIC_SETTINGS["join_timeout_s"]),
                "--heartbeat-timeout-s", str(ELASTIC_SETTINGS["heartbeat_timeout_s"])], {})
         workers = []
@@ -248,7 +248,7 @@ def main() -> None:
         return
     from tools.synthetic_data import write_markov_dataset
 
-    from trainer.diloco.auth import KEY_FILE_ENV, write_new_key
+    from muloco.diloco.auth import KEY_FILE_ENV, write_new_key
 
     steps = args.sync_interval * args.syncs
     results = {}

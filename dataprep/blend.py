@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.durable import write_text_durably
+from muloco.core.durable import write_text_durably
 
 PER_SPLIT_KEYS = ("train", "valid", "test")
 

@@ -10,8 +10,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from trainer.durable import write_text_durably
-from trainer.typed_json import ConfigBlock, load, setting
+from muloco.core.durable import write_text_durably
+from muloco.core.typed_json import ConfigBlock, load, setting
 
 SUFFIX = ".meta.json"
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dataprep.dataset_meta import meta_path
-from trainer.durable import write_text_durably
+from muloco.core.durable import write_text_durably
 
 FORMAT = "muloco-preprocess-partition/2"
 FORMAT_1 = "muloco-preprocess-partition/1"

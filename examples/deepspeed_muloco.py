@@ -1,6 +1,6 @@
 """MuLoCo in a plain DeepSpeed training loop: a Hugging Face Llama built from a config (random init,
 nothing downloaded), trained on synthetic tokens by `deepspeed.initialize` + forward/backward/step,
-with the outer loop attached by trainer/diloco/deepspeed_hook.py.
+with the outer loop attached by muloco/deepspeed_hook.py.
 
     deepspeed --num_gpus 4 examples/deepspeed_muloco.py --workers 2 --zero-stage 1 --sync-interval 5 --steps 30
 
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainer.diloco.deepspeed_hook import attach, data_parallel_workers
+from muloco.deepspeed_hook import attach, data_parallel_workers
 
 COMPRESSION = {"none": {"method": "none"},
                "4bit-ef": {"method": "statistical", "bits": 4, "error_feedback": True}}
@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--bf16", action="store_true", help="bf16 weights (DeepSpeed keeps fp32 master partitions)")
     p.add_argument("--key-file", default=os.environ.get("MULOCO_AUTH_KEY_FILE"),
-                   help="the job secret (python -m trainer.diloco.auth new-key FILE); without one the workers' "
+                   help="the job secret (python -m muloco.diloco.auth new-key FILE); without one the workers' "
                         "messages are not authenticated")
     p.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # the launcher's
     return p.parse_args(argv)

@@ -13,8 +13,8 @@ from datetime import timedelta
 import torch.distributed as dist
 from megatron.core import parallel_state as mps
 
-from trainer import comm
-from trainer.topology import (ParallelSizes, Topology, coordinates,
+from muloco.core import comm
+from muloco.core.topology import (ParallelSizes, Topology, coordinates,
                               inner_data_parallel_ranks, rank_of, RankCoordinates)
 
 

@@ -50,7 +50,7 @@ else
     rm -rf "$RUN_DIR"  # an interrupted run (or one without a checkpoint): metrics.jsonl would otherwise mix two runs
     master_port="$(python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')"
     # The K=2 workers tag every message with the job secret (made once, kept beside the data).
-    [ -f "$DATA/job.key" ] || python -m trainer.diloco.auth new-key "$DATA/job.key"
+    [ -f "$DATA/job.key" ] || python -m muloco.diloco.auth new-key "$DATA/job.key"
     export MULOCO_AUTH_KEY_FILE="$(cd "$DATA" && pwd)/job.key"
     deepspeed --num_gpus 2 --master_port "$master_port" trainer/pretrain.py --ds_config "$DS_CONFIG" \
         --model tiny --train-iters "$TRAIN_ITERS" --eval-interval "$EVAL_INTERVAL" --eval-iters 4 --log-interval 10 \

@@ -36,12 +36,12 @@ echo "[elastic 1/4] data: a learnable synthetic token stream -> $WORK/markov"
 python tools/synthetic_data.py "$WORK/markov"
 
 # One secret for the lighthouse and every worker: nobody without it can join or send a message.
-python -m trainer.diloco.auth new-key "$WORK/job.key"
+python -m muloco.diloco.auth new-key "$WORK/job.key"
 export MULOCO_AUTH_KEY_FILE="$(cd "$WORK" && pwd)/job.key"
 LIGHTHOUSE_PORT="$(free_port)"
 export TORCHFT_LIGHTHOUSE="http://127.0.0.1:$LIGHTHOUSE_PORT"
 echo "[elastic 2/4] lighthouse on 127.0.0.1:$LIGHTHOUSE_PORT, workers 0 1 2 (one deepspeed launch each)"
-setsid python -m trainer.elastic.lighthouse --bind "127.0.0.1:$LIGHTHOUSE_PORT" --join-timeout-s 5 \
+setsid python -m muloco.elastic.lighthouse --bind "127.0.0.1:$LIGHTHOUSE_PORT" --join-timeout-s 5 \
     --heartbeat-timeout-s 5 > "$WORK/lighthouse.log" 2>&1 &
 GROUPS_STARTED+=($!)
 

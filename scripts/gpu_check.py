@@ -246,7 +246,7 @@ def muloco_ds_config(path: Path, mode: Mode, workers: int, sync_interval: int = 
     compression + error feedback, H=`sync_interval`, K workers, the outer groups on gloo unless
     `muloco` says otherwise, the job secret in a key file beside it (authentication on, as users run
     it), and 5 warm-up steps (the stages train 20-40 steps)."""
-    from trainer.diloco.auth import write_new_key
+    from muloco.diloco.auth import write_new_key
 
     key = path.parent / "job.key"
     if not key.exists():

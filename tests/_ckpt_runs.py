@@ -16,7 +16,7 @@ import torch
 from tools.trainer_runs import launch_port, launcher_command
 from tools.trainer_runs import EXTENSIONS_ENV
 
-from trainer.checkpoint.rank_file import read_rank_file, to_plain
+from muloco.core.rank_file import read_rank_file, to_plain
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 600  # 2 shared CPU cores: four ranks start slowly

@@ -11,10 +11,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trainer.diloco.collectives import CLAIM_BYTES, Bucket, BucketPacking, CollectiveError, GroupWire, average_buckets
-from trainer.diloco.compression import Compressor, ErrorFeedback, rows_shape
-from trainer.diloco.config import CompressionConfig
-from trainer.diloco import vote
+from muloco.diloco.collectives import CLAIM_BYTES, Bucket, BucketPacking, CollectiveError, GroupWire, average_buckets
+from muloco.diloco.compression import Compressor, ErrorFeedback, rows_shape
+from muloco.diloco.config import CompressionConfig
+from muloco.diloco import vote
 
 # Two buckets. (3, 17) and the single rows have fewer rows than K = 4 workers: some reduce-scatter
 # chunks are empty.
@@ -78,7 +78,7 @@ def reference(compressor: Compressor, packing: BucketPacking, sent_by_worker: li
 
 
 def expected_bytes(compressor: Compressor, collective: str, rank: int, workers: int) -> tuple[int, int]:
-    """(sent, received) by the formulas in trainer/diloco/collectives.py, for fixed-size payloads,
+    """(sent, received) by the formulas in muloco/diloco/collectives.py, for fixed-size payloads,
     with a header of HEADER_BYTES (behind the payload claim) in the first collective, and the owners'
     verdicts (one byte per worker) and claims in front of the re-quantized chunks."""
     headers = (workers - 1) * (CLAIM_BYTES + HEADER_BYTES)

@@ -5,7 +5,7 @@ DistributedMuon takes STEPS steps on the TP shards of a 2-layer model's hidden m
 buckets so the overlapped gather of the next bucket is exercised; the reference is single-process
 Muon (trainer.optim.muon.Muon) on every whole logical matrix with the same gradients. Every rank
 writes to OUT/rank<R>.json, per case: the largest relative difference per logical matrix from the
-reference, the bytes its Muon collectives sent (counted at trainer.comm's calls) and the bytes
+reference, the bytes its Muon collectives sent (counted at muloco.core.comm's calls) and the bytes
 trainer.optim.muon_comm_model predicts for it.
 """
 import datetime
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer import comm
+from muloco.core import comm
 from trainer.model.sharding import sharding_of, logical_matrices, shard
 from trainer.model.presets import ModelShape
 from trainer.optim.distributed_muon import DistributedMuon, ShardGroup

@@ -6,7 +6,7 @@ sync it applies (tests/test_elastic.py reads the dumps of all workers while they
 OUT_DIR/sync<N>.pt (N = the outer step after the sync; written whole, then renamed), a dict:
     time                    wall clock when the sync was applied
     record                  the sync's metrics record (workers_in_sync, quorum, missing, step, ...)
-    sha_before, sha_after   trainer.elastic's checksum of the global weights around the sync
+    sha_before, sha_after   muloco.elastic's checksum of the global weights around the sync
 and, for the first sync this worker applies with a worker missing from the quorum and nobody left
 out, per bucket of flat fp32 buffers in the wire's packing: deltas (this worker's pseudogradient as
 sent), averaged, global_before, momentum_before, global_after.
@@ -27,8 +27,8 @@ import torch
 
 import trainer.run
 from tools.trainer_runs import init_distributed, run_trainer
-from trainer.comm import close_distributed
-from trainer.diloco.outer_loop import OuterLoop
+from muloco.core.comm import close_distributed
+from muloco.diloco.outer_loop import OuterLoop
 
 ARGS = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher's comes first
 OUT = Path(ARGS[0])

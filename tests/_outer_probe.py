@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from tests._probe_common import rank_identity, shard_state
 from tools.trainer_runs import init_distributed, run_trainer
-from trainer.comm import close_distributed
+from muloco.core.comm import close_distributed
 from trainer.data import StreamPosition
 from trainer.model.builder import canonical_names
 from trainer.training import Trainer

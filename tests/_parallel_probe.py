@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mps
 
 from tools.trainer_runs import DS_CONFIGS, init_distributed, run_trainer
-from trainer.comm import close_distributed
+from muloco.core.comm import close_distributed
 from trainer.model.builder import canonical_names
 from trainer.model.sharding import Split, sharding_of, unshard
 from trainer.training import Trainer

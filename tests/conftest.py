@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.diloco.auth import KEY_FILE_ENV, write_new_key
+from muloco.diloco.auth import KEY_FILE_ENV, write_new_key
 
 pytest_plugins = ["launch_tier"]  # the `launch` mark and its check (tests/launch_tier.py)
 

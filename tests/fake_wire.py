@@ -1,5 +1,5 @@
 """A fake outer link for in-process tests: K ranks as K threads of this process, meeting on a shared
-board, so the outer exchange (trainer/diloco/collectives.py) runs with its real code and no launch.
+board, so the outer exchange (muloco/diloco/collectives.py) runs with its real code and no launch.
 
 `run_ranks(K, fn)` runs fn(rank) in K threads and returns their results in rank order (re-raising
 the first failure). A FakeWire's `tamper(op, sequence, data) -> data` sees every buffer its rank puts
@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from trainer.diloco.auth import JobKey
-from trainer.diloco.collectives import Wire
+from muloco.diloco.auth import JobKey
+from muloco.diloco.collectives import Wire
 
 TIMEOUT_S = 30
 
@@ -75,7 +75,7 @@ class FakeStatic:
     replays_pending = True
 
     def __init__(self, boards: tuple[Board, Board], rank: int, key: JobKey | None, max_norm_ratio: float = 10.0):
-        from trainer.diloco.membership import _StaticSession
+        from muloco.diloco.membership import _StaticSession
         outer, metrics = boards
         self.session = _StaticSession(FakeWire(outer, rank, key), FakeWire(metrics, rank, key, "metrics"),
                                       outer.size, max_norm_ratio)
@@ -94,7 +94,7 @@ class FakeStatic:
 
 
 class FakeQuorum:
-    """trainer/elastic/quorum.py's QuorumGroup with the quorum fixed to the board's ranks: each attempt
+    """muloco/elastic/quorum.py's QuorumGroup with the quorum fixed to the board's ranks: each attempt
     a fresh epoch, torchft's commit counting and its count of members at the highest committed syncs."""
 
     def __init__(self, board: Board, rank: int, key: JobKey | None, committed: int = 0, wire=None):

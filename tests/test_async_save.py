@@ -15,15 +15,15 @@ from megatron_world import megatron_world_of_one, tiny_model
 from tools.trainer_runs import TINY_VOCAB
 
 import trainer.checkpoint.checkpointer as checkpointer_module
-from trainer import comm
+from muloco.core import comm
 from trainer.checkpoint import CheckpointReader, latest_iteration
 from trainer.checkpoint.async_save import BackgroundWrite
 from trainer.checkpoint.checkpointer import FAIL_ENV, Checkpointer
 from trainer.checkpoint.format import COMPLETE, iteration_dir, rank_file
 from trainer.config import build_parser, resolve
-from trainer.errors import ConfigError
+from muloco.core.errors import ConfigError
 from trainer.model.builder import canonical_names, padded_vocab_size
-from trainer.topology import ParallelSizes, coordinates
+from muloco.core.topology import ParallelSizes, coordinates
 from trainer.training import Trainer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from _ckpt_runs import (REPO_ROOT, TRAIN_ITERS, Launch, assert_same_state, check
                         reference_checkpoint)
 from trainer.checkpoint import CheckpointError, CheckpointMeta, CheckpointReader, latest_iteration
 from trainer.checkpoint.checkpointer import CRASH_ENV, check_fits
-from trainer.topology import ParallelSizes, coordinates
+from muloco.core.topology import ParallelSizes, coordinates
 from test_convert_checkpoint import convert
 
 # Several launches per test, each bounded by its own timeout; on a shared 2-core machine the

@@ -19,7 +19,7 @@ from tools.trainer_runs import shared_memory_files
 
 from trainer.checkpoint import CheckpointReader, latest_iteration
 from trainer.checkpoint.format import rank_file, sha256_of
-from trainer.checkpoint.rank_file import read_rank_file, to_plain, write_rank_file
+from muloco.core.rank_file import read_rank_file, to_plain, write_rank_file
 from trainer.folder_lock import LOCK_FILE, FolderLock, JobLocks
 
 pytestmark = [pytest.mark.launch, pytest.mark.timeout(900)]  # every test here starts processes
@@ -176,7 +176,7 @@ def test_a_folder_is_refused_while_its_job_lives_and_taken_over_once_it_is_gone(
 SHUTDOWN_PROBE = textwrap.dedent("""
     import json, sys, threading
     from tools.trainer_runs import init_distributed, run_trainer
-    from trainer.comm import close_distributed
+    from muloco.core.comm import close_distributed
     from trainer.training import Trainer
 
     class FailingTrainer(Trainer):

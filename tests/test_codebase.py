@@ -1,6 +1,6 @@
 """The codebase's shape, checked statically: the linter passes, no two project modules import each
 other (directly or round a longer loop), and collectives are called only where buffers get their
-group's device (trainer/comm.py and the outer exchange)."""
+group's device (muloco/core/comm.py and the outer exchange)."""
 from __future__ import annotations
 
 import ast
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("trainer", "tools", "tokenizer", "megatron_patches", "benchmarks")
+PACKAGES = ("muloco", "trainer", "tools", "tokenizer", "dataprep", "megatron_patches", "benchmarks")
 
 
 def _modules() -> dict[str, Path]:
@@ -115,18 +115,52 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_no_import_cycles_between_project_modules():
     graph = import_graph()
     assert "trainer.config" in graph["trainer.run"], "the walk must see the project's imports"
-    assert "trainer.diloco.config" in graph["trainer.config"]
+    assert "muloco.diloco.config" in graph["trainer.config"]
     assert cycles(graph) == []
 
 
-def test_the_outer_loop_knows_nothing_of_the_megatron_model():
-    """trainer/diloco is the outer loop any host attaches (this trainer, a DeepSpeed engine): the
-    Megatron description of the parameters lives with the trainer (trainer/outer_host.py)."""
-    graph = import_graph()
-    outer = {m: imports for m, imports in graph.items() if m.startswith("trainer.diloco")}
-    assert "trainer.diloco.deepspeed_hook" in outer
-    assert {m: sorted(i for i in imports if i.startswith("trainer.model"))
-            for m, imports in outer.items() if any(i.startswith("trainer.model") for i in imports)} == {}
+# The floors, bottom up: a folder imports only folders below it (muloco/'s sub-packages count as
+# folders of their own, its top-level modules as the floor "muloco").
+FLOORS = [{"muloco.core"}, {"muloco.diloco"}, {"muloco.elastic"}, {"muloco"}, {"dataprep", "megatron_patches"},
+          {"tokenizer"}, {"trainer"}, {"tools"}, {"benchmarks"}]
+
+
+def folder_of(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] == "muloco" and len(parts) > 2 or parts[0] == "muloco" and len(parts) == 2 and \
+            (ROOT / "muloco" / parts[1]).is_dir():
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    folders: dict[str, set[str]] = {}
+    for module, imports in graph.items():
+        folders.setdefault(folder_of(module), set()).update(folder_of(i) for i in imports)
+    return {folder: imports - {folder} for folder, imports in folders.items()}
+
+
+def upward_imports(folders: dict[str, set[str]]) -> list[str]:
+    """`a -> b` for each folder a importing a folder b that is not on a floor below a's."""
+    floor = {folder: level for level, names in enumerate(FLOORS) for folder in names}
+    return sorted(f"{a} -> {b}" for a, imports in folders.items() for b in imports
+                  if floor.get(b, len(FLOORS)) >= floor.get(a, len(FLOORS)))
+
+
+def test_the_floor_check_finds_an_import_that_runs_back_up():
+    assert upward_imports({"muloco.core": {"trainer"}, "trainer": {"muloco.core"}}) == ["muloco.core -> trainer"]
+    assert upward_imports({"dataprep": {"megatron_patches"}}) == ["dataprep -> megatron_patches"]
+
+
+def test_every_folder_imports_only_the_floors_below_it():
+    """The ground floor (muloco/core) imports none of the others; the outer loop (muloco) knows nothing
+    of the Megatron trainer; dataprep, tokenizer and megatron_patches stand on the ground floor; no two
+    folders need each other."""
+    folders = folder_graph(import_graph())
+    assert set(folders) <= set().union(*FLOORS), sorted(set(folders) - set().union(*FLOORS))
+    assert "muloco.core" in folders["dataprep"] and "muloco.deepspeed_hook" in import_graph()
+    assert upward_imports(folders) == []
+    assert cycles(folders) == []
 
 
 @pytest.mark.launch
@@ -141,7 +175,7 @@ def test_ruff_finds_nothing():
 
 # Modules allowed to call torch.distributed's collectives directly: the group module, and the outer
 # exchange (which takes its buffers' device from it).
-COLLECTIVE_MODULES = {"trainer/comm.py", "trainer/diloco/collectives.py"}
+COLLECTIVE_MODULES = {"muloco/core/comm.py", "muloco/diloco/collectives.py"}
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "barrier", "send", "recv",
                "isend", "irecv", "gather", "scatter", "reduce", "all_gather_object", "broadcast_object_list",
@@ -160,7 +194,7 @@ def test_collectives_are_called_only_through_the_group_module():
                         and node.func.attr in COLLECTIVES and isinstance(node.func.value, ast.Name)
                         and node.func.value.id == "dist"):
                     offenders.append(f"{relative}:{node.lineno} dist.{node.func.attr}")
-    assert offenders == [], "call trainer.comm instead:\n" + "\n".join(offenders)
+    assert offenders == [], "call muloco.core.comm instead:\n" + "\n".join(offenders)
 
 
 # Where sys.path edits would hide a missing install: the installed packages, and the scripts and

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer.diloco.collectives import Bucket, BucketPacking, GroupWire, average_buckets
-from trainer.diloco.compression import Compressor
-from trainer.diloco.config import CompressionConfig
-from trainer.diloco.link import SlowLink
+from muloco.diloco.collectives import Bucket, BucketPacking, GroupWire, average_buckets
+from muloco.diloco.compression import Compressor
+from muloco.diloco.config import CompressionConfig
+from muloco.diloco.link import SlowLink
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER = REPO_ROOT / "tests" / "_collectives_worker.py"

@@ -12,8 +12,8 @@ from tools.compare.methods import BY_NAME, EVERY_MATRIX, METHOD_ORDER, PAPER_GRO
 from tools.compare.protocol import RunSpec, Settings
 from tools.write_compare_configs import compare_ds_config
 from trainer.config import build_parser, resolve
-from trainer.diloco.auth import KEY_FILE_ENV, key_file_is_private, read_job_key
-from trainer.errors import ConfigError
+from muloco.diloco.auth import KEY_FILE_ENV, key_file_is_private, read_job_key
+from muloco.core.errors import ConfigError
 from trainer.recipe import paper_recipe
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "compare"

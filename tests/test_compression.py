@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 
-from trainer.diloco import compression
-from trainer.diloco.compression import Compressor, ErrorFeedback, compression_group, pack_bits, unpack_bits
-from trainer.diloco.config import METHODS, CompressionConfig, MuLoCoConfig
-from trainer.diloco.outer_state import outer_sgd_direction
-from trainer.errors import ConfigError
-from trainer.typed_json import load
+from muloco.diloco import compression
+from muloco.diloco.compression import Compressor, ErrorFeedback, compression_group, pack_bits, unpack_bits
+from muloco.diloco.config import METHODS, CompressionConfig, MuLoCoConfig
+from muloco.diloco.outer_state import outer_sgd_direction
+from muloco.core.errors import ConfigError
+from muloco.core.typed_json import load
 
 
 def gaussian(*shape, seed=0):

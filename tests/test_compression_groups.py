@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from trainer.diloco.compression import Compressor, ErrorFeedback, PayloadError
-from trainer.diloco.config import CompressionConfig
+from muloco.diloco.compression import Compressor, ErrorFeedback, PayloadError
+from muloco.diloco.config import CompressionConfig
 
 # A bucket as the outer loop builds it: tensors ordered by width, two consecutive ones of equal shape
 # (one run to the codec), a 1-D tensor and an empty block (a reduce-scatter chunk with no row of a tensor).

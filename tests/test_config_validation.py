@@ -1,5 +1,5 @@
 """Every configuration value is checked for type and range before any collective (the ds_config by
-the one loader, trainer/typed_json.py; the flags by RunConfig), and a bad one gives one
+the one loader, muloco/core/typed_json.py; the flags by RunConfig), and a bad one gives one
 `configuration error:` line naming it: a ds_config value by its dotted path, a flag by its name."""
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 
 from trainer.config import build_parser, resolve
 from trainer.ds_config import DsConfig
-from trainer.elastic.config import LIGHTHOUSE_ENV
-from trainer.errors import ConfigError
+from muloco.diloco.elastic_config import LIGHTHOUSE_ENV
+from muloco.core.errors import ConfigError
 from trainer.optim.config import AdamWParams
 from trainer.optim.muon import MuonConfig
 from trainer.pretrain import STARTUP_ERRORS, checked_config

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from _ckpt_runs import REPO_ROOT, check, dataset, launch, reference_checkpoint
 from tools.convert_checkpoint.merge import recorded_probe
 from trainer.checkpoint import CheckpointReader
-from trainer.checkpoint.rank_file import read_rank_file, to_plain, write_rank_file
+from muloco.core.rank_file import read_rank_file, to_plain, write_rank_file
 
 # Every test here starts processes. Several launches per test, each bounded by its own timeout; on a
 # shared 2-core machine the default 600 s per test is too tight for three 4-rank launches.

@@ -24,7 +24,7 @@ from _ckpt_runs import reference_checkpoint
 
 from trainer.checkpoint import CheckpointError, CheckpointReader
 from trainer.checkpoint.format import rank_file, sha256_of
-from trainer.checkpoint.rank_file import read_rank_file, to_plain, write_rank_file
+from muloco.core.rank_file import read_rank_file, to_plain, write_rank_file
 from trainer.checkpoint.schema import checked_rank_state
 
 pytestmark = [pytest.mark.launch, pytest.mark.timeout(900)]  # every test here starts processes

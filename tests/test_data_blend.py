@@ -17,7 +17,7 @@ from tokenizer.identity import tokenizer_identity
 from tokenizer.interface import load_tokenizer
 from trainer.config import DataConfig, build_parser, resolve
 from trainer.data import check_data, data_blends, describe_blend
-from trainer.errors import ConfigError
+from muloco.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 

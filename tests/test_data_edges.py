@@ -16,7 +16,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatase
 
 from trainer.config import DataConfig, build_parser
 from trainer.data import check_data
-from trainer.errors import ConfigError
+from muloco.core.errors import ConfigError
 from trainer.indexed_files import read_indexed_files
 from trainer.pretrain import STARTUP_ERRORS, checked_config
 

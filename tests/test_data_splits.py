@@ -13,7 +13,7 @@ from tools.synthetic_data import write_markov_dataset
 from trainer.config import DataConfig, build_parser
 from trainer.data import TokenizerInfo, build_datasets
 from trainer.data_splits import check_splits_hold_a_sample
-from trainer.errors import ConfigError
+from muloco.core.errors import ConfigError
 from trainer.pretrain import STARTUP_ERRORS, checked_config
 
 ROOT = Path(__file__).resolve().parents[1]

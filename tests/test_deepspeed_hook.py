@@ -1,4 +1,4 @@
-"""The outer loop on real DeepSpeed engines (trainer/diloco/deepspeed_hook.py).
+"""The outer loop on real DeepSpeed engines (muloco/deepspeed_hook.py).
 
 One 4-rank launch (tests/_deepspeed_hook_probe.py) trains K=2 workers x D=2 ranks of the example's
 Hugging Face Llama (examples/deepspeed_muloco.py) under ZeRO 0, 1 and 2, with torch's AdamW and with
@@ -19,9 +19,9 @@ import pytest
 import torch
 from deepspeed_muon_precision import newton_schulz_in_fp32
 
-from trainer.diloco.deepspeed_hook import Workers, attach
-from trainer.errors import ConfigError
-from trainer.topology import ParallelSizes, RankCoordinates, Topology
+from muloco.deepspeed_hook import Workers, attach
+from muloco.core.errors import ConfigError
+from muloco.core.topology import ParallelSizes, RankCoordinates, Topology
 from tools.trainer_runs import launch_ranks, shared_memory_files
 from tools.trainer_runs import REPO_ROOT
 
@@ -208,7 +208,7 @@ def test_bad_input_is_one_config_error_before_any_collective(engine, block, mess
 
 
 def test_a_job_secret_others_can_read_is_refused_by_the_hook_too(tmp_path):
-    from trainer.diloco.auth import write_new_key
+    from muloco.diloco.auth import write_new_key
     write_new_key(tmp_path / "job.key")
     (tmp_path / "job.key").chmod(0o644)
     with pytest.raises(ConfigError, match="has mode 0644, so other users may read it"):

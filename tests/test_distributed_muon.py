@@ -1,7 +1,7 @@
 """DistributedMuon (owners gather, orthogonalize and return only pieces, in bf16 or fp32; Newton-Schulz in
 either form; momentum in fp32 or bf16) equals single-process Muon on the whole logical matrices at
 T x D = 4x1, 2x2, 1x4, and the bytes its
-collectives send, counted at trainer.comm's calls, equal trainer.optim.muon_comm_model's formula on
+collectives send, counted at muloco.core.comm's calls, equal trainer.optim.muon_comm_model's formula on
 every rank. One torchrun launch (4 ranks, gloo); tests/_distributed_muon_worker.py does the work."""
 import json
 import os

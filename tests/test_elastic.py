@@ -1,4 +1,4 @@
-"""Elastic MuLoCo (trainer/elastic): three workers launched as three separate jobs, joined only by
+"""Elastic MuLoCo (muloco/elastic): three workers launched as three separate jobs, joined only by
 torchft's lighthouse, through one failure scenario shared by every test:
 
 1. workers 0, 1, 2 start together (one `deepspeed` launch each) and sync FRAGMENTS streaming fragments
@@ -39,7 +39,7 @@ from tools.synthetic_data import write_markov_dataset
 from tools.trainer_runs import free_port
 from tools.trainer_runs import EXTENSIONS_ENV, REPO_ROOT, TINY_VOCAB
 
-from trainer.elastic.tunnel import REFUSAL_LOG_INTERVAL_S
+from muloco.elastic.tunnel import REFUSAL_LOG_INTERVAL_S
 
 PROBE = REPO_ROOT / "tests" / "_elastic_probe.py"
 WORKERS = 3
@@ -205,7 +205,7 @@ def scenario(tmp_path_factory) -> Scenario:
     port = free_port()
     config = work / "elastic.json"
     config.write_text(json.dumps(ds_config(f"http://127.0.0.1:{port}")))
-    jobs = {"lighthouse": _spawn("lighthouse", [sys.executable, "-m", "trainer.elastic.lighthouse", "--bind",
+    jobs = {"lighthouse": _spawn("lighthouse", [sys.executable, "-m", "muloco.elastic.lighthouse", "--bind",
                                                 f"127.0.0.1:{port}", "--join-timeout-s", str(LIGHTHOUSE_TIMEOUT_S),
                                                 "--heartbeat-timeout-s", str(LIGHTHOUSE_TIMEOUT_S)], work)}
     scenario = Scenario(jobs, span=(time.time(), 0.0))
@@ -371,7 +371,7 @@ def test_a_worker_whose_lighthouse_never_answers_stops_with_one_line_naming_it(s
 # -- without launches ----------------------------------------------------------------------------
 
 def test_membership_leaves_out_joining_nonfinite_and_outlier_members():
-    from trainer.elastic.membership import Member, left_out
+    from muloco.elastic.membership import Member, left_out
 
     def member(worker, norm, joining=False, nonfinite=False):
         return Member(worker, 8, joining, nonfinite, norm)
@@ -390,8 +390,8 @@ def test_a_rendezvous_port_another_job_holds_is_one_line_naming_it(monkeypatch):
     says so in one line before anything starts (it died with a traceback; the other trained alone)."""
     from torch.distributed import TCPStore
 
-    from trainer.comm import check_rendezvous_port
-    from trainer.errors import ConfigError
+    from muloco.core.comm import check_rendezvous_port
+    from muloco.core.errors import ConfigError
 
     other_job = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -413,7 +413,7 @@ def test_a_rendezvous_port_another_job_holds_is_one_line_naming_it(monkeypatch):
 ])
 def test_elastic_config_errors_name_the_problem(tmp_path, block, flags, message):
     from trainer.config import build_parser, resolve
-    from trainer.errors import ConfigError
+    from muloco.core.errors import ConfigError
 
     config = ds_config("http://127.0.0.1:1")
     config["muloco"].update(block)
@@ -425,7 +425,7 @@ def test_elastic_config_errors_name_the_problem(tmp_path, block, flags, message)
 
 def test_worker_id_without_an_elastic_block_is_an_error(repo_root):
     from trainer.config import build_parser, resolve
-    from trainer.errors import ConfigError
+    from muloco.core.errors import ConfigError
 
     args = ["--ds_config", str(repo_root / "ds_configs" / "cpu_tiny_muloco.json"), "--data-path", "x", "--worker-id", "0"]
     with pytest.raises(ConfigError, match="--worker-id is for elastic workers"):

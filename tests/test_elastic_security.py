@@ -1,6 +1,6 @@
 """The elastic mode against a stranger who knows the lighthouse's address but not the job secret, and
 against crafted state, without launching a trainer: the lighthouse's gateway and the workers' tunnel
-(trainer/elastic/tunnel.py) in front of a real torchft lighthouse, a worker's quorum requests while the
+(muloco/elastic/tunnel.py) in front of a real torchft lighthouse, a worker's quorum requests while the
 lighthouse's transport fails (what a flood at its gateway can do), the state transfer's parser and
 checks, torchft's manager server bound where the config says, and a walk over the code for anything
 that could unpickle what it receives."""
@@ -22,11 +22,11 @@ import torch
 from torch.distributed import TCPStore
 from torchft.coordination import LighthouseClient, LighthouseServer
 
-from trainer.checkpoint.rank_file import RankFileError, state_from_bytes, state_to_bytes
-from trainer.diloco.auth import JobKey
-from trainer.elastic.authentic_quorum import AuthenticatedQuorums, signed_replica_id
-from trainer.elastic.quorum import NoQuorum, QuorumGroup
-from trainer.elastic.tunnel import Gateway, Tunnel, TunnelError, _Direction, host_port
+from muloco.core.rank_file import RankFileError, state_from_bytes, state_to_bytes
+from muloco.diloco.auth import JobKey
+from muloco.elastic.authentic_quorum import AuthenticatedQuorums, signed_replica_id
+from muloco.elastic.quorum import NoQuorum, QuorumGroup
+from muloco.elastic.tunnel import Gateway, Tunnel, TunnelError, _Direction, host_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KEY = JobKey(b"k" * 32, "test-job")
@@ -75,7 +75,7 @@ def test_only_a_worker_holding_the_secret_joins_the_quorum(lighthouse):
 
 
 def test_a_connection_that_sends_nothing_is_closed_and_does_not_hold_the_gateway(lighthouse, monkeypatch):
-    monkeypatch.setattr("trainer.elastic.tunnel.HANDSHAKE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr("muloco.elastic.tunnel.HANDSHAKE_TIMEOUT_S", 0.5)
     idle = socket.create_connection(lighthouse.address)
     idle.settimeout(5)
     assert idle.recv(1) == b""  # the gateway hung up on it
@@ -178,7 +178,7 @@ def test_a_trickle_flood_keeps_no_worker_out_and_is_logged_in_a_few_lines(echo_g
 
 def test_a_tunnel_whose_lighthouse_is_out_of_reach_logs_its_failed_connections_a_line_per_interval(capsys, monkeypatch):
     """torchft reconnects several times a second during an outage: one line per interval, with the count."""
-    monkeypatch.setattr("trainer.elastic.tunnel.REFUSAL_LOG_INTERVAL_S", 0.5)
+    monkeypatch.setattr("muloco.elastic.tunnel.REFUSAL_LOG_INTERVAL_S", 0.5)
     closed = socket.create_server(("127.0.0.1", 0))
     remote = closed.getsockname()[:2]
     closed.close()  # nothing listens there
@@ -201,7 +201,7 @@ def test_a_tunnel_whose_lighthouse_is_out_of_reach_logs_its_failed_connections_a
 
 
 def test_a_handshake_has_a_deadline_in_all_not_per_read(echo_gateway, monkeypatch):
-    monkeypatch.setattr("trainer.elastic.tunnel.HANDSHAKE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr("muloco.elastic.tunnel.HANDSHAKE_TIMEOUT_S", 1.0)
     slow = socket.create_connection(echo_gateway.address)
     start, closed = time.monotonic(), False
     try:
@@ -407,9 +407,9 @@ def test_state_bytes_round_trip_and_truncations_are_refused():
 
 def _loop_with_state(shape=(4, 5)):
     """An OuterLoop's state-checking part over one owned (4, 5) tensor, in one fragment."""
-    from trainer.diloco.outer_loop import OuterLoop
-    from trainer.diloco.outer_state import OuterState
-    from trainer.diloco.plan import synced_tensors, TensorSpec
+    from muloco.diloco.outer_loop import OuterLoop
+    from muloco.diloco.outer_state import OuterState
+    from muloco.diloco.plan import synced_tensors, TensorSpec
     loop = OuterLoop.__new__(OuterLoop)
     loop.tensors = synced_tensors([torch.zeros(shape)], [TensorSpec(name="w")], 1)
     loop.state = OuterState(loop.tensors, [0], on_device=False)
@@ -433,7 +433,7 @@ def _loop_with_state(shape=(4, 5)):
      "in-flight syncs"),
 ])
 def test_a_crafted_peer_state_is_refused_before_anything_is_loaded(change, message):
-    from trainer.diloco.sync import SyncTask
+    from muloco.diloco.sync import SyncTask
     loop = _loop_with_state()
     task = SyncTask(0, 8, 3, None)
     state = state_from_bytes(state_to_bytes(loop.peer_state(task)), "x")
@@ -456,7 +456,7 @@ def _non_loopback_address() -> str | None:
 
 def test_the_manager_server_binds_the_configured_address_only():
     import torchft.manager
-    from trainer.elastic.quorum import _manager_server_bound_to
+    from muloco.elastic.quorum import _manager_server_bound_to
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
     try:

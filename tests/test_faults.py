@@ -22,9 +22,9 @@ from _ckpt_runs import REPO_ROOT, Launch, launch, reference_checkpoint
 from trainer.checkpoint import CheckpointError, CheckpointReader, latest_iteration
 from trainer.checkpoint.checkpointer import FAIL_ENV
 from trainer.checkpoint.format import prune, rank_file
-from trainer.checkpoint.rank_file import read_rank_file, to_plain, write_rank_file
+from muloco.core.rank_file import read_rank_file, to_plain, write_rank_file
 from trainer.config import DataConfig
-from trainer.errors import ConfigError
+from muloco.core.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(900)
 HANG_TIMEOUT_S = 10
@@ -269,7 +269,7 @@ def test_data_that_does_not_fit_the_tokenizer_is_refused_before_start(shakespear
 
 
 def test_output_folders_that_cannot_be_written_are_refused_before_start(tmp_path, monkeypatch):
-    from trainer.durable import check_writable_folder
+    from muloco.core.durable import check_writable_folder
 
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -309,7 +309,7 @@ def test_a_planted_pickle_in_the_data_index_cache_is_refused(tmp_path):
 def test_exit_interval_and_duration_stop_every_rank_after_the_same_step(monkeypatch):
     from types import SimpleNamespace
 
-    from trainer import comm
+    from muloco.core import comm
     from trainer.preemption import Preemption
 
     def config(**changes):

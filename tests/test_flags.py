@@ -9,10 +9,10 @@ import pytest
 
 from tools import plan as planner
 from trainer import config
-from trainer.diloco.config import CompressionConfig, MuLoCoConfig
+from muloco.diloco.config import CompressionConfig, MuLoCoConfig
 from trainer.ds_config import DsConfig
 from trainer.model.presets import PRESETS
-from trainer.typed_json import ConfigBlock, field_default, spec_of
+from muloco.core.typed_json import ConfigBlock, field_default, spec_of
 
 # Flags that set no one setting: the launcher's, the ds_config and model to start from, and the
 # flags that compute or select several values.
@@ -23,7 +23,7 @@ META = {"--help", "--ds_config", "--deepspeed_config", "--ds-config", "--deepspe
 def _blocks(cls=ConfigBlock):
     """The trainer's config blocks (not the tests' own)."""
     for sub in cls.__subclasses__():
-        if sub.__module__.startswith("trainer."):
+        if sub.__module__.startswith(("trainer.", "muloco.")):
             yield sub
         yield from _blocks(sub)
 

@@ -242,7 +242,7 @@ def test_a_second_process_on_a_one_gpu_machine_shows_deepspeed_the_gpu_it_uses(m
     import deepspeed.accelerator
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from trainer import comm
+    from muloco.core import comm
 
     fake = _OneCudaDevice()
     monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: fake)

@@ -33,7 +33,7 @@ from tools.convert_checkpoint.import_hf import import_hf
 from trainer.checkpoint import CheckpointError, CheckpointReader
 from trainer.checkpoint.checkpointer import check_weights_start
 from trainer.checkpoint.format import sha256_of
-from trainer.checkpoint.rank_file import read_rank_file, to_plain, write_rank_file
+from muloco.core.rank_file import read_rank_file, to_plain, write_rank_file
 from trainer.model.sharding import sharding_of, shard
 from trainer.model.presets import ModelShape
 
@@ -423,7 +423,7 @@ def _resolved(argv, world_size: int):
 @pytest.mark.launch
 def test_flags_resolve_through_the_config(t2p2_imports, hf_models, tmp_path):
     from trainer.data import check_model_vocabulary
-    from trainer.errors import ConfigError
+    from muloco.core.errors import ConfigError
 
     ckpt = t2p2_imports["paper"][0]
     args = ["--ds_config", "ds_configs/cpu_tiny_muon.json", "--data-path", "x", "--tokenizer-model",
@@ -454,7 +454,7 @@ def test_saves_carry_the_saved_tokenizer_after_its_iteration_is_gone(t2p2_import
 
     from trainer.checkpoint.checkpointer import Checkpointer
     from trainer.checkpoint.format import iteration_dir
-    from trainer.topology import ParallelSizes
+    from muloco.core.topology import ParallelSizes
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(t2p2_imports["llama"][0], ckpt)

@@ -13,7 +13,7 @@ from trainer.optim.config import OptimizerConfig
 from trainer.optim.inner import InnerOptimizer
 from trainer.optim.muon import Muon, MuonConfig
 from trainer.optim.routing import route_parameters
-from trainer.typed_json import load
+from muloco.core.typed_json import load
 from megatron_world import megatron_world_of_one, tiny_model
 
 SHAPE = PRESETS["tiny"]

@@ -1,4 +1,4 @@
-"""The job secret (muloco.auth, trainer/diloco/auth.py): required whenever workers talk, read and
+"""The job secret (muloco.auth, muloco/diloco/auth.py): required whenever workers talk, read and
 checked before any collective, confined to the ds_config's folder, never overwritten."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import stat
 import pytest
 
 from trainer.config import build_parser, resolve
-from trainer.diloco.auth import KEY_FILE_ENV, main as auth_main, read_job_key
-from trainer.errors import ConfigError
+from muloco.diloco.auth import KEY_FILE_ENV, main as auth_main, read_job_key
+from muloco.core.errors import ConfigError
 
 
 def resolved(tmp_path, muloco: dict, world: int = 2):
@@ -52,7 +52,7 @@ def test_a_bad_secret_is_one_config_error(tmp_path, key_file, content, message):
 
 
 def test_a_secret_others_may_read_is_refused_by_the_run_and_the_lighthouse(tmp_path, monkeypatch):
-    from trainer.elastic.lighthouse import main as lighthouse_main
+    from muloco.elastic.lighthouse import main as lighthouse_main
 
     auth_main(["new-key", str(tmp_path / "job.key")])
     (tmp_path / "job.key").chmod(0o644)

@@ -10,7 +10,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from trainer.checkpoint.format import LATEST, latest_iteration, publish
-from trainer.durable import write_durably
+from muloco.core.durable import write_durably
 
 
 def test_a_failed_durable_write_removes_its_temporary_file(tmp_path):

@@ -17,10 +17,10 @@ from _ckpt_runs import REPO_ROOT, check, launch, losses, rank_files
 from trainer.checkpoint import CheckpointError, CheckpointMeta, CheckpointReader
 from trainer.checkpoint.checkpointer import check_worker_start
 from trainer.checkpoint.format import sha256_of
-from trainer.checkpoint.rank_file import read_rank_file, to_plain, write_rank_file
+from muloco.core.rank_file import read_rank_file, to_plain, write_rank_file
 from trainer.checkpoint.state import with_run_hyperparameters
 from trainer.model.presets import PRESETS
-from trainer.topology import ParallelSizes, coordinates
+from muloco.core.topology import ParallelSizes, coordinates
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -170,7 +170,7 @@ def test_refusals_name_what_does_not_fit():
 
 def test_flag_needs_load():
     from trainer.config import build_parser, resolve
-    from trainer.errors import ConfigError
+    from muloco.core.errors import ConfigError
 
     args = build_parser().parse_args(["--ds_config", "ds_configs/cpu_tiny_muon.json", "--data-path", "x",
                                       "--load-worker", "0"])
@@ -180,7 +180,7 @@ def test_flag_needs_load():
 
 def test_new_batch_needs_load_worker():
     from trainer.config import build_parser, resolve
-    from trainer.errors import ConfigError
+    from muloco.core.errors import ConfigError
 
     args = build_parser().parse_args(["--ds_config", "ds_configs/cpu_tiny_muon.json", "--data-path", "x",
                                       "--load", "ckpt", "--load-worker-new-batch"])

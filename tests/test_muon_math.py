@@ -15,7 +15,7 @@ from trainer.optim.newton_schulz import (
     resolve_form,
     resolve_schedule,
 )
-from trainer.optim.ownership import OwnershipPlan, assign_owners
+from muloco.core.ownership import OwnershipPlan, assign_owners
 
 SHAPES = [(24, 40), (40, 24), (32, 32)]  # wide, tall, square; small enough for CPU bf16 matmuls
 FP32_TOL = dict(rtol=1e-4, atol=1e-5)

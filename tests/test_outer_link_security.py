@@ -15,11 +15,11 @@ import torch
 import zstandard
 
 from fake_wire import Board, FakeWire, run_ranks
-from trainer.diloco.auth import TAG_BYTES, JobKey
-from trainer.diloco.collectives import (AUTHENTICATION, CLAIM_MISMATCH, MALFORMED, NONFINITE, OUTLIER, Bucket,
+from muloco.diloco.auth import TAG_BYTES, JobKey
+from muloco.diloco.collectives import (AUTHENTICATION, CLAIM_MISMATCH, MALFORMED, NONFINITE, OUTLIER, Bucket,
                                         BucketPacking, average_buckets)
-from trainer.diloco.compression import Compressor, Encoded, PayloadError
-from trainer.diloco.config import CompressionConfig
+from muloco.diloco.compression import Compressor, Encoded, PayloadError
+from muloco.diloco.config import CompressionConfig
 
 KEY = JobKey(b"k" * 32, "test-job")
 SHAPES = ((6, 40), (3, 17))
@@ -248,8 +248,8 @@ def test_workers_that_disagree_on_a_rejection_stop_the_run():
     not, so their weights part. The metrics round compares the verdicts and every rank stops."""
     from dataclasses import astuple
 
-    from trainer.diloco.collectives import CollectiveError
-    from trainer.diloco.sync_metrics import LocalSums, sync_record, verdict_digest
+    from muloco.diloco.collectives import CollectiveError
+    from muloco.diloco.sync_metrics import LocalSums, sync_record, verdict_digest
 
     def gathered(verdicts: list[float]) -> list[list[float]]:  # every worker's row, as the metrics round gathers it
         board = Board(3)

@@ -357,9 +357,9 @@ def test_cli_k2_t2_four_bit_error_feedback_run_learns_and_logs_outer_syncs(workd
     ({"compression": {"method": "statistical", "embedding_bits": 16}}, "embedding_bits"),
 ])
 def test_bad_outer_settings_are_one_config_error(block, message):
-    from trainer.diloco.config import MuLoCoConfig
-    from trainer.errors import ConfigError
-    from trainer.typed_json import load
+    from muloco.diloco.config import MuLoCoConfig
+    from muloco.core.errors import ConfigError
+    from muloco.core.typed_json import load
 
     with pytest.raises(ConfigError, match=message):
         load(MuLoCoConfig, block, "muloco")

@@ -1,4 +1,4 @@
-"""The outer loop's one sync body (trainer/diloco/outer_loop.py) under both memberships, in process:
+"""The outer loop's one sync body (muloco/diloco/outer_loop.py) under both memberships, in process:
 K workers as threads on fake wires (tests/fake_wire.py), the real OuterLoop, the real StaticMembership
 session and the real elastic QuorumMembership over a fake torchft quorum. References are plain
 computations: the Nesterov outer step on the average of the contributors' payloads, and every
@@ -14,17 +14,17 @@ import pytest
 import torch
 
 from fake_wire import Board, FakeQuorum, FakeStatic, FakeWire, run_ranks
-from trainer.diloco.auth import JobKey
-from trainer.diloco.collectives import CollectiveError
-from trainer.diloco.config import CompressionConfig, MuLoCoConfig, StreamingConfig
-from trainer.diloco.deepspeed_hook import EngineHost
-from trainer.diloco.outer_loop import OuterLoop
-from trainer.diloco.sync import SyncTask
-from trainer.elastic.config import ElasticConfig
-from trainer.elastic.membership import DIVERGED, QuorumMembership
-from trainer.elastic.quorum import NoQuorum
+from muloco.diloco.auth import JobKey
+from muloco.diloco.collectives import CollectiveError
+from muloco.diloco.config import CompressionConfig, MuLoCoConfig, StreamingConfig
+from muloco.deepspeed_hook import EngineHost
+from muloco.diloco.outer_loop import OuterLoop
+from muloco.diloco.sync import SyncTask
+from muloco.diloco.elastic_config import ElasticConfig
+from muloco.elastic.membership import DIVERGED, QuorumMembership
+from muloco.elastic.quorum import NoQuorum
 from trainer.outer_host import TrainerHost, megatron_tensors
-from trainer.topology import ParallelSizes, RankCoordinates, Topology
+from muloco.core.topology import ParallelSizes, RankCoordinates, Topology
 
 KEY = JobKey(b"k" * 32, "test-job")
 SHAPES = {"decoder.layers.0.mlp.linear_fc1.weight": (8, 6), "decoder.layers.0.mlp.linear_fc2.weight": (6, 4),
@@ -466,8 +466,8 @@ def test_a_member_behind_loads_no_state_in_a_quorum_smaller_than_min_workers():
 
 
 def test_min_workers_above_the_workers_is_one_config_error():
-    from trainer.errors import ConfigError
-    from trainer.typed_json import load
+    from muloco.core.errors import ConfigError
+    from muloco.core.typed_json import load
     with pytest.raises(ConfigError, match=r"muloco.elastic.min_workers \(4\) cannot exceed workers \(3\)"):
         load(MuLoCoConfig, {"workers": 3, "elastic": {"lighthouse": "http://x:1", "min_workers": 4}, "auth": "none"},
              "muloco")
@@ -649,7 +649,7 @@ def test_auto_overlap_picks_the_same_tau_on_every_worker_from_the_slowest_worker
     every sync's tau is the same on every worker (the same apply step, so their global weights stay
     bit-identical), the first is 1, and each later one is the smallest that covers the fragment's
     previous sync on its slowest worker (in that worker's steps), with the margin, up to the maximum."""
-    from trainer.diloco.outer_loop import AUTO_MARGIN
+    from muloco.diloco.outer_loop import AUTO_MARGIN
     config = MuLoCoConfig(workers=3, sync_interval=8, streaming=StreamingConfig(fragments=2, overlap_steps="auto",
                                                                                 max_overlap_steps=6))
     boards = (Board(3), Board(3))

@@ -1,5 +1,5 @@
 """Wall-clock pacing and the token-weighted merge with its correction for unequal step counts
-(trainer/diloco/pace.py, issue 43), in process: K workers as threads on fake wires (tests/fake_wire.py),
+(muloco/diloco/pace.py, issue 43), in process: K workers as threads on fake wires (tests/fake_wire.py),
 each on its own fake clock, the real OuterLoop, StaticMembership session and hosts. References: the
 fixed-H run (bit for bit, when every worker is equal), and the documented formula computed here in
 float64 from the workers' own inner steps."""
@@ -14,11 +14,11 @@ import torch
 
 from fake_wire import Board, FakeStatic, run_ranks
 from test_outer_sync import KEY, SHAPES, FakeClock, PairAt, Worker, checksums, global_by_name, quorum_membership
-from trainer.diloco.config import MuLoCoConfig
-from trainer.elastic.config import ElasticConfig
-from trainer.diloco.pace import Contribution, PaceConfig, auto_deadline
-from trainer.errors import ConfigError
-from trainer.typed_json import load
+from muloco.diloco.config import MuLoCoConfig
+from muloco.diloco.elastic_config import ElasticConfig
+from muloco.diloco.pace import Contribution, PaceConfig, auto_deadline
+from muloco.core.errors import ConfigError
+from muloco.core.typed_json import load
 
 TOKENS_PER_STEP = 32  # 4 sequences of 8 tokens per worker and step
 PEAK_LR = 0.1  # Worker's SGD; its LambdaLR makes step j (1-based) use 0.1 / j

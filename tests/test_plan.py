@@ -178,7 +178,7 @@ def test_the_planner_reads_every_config_as_the_trainer_does(path, tmp_path):
     """Optimizer, bf16, batch, layout and outer loop: the planner's inputs are the trainer's values
     (with no muloco block the planner plans the outer loop at its defaults)."""
     from trainer.config import build_parser, resolve
-    from trainer.diloco.config import MuLoCoConfig
+    from muloco.diloco.config import MuLoCoConfig
 
     if path is None:  # every block left out: the trainer's defaults (AdamW, fp32), not the planner's own
         path = tmp_path / "empty.json"

@@ -65,7 +65,7 @@ def test_without_a_launcher_the_entry_point_is_one_rank_of_a_world_of_one():
     launcher started, is left to its launcher."""
     import socket
 
-    from trainer.comm import one_rank_without_launcher
+    from muloco.core.comm import one_rank_without_launcher
 
     alone: dict[str, str] = {}
     assert one_rank_without_launcher(alone)

@@ -10,7 +10,7 @@ import pytest
 
 from tools import plan as planner
 from trainer.config import CheckpointArgs, build_parser, resolve
-from trainer.errors import ConfigError
+from muloco.core.errors import ConfigError
 from trainer.model.presets import PRESETS, parameter_count
 from tools.write_gpu_configs import GPU_CONFIGS, gpu_ds_config
 from trainer.recipe import PAPER_VOCAB, paper_recipe

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.launch  # every test here starts processes (tests/launc
 PROBE = textwrap.dedent("""
     import sys
     from tools.trainer_runs import init_distributed, run_trainer
-    from trainer.comm import close_distributed
+    from muloco.core.comm import close_distributed
 
     init_distributed()
     common = sys.argv[2:]

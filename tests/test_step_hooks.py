@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.diloco.outer_loop import OuterLoop
+from muloco.diloco.outer_loop import OuterLoop
 from trainer.outer_host import attached_to_trainer
 from trainer.training import Trainer
 

@@ -18,7 +18,7 @@ from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
 from tokenizer.train import TokenizerTrainingConfig, train_tokenizer, training_sentences
 from trainer.config import DataConfig
 from trainer.data import check_data
-from trainer.errors import ConfigError
+from muloco.core.errors import ConfigError
 
 VOCAB_SIZE = 4096
 

@@ -8,7 +8,7 @@ from megatron.core.parallel_state import RankGenerator
 
 from trainer.config import ConfigError, build_parser, resolve
 from trainer.engine import deepspeed_config
-from trainer.topology import (ParallelSizes, RankCoordinates, TopologyError, coordinates, inner_data_parallel_ranks,
+from muloco.core.topology import (ParallelSizes, RankCoordinates, TopologyError, coordinates, inner_data_parallel_ranks,
                               outer_ranks, rank_of, worker_ranks)
 
 K2D2P2T2 = ParallelSizes(workers=2, data=2, pipeline=2, tensor=2)

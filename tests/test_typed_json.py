@@ -1,4 +1,4 @@
-"""The one configuration loader (trainer/typed_json.py) on small blocks: JSON's types taken strictly,
+"""The one configuration loader (muloco/core/typed_json.py) on small blocks: JSON's types taken strictly,
 every problem named by its dotted path in one message in the order of the file, blocks chosen by a
 sibling, and the same checks when a block is built in Python."""
 from dataclasses import dataclass
@@ -6,7 +6,7 @@ from typing import Literal
 
 import pytest
 
-from trainer.typed_json import ConfigBlock, ConfigProblems, Problem, field_default, load, set_path, setting
+from muloco.core.typed_json import ConfigBlock, ConfigProblems, Problem, field_default, load, set_path, setting
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from trainer.config import build_parser
 from trainer.ds_config import DsConfig
-from trainer.typed_json import blocks_in, describe, spec_of
+from muloco.core.typed_json import blocks_in, describe, spec_of
 
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 FLAGS = ("<!-- flag-reference:begin (python tools/config_reference.py --write rewrites this section) -->",

@@ -32,7 +32,7 @@ compressed parameters, when on) + the fp32 pseudogradient 4 built at a sync.
 Bytes per outer sync per rank: the compression module's `Compressor.payload_nbytes` on each owned
 tensor as the outer loop sends it (row-parallel weights transposed; embeddings/head and 1-D tensors
 at `embedding_bits` / `vector_bits`, via `compression_group`), put through the formulas of
-trainer/diloco/collectives.py (all_gather: (K-1) * S; reduce_scatter: sum_{j != k} S_j + (K-1) * max_j S_j),
+muloco/diloco/collectives.py (all_gather: (K-1) * S; reduce_scatter: sum_{j != k} S_j + (K-1) * max_j S_j),
 plus (K-1) * (8 + 16) bytes of header in the first collective (the payload's norm claim and the
 skip-vote ballot), K + 8 bytes of verdicts and claim ahead of each re-quantized chunk
 (reduce_scatter), and with the job secret (on unless `"auth": "none"`) a 32-byte tag on every part
@@ -70,24 +70,24 @@ import torch.distributed as dist
 from trainer.config import (DATA_FLAGS, DS_CONFIG_FLAGS, MODEL_FLAGS, RUN_FLAGS, add_ds_config_flag, add_global_batch_size,
                             check_model_shape)
 from trainer.flags import Flag, add_flags, field_flag
-from trainer.diloco.collectives import row_split
-from trainer.diloco.auth import TAG_BYTES
-from trainer.diloco.collectives import CLAIM_BYTES
-from trainer.diloco.compression import Compressor, compression_group, rows_shape
-from trainer.diloco.config import CompressionConfig, MuLoCoConfig
-from trainer.diloco.vote import BALLOT_BYTES
+from muloco.diloco.collectives import row_split
+from muloco.diloco.auth import TAG_BYTES
+from muloco.diloco.collectives import CLAIM_BYTES
+from muloco.diloco.compression import Compressor, compression_group, rows_shape
+from muloco.diloco.config import CompressionConfig, MuLoCoConfig
+from muloco.diloco.vote import BALLOT_BYTES
 from trainer.ds_config import LayoutConfig, load_ds_config, read_json_object
-from trainer.errors import ConfigError, TopologyError
+from muloco.core.errors import ConfigError, TopologyError
 from trainer.model.sharding import sharding_of
 from trainer.model.presets import PRESETS, ModelShape
 from trainer.model.stages import stage_layers
 from trainer.optim.config import MuonParams, OptimizerConfig
 from trainer.optim.muon import MOMENTUM_DTYPES
 from trainer.optim.muon_comm_model import MuonExchange, comm_dtype, grad_allreduce_bytes
-from trainer.optim.ownership import assign_owners
+from muloco.core.ownership import assign_owners
 from trainer.recipe import PAPER_VOCAB  # the paper presets' counts match a Llama-3 vocabulary
-from trainer.topology import ParallelSizes
-from trainer.typed_json import set_path
+from muloco.core.topology import ParallelSizes
+from muloco.core.typed_json import set_path
 
 GIB = 1024 ** 3
 
@@ -298,7 +298,7 @@ def stage_memory(stage_index: int, stage: list[ShardParam], inputs: PlanInputs, 
 
 
 def _owned(stage: list[ShardParam], data: int, replica: int) -> list[ShardParam]:
-    """The parameters inner-DP replica `replica` syncs (trainer.diloco.plan.owned_by's assignment)."""
+    """The parameters inner-DP replica `replica` syncs (muloco.diloco.plan.owned_by's assignment)."""
     owners = assign_owners([p.numel for p in stage], data)
     return [p for p, owner in zip(stage, owners) if owner == replica]
 

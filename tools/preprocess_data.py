@@ -90,7 +90,7 @@ from dataprep.partition import InputGroup, Partition, PartitionError, assign_gro
 from dataprep.progress import ProgressLine
 from tokenizer.identity import tokenizer_identity
 from tokenizer.interface import TOKENIZER_TYPES, load_tokenizer
-from trainer.durable import fsync_dir, write_text_durably
+from muloco.core.durable import fsync_dir, write_text_durably
 
 # Bump when the part file contents would change for the same inputs, to invalidate old parts.
 PART_FORMAT_VERSION = 2

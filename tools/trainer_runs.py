@@ -34,7 +34,7 @@ def tiny_flags(data_prefix: str | Path, run_dir: str | Path, optimizer: str, *ex
 
 def init_distributed() -> None:
     """As pretrain.py does; outside a launcher this process becomes a world of one."""
-    from trainer import comm
+    from muloco.core import comm
 
     os.environ.update(EXTENSIONS_ENV)
     comm.one_rank_without_launcher()

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 
-from trainer.diloco.config import MuLoCoConfig
+from muloco.diloco.config import MuLoCoConfig
 from trainer.optim.config import MuonParams
 from trainer.recipe import Recipe, paper_recipe, unpublished_lr
 

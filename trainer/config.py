@@ -22,19 +22,19 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from trainer.diloco.auth import read_private_job_key, resolve_key_file
-from trainer.diloco.config import MuLoCoConfig
+from muloco.diloco.auth import read_private_job_key, resolve_key_file
+from muloco.diloco.config import MuLoCoConfig
 from trainer.ds_config import DsConfig, load_ds_config, read_json_object
-from trainer.elastic.config import check_worker_id
-from trainer.errors import ConfigError
+from muloco.diloco.elastic_config import check_worker_id
+from muloco.core.errors import ConfigError
 from trainer.flags import Flag, add_flags, declared_flags
 from trainer.model.presets import PRESET_SIZES, PRESETS, ModelShape, preset_of
 from trainer.model.stages import stage_layers
 from trainer.optim.config import OptimizerConfig, OptimizerName, retyped
 from trainer.recipe import fill_ds_config
 from trainer.schedule import ScheduleConfig
-from trainer.topology import ParallelSizes
-from trainer.typed_json import ConfigBlock, ConfigProblems, Problem, set_path, setting
+from muloco.core.topology import ParallelSizes
+from muloco.core.typed_json import ConfigBlock, ConfigProblems, Problem, set_path, setting
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ from dataprep.blend import read_data_args, read_per_split_data_args
 from dataprep.dataset_meta import meta_path, read_dataset_meta
 from tokenizer.identity import tokenizer_identity
 from tokenizer.interface import load_tokenizer, tokenizer_sha256
-from trainer.comm import barrier
+from muloco.core.comm import barrier
 from trainer.config import BatchConfig, DataConfig
-from trainer.errors import ConfigError
+from muloco.core.errors import ConfigError
 from trainer.indexed_files import read_indexed_files
 
 

@@ -19,7 +19,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 
 from trainer.config import DataConfig
 from trainer.data import data_blends
-from trainer.errors import ConfigError
+from muloco.core.errors import ConfigError
 from trainer.indexed_files import read_indexed_files
 
 SPLIT_NAMES = ("train", "valid", "test")  # Megatron's Split order

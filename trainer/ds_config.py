@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from trainer.diloco.config import MuLoCoConfig
-from trainer.errors import ConfigError
+from muloco.diloco.config import MuLoCoConfig
+from muloco.core.errors import ConfigError
 from trainer.optim.config import OptimizerConfig
 from trainer.schedule import SchedulerConfig
-from trainer.typed_json import ConfigBlock, load, setting
+from muloco.core.typed_json import ConfigBlock, load, setting
 
 
 @dataclass(frozen=True)

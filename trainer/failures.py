@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trainer import comm
+from muloco.core import comm
 
 _DIGEST_BYTES = 8  # enough to tell messages apart
 

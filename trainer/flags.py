@@ -16,7 +16,7 @@ import typing
 from dataclasses import MISSING, dataclass
 from typing import Any, Literal
 
-from trainer.typed_json import blocks_in, field_default, spec_of
+from muloco.core.typed_json import blocks_in, field_default, spec_of
 
 
 @dataclass(frozen=True)

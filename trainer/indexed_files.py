@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
 
-from trainer.errors import ConfigError
+from muloco.core.errors import ConfigError
 
 _FIXED = struct.Struct("<9sQBQQ")
 _SCAN_TOKENS = 1 << 24  # tokens per chunk of the max scan: bounded memory on any file size

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.durable import write_text_durably
+from muloco.core.durable import write_text_durably
 
 METRICS_FILE = "metrics.jsonl"
 

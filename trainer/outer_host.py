@@ -1,4 +1,4 @@
-"""This trainer as a host of the outer loop (trainer/diloco/outer_loop.py): its Megatron parameters
+"""This trainer as a host of the outer loop (muloco/diloco/outer_loop.py): its Megatron parameters
 described for the plan, and the trainer's step, lr schedule and step hook as the loop's `Host`.
 
 The description: row-parallel weights are compressed by columns (so results do not depend on T); the
@@ -12,8 +12,8 @@ import contextlib
 
 import torch
 
-from trainer.diloco.outer_loop import OuterLoop
-from trainer.diloco.plan import SyncedTensor, TensorSpec, synced_tensors
+from muloco.diloco.outer_loop import OuterLoop
+from muloco.diloco.plan import SyncedTensor, TensorSpec, synced_tensors
 from trainer.model.sharding import sharding_of
 
 

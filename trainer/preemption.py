@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 import torch
 
-from trainer import comm
+from muloco.core import comm
 
 
 class Preemption:

@@ -12,14 +12,14 @@ from contextlib import nullcontext
 
 import torch.distributed as dist
 
-from trainer import comm
+from muloco.core import comm
 from trainer.config import RunConfig, build_parser, check_environment, resolve
 from trainer.data import check_data, check_model_vocabulary, index_cache_dir, refuse_unsafe_index_cache
 from trainer.data_splits import check_splits_hold_a_sample
-from trainer.diloco.collectives import CollectiveError
+from muloco.diloco.collectives import CollectiveError
 from trainer.checkpoint.format import checkpoint_args
-from trainer.durable import check_output_folders
-from trainer.errors import ConfigError, TopologyError
+from muloco.core.durable import check_output_folders
+from muloco.core.errors import ConfigError, TopologyError
 from trainer.failures import stop_together
 from trainer.folder_lock import JobLocks
 from trainer.parent_watch import ParentWatch, launched

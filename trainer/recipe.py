@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.ds_config import DsConfig
-from trainer.errors import ConfigError
+from muloco.core.errors import ConfigError
 from trainer.model.presets import PRESETS, parameter_count
 
 PAPER_VOCAB = 128_256  # Llama-3 tokenizer

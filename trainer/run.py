@@ -17,13 +17,13 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from torch.optim.lr_scheduler import LambdaLR
 
 from megatron_patches import apply_cpu_shims_if_needed, initialize_megatron_groups
-from trainer import comm
+from muloco.core import comm
 from trainer.checkpoint.checkpointer import Checkpointer, start_from_weights
 from trainer.config import RunConfig
 from trainer.data import StreamPosition, build_datasets, index_cache_dir, startup_timeout_s, tokenizer_info
-from trainer.diloco.auth import JobKey, job_key
-from trainer.diloco.membership import StaticMembership
-from trainer.diloco.outer_loop import OuterLoop
+from muloco.diloco.auth import JobKey, job_key
+from muloco.diloco.membership import StaticMembership
+from muloco.diloco.outer_loop import OuterLoop
 from trainer.engine import Engine
 from trainer.metrics import MetricsLogger
 from trainer.model.builder import (build_model, canonical_names, count_parameters, initialize_weights,
@@ -34,7 +34,7 @@ from trainer.optim.routing import route_parameters
 from trainer.preemption import Preemption
 from trainer.progress_board import ProgressBoard
 from trainer.schedule import lr_multiplier
-from trainer.topology import ParallelSizes, build_topology
+from muloco.core.topology import ParallelSizes, build_topology
 from trainer.training import Trainer
 from trainer.watchdog import Watchdog
 
@@ -42,7 +42,7 @@ from trainer.watchdog import Watchdog
 def _membership(config: RunConfig, topology, key: JobKey | None):
     """The workers of one world (StaticMembership), or the elastic job's torchft quorum."""
     if config.elastic:  # only elastic runs import torchft
-        from trainer.elastic.membership import QuorumMembership
+        from muloco.elastic.membership import QuorumMembership
         return QuorumMembership(config.muloco, topology, key, config.worker_id)
     return StaticMembership(config.muloco, topology, key)
 

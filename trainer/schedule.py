@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from trainer.typed_json import ConfigBlock, setting
+from muloco.core.typed_json import ConfigBlock, setting
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,12 @@ from megatron.core import parallel_state as mps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch.utils.hooks import RemovableHandle
 
-from trainer import comm
+from muloco.core import comm
 from trainer.config import RunConfig
 from trainer.data import StreamPosition, micro_batches, validation_batches
 from trainer.engine import Engine
 from trainer.metrics import MetricsLogger
-from trainer.topology import Topology
+from muloco.core.topology import Topology
 
 StepHook = Callable[[int], "dict | None"]
 

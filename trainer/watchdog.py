@@ -97,7 +97,7 @@ def describe_wait(frame: FrameType | None, with_group: bool = True) -> str:
     api = stack[named[0] if named else torch_frames[0]]
     outer = torch_frames[0]
     while outer + 1 < len(stack) and _is_collective_frame(stack[outer + 1]):
-        outer += 1  # past trainer.comm, deepspeed.comm and torch's own wrappers
+        outer += 1  # past muloco.core.comm, deepspeed.comm and torch's own wrappers
     callers = stack[outer + 1:]
     # The project's own frame: decorators of other packages (typing_extensions' wrapper) say nothing.
     caller = next((f for f in callers if _in_project(f)), callers[0] if callers else stack[outer])

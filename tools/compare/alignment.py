@@ -29,7 +29,7 @@ from tools.compare.protocol import Method, RunSpec, Settings
 from trainer.checkpoint.format import LATEST, CheckpointReader, complete_iterations, iteration_dir
 from trainer.model.sharding import logical_matrices
 from trainer.model.presets import ModelShape
-from trainer.topology import RankCoordinates
+from muloco.core.topology import RankCoordinates
 
 START_FRACTIONS = (0.2, 0.5, 0.8)
 LR_MULTIPLIERS = (0.5, 1.0, 2.0)

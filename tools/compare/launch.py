@@ -20,7 +20,7 @@ from pathlib import Path
 from tools.compare.protocol import ARCH, MODEL, QUERY_GROUPS, REPO, VOCAB_SIZE, Method, RunSpec, Settings
 from tools.trainer_runs import launcher_command
 from trainer.checkpoint.format import sha256_of
-from trainer.diloco.auth import write_new_key
+from muloco.diloco.auth import write_new_key
 
 
 @dataclass(frozen=True)

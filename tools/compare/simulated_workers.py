@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from tools.compare.alignment import compare
-from trainer import comm
+from muloco.core import comm
 from trainer.checkpoint.state import capture_rng, restore_rng
 from trainer.data import StreamPosition, micro_batches
 from trainer.model.builder import canonical_names

@@ -13,7 +13,7 @@ from tools.convert_checkpoint.import_hf import import_hf
 from tools.convert_checkpoint.merge import WeightSource
 from tools.convert_checkpoint.verify import VerifyReport, verify, verify_import
 from trainer.checkpoint import CheckpointError, CheckpointReader
-from trainer.errors import ConfigError
+from muloco.core.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:

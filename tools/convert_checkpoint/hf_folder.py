@@ -25,7 +25,7 @@ from tools.convert_checkpoint.folder_files import HfFolderError, folder_file, ha
 from tools.convert_checkpoint.hf_mapping import (ARCHITECTURES, EMBEDDING, HEAD, MODEL_TYPES, config_class, hf_names,
                                                  megatron_names)
 from trainer.model.presets import ModelShape
-from trainer.typed_json import ConfigProblems
+from muloco.core.typed_json import ConfigProblems
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

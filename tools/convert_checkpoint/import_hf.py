@@ -37,13 +37,13 @@ from tools.convert_checkpoint.hf_folder import (HfFolderError, HfModel, HfWeight
                                                 special_token_ids)
 from tools.convert_checkpoint.hf_mapping import megatron_tensor
 from trainer.checkpoint.format import CheckpointMeta, complete_iterations, iteration_dir, publish, rank_file
-from trainer.checkpoint.rank_file import write_rank_file
+from muloco.core.rank_file import write_rank_file
 from trainer.config import check_model_shape
-from trainer.errors import ConfigError
-from trainer.durable import write_durably, write_text_durably
+from muloco.core.errors import ConfigError
+from muloco.core.durable import write_durably, write_text_durably
 from trainer.model.builder import padded_vocab_size
 from trainer.model.presets import ModelShape
-from trainer.topology import ParallelSizes, coordinates
+from muloco.core.topology import ParallelSizes, coordinates
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_MAX_BYTES = 256 << 20  # the largest on the Hub (Gemma's) is about 33 MB
@@ -173,10 +173,10 @@ def _write_rank_file(rank: int, shape: ModelShape, vocab_size: int, weights: HfW
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_patches import apply_cpu_shims_if_needed, initialize_megatron_groups
-    from trainer import comm
+    from muloco.core import comm
     from trainer.checkpoint.checkpointer import PROBE_LENGTH, probe_logits, probe_tokens
     from trainer.model.builder import assign_full_weights, build_model, canonical_names
-    from trainer.topology import build_topology
+    from muloco.core.topology import build_topology
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // sizes.world))
     dist.init_process_group("gloo", store=dist.FileStore(store, sizes.world), rank=rank, world_size=sizes.world,

@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 
 from trainer.checkpoint import CheckpointError, CheckpointReader
-from trainer.errors import ConfigError
+from muloco.core.errors import ConfigError
 from trainer.model.sharding import sharding_of, unshard
 
 REPLICA = 0  # inner-DP replicas of a worker hold the same weights

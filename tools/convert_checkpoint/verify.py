@@ -111,7 +111,7 @@ def _megatron_model_at_t1(reader: CheckpointReader, source: WeightSource) -> tor
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_patches import apply_cpu_shims_if_needed, initialize_megatron_groups
-    from trainer.topology import ParallelSizes, build_topology
+    from muloco.core.topology import ParallelSizes, build_topology
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

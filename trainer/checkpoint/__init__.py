@@ -2,7 +2,7 @@
 
 The on-disk format (safetensors rank files plus JSON; nothing is pickled), the integrity checks,
 retention and the handling of a full or read-only disk are described in
-trainer/checkpoint/format.py, and the rank file itself in trainer/checkpoint/rank_file.py.
+trainer/checkpoint/format.py, and the rank file itself in muloco/core/rank_file.py.
 
 Loading (`--load DIR`) resumes from `latest`. Same layout: every rank reads its own file and the
 run continues bit for bit. Different T, P or D (same K): model weights and the inner optimizer's
@@ -18,7 +18,7 @@ run with an outer loop builds it after the load, so it starts at the loaded weig
 momentum (K workers branching from a data-parallel state, as tools/compare/alignment.py needs).
 """
 from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.checkpoint.errors import CheckpointError
+from muloco.core.errors import CheckpointError
 from trainer.checkpoint.format import CheckpointMeta, CheckpointReader, latest_iteration
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointMeta", "CheckpointReader", "latest_iteration"]

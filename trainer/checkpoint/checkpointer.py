@@ -20,21 +20,21 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 import trainer.checkpoint.state as rank_state
 from tokenizer.identity import tokenizer_identity
 from tokenizer.interface import load_tokenizer, tokenizer_file
-from trainer import comm
+from muloco.core import comm
 from trainer.checkpoint.async_save import BackgroundWrite, SaveInFlight
-from trainer.checkpoint.errors import CheckpointError
+from muloco.core.errors import CheckpointError
 from trainer.checkpoint.format import (COMPLETE, CheckpointMeta, CheckpointReader, iteration_dir,
                                        latest_iteration, prune, publish, rank_file, remove_incomplete)
-from trainer.checkpoint.rank_file import to_plain, write_rank_file
+from muloco.core.rank_file import to_plain, write_rank_file
 from trainer.checkpoint.schema import check_rank_state, check_weight, checked_rank_state, own_form
 from trainer.config import RunConfig
-from trainer.durable import write_durably, write_text_durably
+from muloco.core.durable import write_durably, write_text_durably
 from trainer.failures import stop_together
 from trainer.metrics import METRICS_FILE, validation_losses
 from trainer.model.builder import assign_full_weights, canonical_names
 from trainer.model.sharding import sharding_of, shard
 from trainer.model.presets import ModelShape
-from trainer.topology import ParallelSizes, Topology, coordinates
+from muloco.core.topology import ParallelSizes, Topology, coordinates
 
 PROBE_LENGTH = 32
 # Of the largest recorded logit. The probe is an fp32 forward (_full_precision): the same weights give it

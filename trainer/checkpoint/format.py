@@ -4,7 +4,7 @@ merges tensor-parallel shards by canonical name.
     DIR/latest                              text: the step of the newest complete checkpoint
     DIR/iter_{step:07d}/
         rank_{global_rank:05d}.safetensors  one per rank: its state as tensors plus a JSON tree
-                                            (trainer/checkpoint/rank_file.py); nothing is pickled
+                                            (muloco/core/rank_file.py); nothing is pickled
         meta.json                           rank 0: sizes K/D/P/T, model shape, vocab (padded and not),
                                             the rank -> (worker, data, pipeline, tensor) map, the
                                             resolved config, and each rank file's SHA-256
@@ -46,15 +46,15 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.errors import CheckpointError
-from trainer.checkpoint.rank_file import read_rank_file
+from muloco.core.errors import CheckpointError
+from muloco.core.rank_file import read_rank_file
 from trainer.config import BatchConfig, CheckpointArgs
-from trainer.errors import ConfigError
-from trainer.durable import TMP_SUFFIX, write_text_durably
+from muloco.core.errors import ConfigError
+from muloco.core.durable import TMP_SUFFIX, write_text_durably
 from trainer.model.sharding import sharding_of, unshard
 from trainer.model.presets import ModelShape
-from trainer.topology import ParallelSizes, RankCoordinates, coordinates
-from trainer.typed_json import ConfigBlock, ConfigProblems, Problem, load, setting
+from muloco.core.topology import ParallelSizes, RankCoordinates, coordinates
+from muloco.core.typed_json import ConfigBlock, ConfigProblems, Problem, load, setting
 
 FORMAT_VERSION = 2  # 1: pickled rank files (no longer read: unpickling can run code)
 COMPLETE = "complete"

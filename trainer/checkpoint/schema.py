@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.checkpoint.errors import CheckpointError
+from muloco.core.errors import CheckpointError
 from trainer.checkpoint.format import CheckpointReader, rank_file
-from trainer.checkpoint.rank_file import to_plain
+from muloco.core.rank_file import to_plain
 from trainer.checkpoint.state import capture_rng
 
 REQUIRED = ("step", "model", "optimizer", "scheduler", "engine", "extra")

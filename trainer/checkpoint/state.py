@@ -11,7 +11,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-from trainer.checkpoint.errors import CheckpointError
+from muloco.core.errors import CheckpointError
 from trainer.schedule import ScheduleConfig, lr_multiplier
 
 

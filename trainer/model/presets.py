@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
-from trainer.typed_json import ConfigBlock, setting
+from muloco.core.typed_json import ConfigBlock, setting
 
 Architecture = Literal["paper", "qwen3", "llama"]
 ARCHITECTURES = get_args(Architecture)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from trainer.optim.muon import MuonConfig
-from trainer.typed_json import ConfigBlock, setting
+from muloco.core.typed_json import ConfigBlock, setting
 
 OptimizerName = Literal["adamw", "muon"]
 

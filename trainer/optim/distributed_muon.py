@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trainer import comm
+from muloco.core import comm
 from trainer.model.sharding import from_logical_matrices, full_shape, sharding_of, logical_matrices
 from trainer.model.presets import ModelShape
 from trainer.optim.muon import MuonConfig, apply_update, lr_scale, orthogonalize_direction, update_momentum

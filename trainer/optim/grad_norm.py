@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from trainer import comm
+from muloco.core import comm
 
 
 def is_partial_across_tensor_parallel(name: str) -> bool:

@@ -30,7 +30,7 @@ from trainer.optim.newton_schulz import (
     ScheduleName,
     orthogonalize,
 )
-from trainer.typed_json import ConfigBlock, Problem, setting
+from muloco.core.typed_json import ConfigBlock, Problem, setting
 
 # How the step size of an (rows, cols) = (fan_out, fan_in) matrix is scaled.
 LRScaling = Literal["spectral_norm", "match_rms_adamw", "torch_original", "none"]

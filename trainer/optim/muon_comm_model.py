@@ -28,7 +28,7 @@ import torch
 from trainer.model.sharding import Split, full_shape, sharding_of, logical_shapes
 from trainer.model.presets import ModelShape
 from trainer.optim.newton_schulz import NS_DTYPES, NSForm, newton_schulz_flops, newton_schulz_workspace_numel
-from trainer.optim.ownership import assign_owners
+from muloco.core.ownership import assign_owners
 
 
 # Full (T=1) elements exchanged per bucket: one 15B layer (T=4: ~130 MB of bf16 pieces per rank).
@@ -170,7 +170,7 @@ class MuonExchange:
         return sum(self.pieces_numel(self.owned(bucket, data_rank, t)) for t in range(self.tp))
 
     def bytes_sent(self, data_rank: int, tp_rank: int, element_size: int) -> BytesSent:
-        """Bytes rank (data_rank, tp_rank) sends in one step (definitions: trainer.comm.bytes_sent)."""
+        """Bytes rank (data_rank, tp_rank) sends in one step (definitions: muloco.core.comm.bytes_sent)."""
         gather = scatter = dp = 0
         for b in range(len(self.buckets)):
             gather += sum(self.pieces_numel(self.owned(b, data_rank, t)) for t in range(self.tp) if t != tp_rank)

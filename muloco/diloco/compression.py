@@ -69,7 +69,7 @@ from typing import Sequence
 import torch
 import zstandard
 
-from trainer.diloco.config import FP32_BITS, CompressionConfig, Granularity, StatisticalRounding
+from muloco.diloco.config import FP32_BITS, CompressionConfig, Granularity, StatisticalRounding
 
 # The statistical quantizer's bins cover mean +- this many standard deviations.
 STATISTICAL_HALF_RANGE_SIGMAS = 3.0

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass
 from typing import Any, Literal
 
-from trainer.errors import ConfigError
+from muloco.core.errors import ConfigError
 
 Problem = tuple[str, str]  # (dotted path relative to the block checked, what is wrong)
 _INVALID = object()  # a value that could not be converted; its problem is already recorded

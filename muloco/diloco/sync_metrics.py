@@ -18,7 +18,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from trainer.diloco.collectives import CollectiveError
+from muloco.diloco.collectives import CollectiveError
 
 
 @dataclass

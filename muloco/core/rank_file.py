@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 
-from trainer.checkpoint.errors import CheckpointError
+from muloco.core.errors import CheckpointError
 
 STATE_KEY = "muloco_state"
 TENSOR, TUPLE, NDARRAY, ITEMS = "__tensor__", "__tuple__", "__ndarray__", "__items__"

@@ -1,5 +1,5 @@
 """The elastic membership: one job per worker (datacenter), meeting at each outer sync in a torchft
-quorum (trainer/elastic/quorum.py). The outer loop's sync body (trainer/diloco/sync.py) runs
+quorum (muloco/elastic/quorum.py). The outer loop's sync body (muloco/diloco/sync.py) runs
 once per attempt:
 
 1. quorum: the workers that are alive and at the sync (torchft lighthouse, through the tunnel); the
@@ -13,7 +13,7 @@ once per attempt:
    the quorum: every member publishes (worker id, committed syncs), tagged; the first member that has
    them all sends its state and the sync's task to the members behind, over the quorum's group, tagged,
    as safetensors (nothing received is unpickled), each checked against its own shapes before it is
-   loaded (trainer.diloco.outer_loop.OuterLoop.peer_state / load_peer_state);
+   loaded (muloco.diloco.outer_loop.OuterLoop.peer_state / load_peer_state);
 3. the exchange: every member's row rides in its payload's header (worker id, inner step, joining,
    non-finite, squared norm, committed syncs), so who contributes (`left_out` below) is decided in the
    same collective: one round trip. Left out: a row that fails its tag, a member that is joining (it
@@ -52,15 +52,15 @@ from typing import Callable
 
 import torch
 
-from trainer import comm
-from trainer.checkpoint.rank_file import RankFileError, state_from_bytes, state_to_bytes
-from trainer.diloco.auth import JobKey
-from trainer.diloco.collectives import CollectiveError, Exchanged, Wire
-from trainer.diloco.config import MuLoCoConfig
-from trainer.diloco.membership import Decision
-from trainer.diloco.sync import SyncTask
-from trainer.elastic.quorum import NoQuorum, QuorumGroup
-from trainer.topology import Topology, worker_ranks
+from muloco.core import comm
+from muloco.core.rank_file import RankFileError, state_from_bytes, state_to_bytes
+from muloco.diloco.auth import JobKey
+from muloco.diloco.collectives import CollectiveError, Exchanged, Wire
+from muloco.diloco.config import MuLoCoConfig
+from muloco.diloco.membership import Decision
+from muloco.diloco.sync import SyncTask
+from muloco.elastic.quorum import NoQuorum, QuorumGroup
+from muloco.core.topology import Topology, worker_ranks
 
 # One member's header, float64, in order; `weights` digests its global weights of the fragment synced.
 ROW = ("worker", "step", "joining", "nonfinite", "sq_norm", "committed", "weights")

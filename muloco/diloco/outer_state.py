@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-from trainer.diloco.plan import SyncedTensor
+from muloco.diloco.plan import SyncedTensor
 
 
 def outer_sgd_direction(average: torch.Tensor, momentum: torch.Tensor, mu: float, nesterov: bool) -> torch.Tensor:

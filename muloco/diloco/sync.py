@@ -30,14 +30,14 @@ from typing import Callable
 
 import torch
 
-from trainer import comm
-from trainer.diloco import vote
-from trainer.diloco.collectives import Averaged, Bucket, BucketPacking, average_buckets, squared_norm
-from trainer.diloco.config import MuLoCoConfig
-from trainer.diloco.membership import Decision, Membership, Session
-from trainer.diloco.pace import CONTRIBUTION_BYTES, NO_CONTRIBUTION, Contribution, merge_weights, momentum_exponent
-from trainer.diloco.plan import BucketSpec
-from trainer.diloco.sync_metrics import LocalSums, sync_record, verdict_digest
+from muloco.core import comm
+from muloco.diloco import vote
+from muloco.diloco.collectives import Averaged, Bucket, BucketPacking, average_buckets, squared_norm
+from muloco.diloco.config import MuLoCoConfig
+from muloco.diloco.membership import Decision, Membership, Session
+from muloco.diloco.pace import CONTRIBUTION_BYTES, NO_CONTRIBUTION, Contribution, merge_weights, momentum_exponent
+from muloco.diloco.plan import BucketSpec
+from muloco.diloco.sync_metrics import LocalSums, sync_record, verdict_digest
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from typing import Literal
 
 import torch
 
-from trainer.typed_json import ConfigBlock, setting
+from muloco.core.typed_json import ConfigBlock, setting
 
 CONTRIBUTION_VALUES = 5  # steps, tokens, lr_sum, interval_lr_sum, seconds_per_step (float64)
 CONTRIBUTION_BYTES = 8 * CONTRIBUTION_VALUES

@@ -13,8 +13,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from trainer import comm
-from trainer.errors import TopologyError
+from muloco.core import comm
+from muloco.core.errors import TopologyError
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ the message belongs, each field length-prefixed so no two messages can be read a
 A message whose tag does not verify is dropped and its sender left out of that sync, as a worker
 with a non-finite pseudogradient is. What this does not give: secrecy (nothing is encrypted; the
 traffic is readable on the wire) and protection from a member that holds the secret (its payloads
-are checked by content instead, trainer/diloco/collectives.py).
+are checked by content instead, muloco/diloco/collectives.py).
 
 The secret is a file of hex digits (at least 16 bytes of key), made once per job and copied to
-every worker: `python -m trainer.diloco.auth new-key FILE`.
+every worker: `python -m muloco.diloco.auth new-key FILE`.
 """
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ from pathlib import Path
 
 import torch
 
-from trainer.errors import ConfigError
-from trainer.typed_json import ConfigBlock, Problem, setting
+from muloco.core.errors import ConfigError
+from muloco.core.typed_json import ConfigBlock, Problem, setting
 
 KEY_FILE_ENV = "MULOCO_AUTH_KEY_FILE"  # the key file when the ds_config names none
 TAG_BYTES = 32
@@ -120,7 +120,7 @@ def resolve_key_file(auth: AuthConfig, config_dir: Path) -> Path:
     from_env = os.environ.get(KEY_FILE_ENV, "")
     if not from_env:
         raise ConfigError(f"workers exchange pseudogradients, so the job needs a secret: set muloco.auth.key_file or "
-                          f"${KEY_FILE_ENV} (make one with `python -m trainer.diloco.auth new-key FILE`), or write "
+                          f"${KEY_FILE_ENV} (make one with `python -m muloco.diloco.auth new-key FILE`), or write "
                           f'"auth": "none" to send them unauthenticated')
     return Path(from_env)
 
@@ -137,7 +137,7 @@ def read_job_key(path: Path, job_id: str) -> JobKey:
         secret = bytes.fromhex(text)
     except ValueError:
         raise ConfigError(f"the job secret {path} must hold hex digits (make one with "
-                          f"`python -m trainer.diloco.auth new-key FILE`)") from None
+                          f"`python -m muloco.diloco.auth new-key FILE`)") from None
     if len(secret) < MIN_KEY_BYTES:
         raise ConfigError(f"the job secret {path} holds {len(secret)} bytes; at least {MIN_KEY_BYTES} are needed")
     return JobKey(secret, job_id)

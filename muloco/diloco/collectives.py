@@ -1,7 +1,7 @@
 """The outer exchange: every collective of the outer loop that crosses the datacenter link.
 
 `Wire` is one cross-datacenter group as seen by one rank: it runs the collectives on the group's
-device (trainer.comm.group_device: the host for gloo, the accelerator for NCCL; only packed payloads
+device (muloco.core.comm.group_device: the host for gloo, the accelerator for NCCL; only packed payloads
 and a few statistics ever cross), counts bytes and round trips, emulates the slow link, and turns
 failures into CollectiveErrors that name the caller's context.
 
@@ -21,7 +21,7 @@ whether to apply a sync costs no round trip of its own. Error feedback only cove
 With zstd, payload sizes depend on the data: each collective is preceded by an all-gather of the
 sizes (one more round trip), and all-gather buffers are padded to the largest rank's.
 
-Nothing received is believed. With a job key (trainer/diloco/auth.py) every rank's part of every
+Nothing received is believed. With a job key (muloco/diloco/auth.py) every rank's part of every
 collective carries a tag, and a part whose tag fails is dropped. Every payload is decoded within the
 size its blocks allow (a zstd frame that would inflate past it is malformed, not a crash), and the
 decoding is checked before it is averaged: it must be finite, its squared norm must equal the one its
@@ -55,10 +55,10 @@ from typing import Callable, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from trainer import comm
-from trainer.diloco.auth import EVERY_RANK, TAG_BYTES, JobKey, Scope
-from trainer.diloco.compression import Blocks, Compressor, Encoded, PayloadError
-from trainer.diloco.link import SlowLink
+from muloco.core import comm
+from muloco.diloco.auth import EVERY_RANK, TAG_BYTES, JobKey, Scope
+from muloco.diloco.compression import Blocks, Compressor, Encoded, PayloadError
+from muloco.diloco.link import SlowLink
 
 CLAIM_BYTES = 8  # a sender's squared norm of its own decoding (float64), ahead of the caller's header
 # Relative difference allowed between a claimed and a measured squared norm: the two are computed by
@@ -91,7 +91,7 @@ class Wire:
     With a job key, `begin` names the sync the next messages belong to, and each rank's part of every
     collective is sent with its tag; the collectives return None in place of a part whose tag fails.
     Subclasses provide the two raw collectives on their kind of group (GroupWire: a torch.distributed
-    group; trainer/elastic's QuorumWire: torchft's reconfigurable group)."""
+    group; muloco/elastic's QuorumWire: torchft's reconfigurable group)."""
 
     def __init__(self, rank: int, size: int, device: torch.device, link: SlowLink | None,
                  key: JobKey | None = None, channel: str = "outer"):
@@ -418,7 +418,7 @@ def _average_over(kept: list[int], totals: list[tuple[torch.Tensor | None, list[
 
 
 class Weights(Protocol):
-    """A weighted merge (trainer/diloco/pace.py): sum_k factor(k) x_k, times scale(kept senders)."""
+    """A weighted merge (muloco/diloco/pace.py): sum_k factor(k) x_k, times scale(kept senders)."""
 
     def factor(self, sender: int) -> float: ...
 

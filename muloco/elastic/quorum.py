@@ -2,15 +2,15 @@
 
 Every rank of an elastic worker runs a torchft `Manager`; the worker's local rank 0 also runs the
 worker's `ManagerServer`, which heartbeats to the lighthouse (through an authenticated tunnel,
-trainer/elastic/tunnel.py) and asks it for a quorum on behalf of the worker's D x P x T ranks. A
+muloco/elastic/tunnel.py) and asks it for a quorum on behalf of the worker's D x P x T ranks. A
 quorum is the set of workers that are alive and at the sync; the Manager then reconfigures its gloo
 group so that it joins rank (d, p, t) of every worker in the quorum (a fresh rendezvous per quorum,
 through a live member's store). With a job secret, the quorum's members are those whose replica id it
-signed (trainer/elastic/authentic_quorum.py): anyone else the lighthouse let in is not in the group.
+signed (muloco/elastic/authentic_quorum.py): anyone else the lighthouse let in is not in the group.
 
 What is not torchft's here: healing. torchft would send a behind worker the state over its HTTP
 transport, which unpickles what it receives (so any peer could run code in it) and listens on every
-interface; here torchft heals nobody, and the elastic membership (trainer/elastic/membership.py) sends the
+interface; here torchft heals nobody, and the elastic membership (muloco/elastic/membership.py) sends the
 state itself over the quorum's group, tagged and in safetensors. The ManagerServer binds the address
 the config names (its clients are this worker's own ranks).
 
@@ -32,16 +32,16 @@ from torchft.checkpointing import CheckpointTransport
 from torchft.manager import REPLICA_ID_KEY
 from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-from trainer import comm
-from trainer.diloco.auth import JobKey
-from trainer.diloco.collectives import Wire
-from trainer.diloco.link import SlowLink
-from trainer.elastic.authentic_quorum import AuthenticatedQuorums, signed_replica_id
-from trainer.elastic.tunnel import Tunnel, host_port
+from muloco.core import comm
+from muloco.diloco.auth import JobKey
+from muloco.diloco.collectives import Wire
+from muloco.diloco.link import SlowLink
+from muloco.elastic.authentic_quorum import AuthenticatedQuorums, signed_replica_id
+from muloco.elastic.tunnel import Tunnel, host_port
 
 
 class QuorumWire(Wire):
-    """The outer exchange (trainer.diloco.collectives.Wire) on the current quorum's group: the rank is
+    """The outer exchange (muloco.diloco.collectives.Wire) on the current quorum's group: the rank is
     this worker's place in the quorum, the size the quorum's size. Valid for one quorum."""
 
     def __init__(self, group, rank: int, size: int, device: torch.device, link: SlowLink | None, key: JobKey | None):
@@ -136,7 +136,7 @@ class QuorumGroup:
                 store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
                 lighthouse_addr=lighthouse, replica_id=replica_id, hostname=manager_host,
                 checkpoint_transport=_NoTransport())
-        # Only members that hold the job secret count (trainer/elastic/authentic_quorum.py).
+        # Only members that hold the job secret count (muloco/elastic/authentic_quorum.py).
         self.quorums = None
         if key is not None:
             own = self.manager._store.get(REPLICA_ID_KEY).decode()  # with torchft's uuid, as the lighthouse has it

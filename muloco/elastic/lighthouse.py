@@ -1,6 +1,6 @@
 """The quorum server of elastic MuLoCo workers: torchft's lighthouse behind an authenticated gateway.
 
-    python -m trainer.elastic.lighthouse --bind 0.0.0.0:29510 --key-file job.key \\
+    python -m muloco.elastic.lighthouse --bind 0.0.0.0:29510 --key-file job.key \\
         --join-timeout-s 30 --heartbeat-timeout-s 10
 
 Every worker's torchft ManagerServer heartbeats to it and asks it for a quorum at each outer sync. A
@@ -12,11 +12,11 @@ both near muloco.sync_timeout_s. The lighthouse holds no training state: restart
 the next quorum.
 
 torchft's lighthouse itself listens on loopback only; --bind is the gateway in front of it
-(trainer/elastic/tunnel.py), which admits only connections that prove they hold the job secret
+(muloco/elastic/tunnel.py), which admits only connections that prove they hold the job secret
 (--key-file, default $MULOCO_AUTH_KEY_FILE, and --job-id as in the workers' muloco.auth). With
 --no-auth the lighthouse listens on --bind directly and anyone who reaches it can join the quorum.
 Any process on this host can still reach torchft's loopback port: the workers count only the quorum
-members whose replica id the job secret signed (trainer/elastic/authentic_quorum.py).
+members whose replica id the job secret signed (muloco/elastic/authentic_quorum.py).
 """
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ from pathlib import Path
 
 from torchft.coordination import LighthouseServer
 
-from trainer.diloco.auth import KEY_FILE_ENV, AuthConfig, read_private_job_key
-from trainer.elastic.tunnel import Gateway, host_port
-from trainer.errors import ConfigError
+from muloco.diloco.auth import KEY_FILE_ENV, AuthConfig, read_private_job_key
+from muloco.elastic.tunnel import Gateway, host_port
+from muloco.core.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,5 +1,5 @@
 """Who takes part in an outer sync: the one seam between the outer loop's sync body
-(trainer/diloco/sync.py) and the groups it runs on.
+(muloco/diloco/sync.py) and the groups it runs on.
 
 A membership runs each sync as one or more attempts; each attempt is a `Session`, which gives the
 sync body the wire to exchange on, the header this rank sends with its payload (it rides in the
@@ -8,10 +8,10 @@ headers choose the senders to average, what a rejected sender means, and the per
 sync's statistics (gathered off the critical path).
 
 - `StaticMembership` (here): the single-world mode. The K workers are one torch.distributed world;
-  the header is the skip vote's ballot (trainer/diloco/vote.py); a non-finite or outlier worker, or a
+  the header is the skip vote's ballot (muloco/diloco/vote.py); a non-finite or outlier worker, or a
   payload that fails its checks, skips the sync for everyone. One attempt: a failed collective is
   fatal (the job restarts from its checkpoint).
-- `QuorumMembership` (trainer/elastic/membership.py): one job per datacenter on torchft. The header
+- `QuorumMembership` (muloco/elastic/membership.py): one job per datacenter on torchft. The header
   is the member's row; left-out members receive the average; a failed attempt is retried with a fresh
   quorum; a member that is behind receives the state before the exchange.
 """
@@ -24,13 +24,13 @@ from typing import Callable, Protocol
 
 import torch
 
-from trainer import comm
-from trainer.diloco import vote
-from trainer.diloco.auth import JobKey
-from trainer.diloco.collectives import Exchanged, GroupWire, Wire, everyone
-from trainer.diloco.config import MuLoCoConfig
-from trainer.errors import ConfigError
-from trainer.topology import Topology, outer_ranks, worker_ranks
+from muloco.core import comm
+from muloco.diloco import vote
+from muloco.diloco.auth import JobKey
+from muloco.diloco.collectives import Exchanged, GroupWire, Wire, everyone
+from muloco.diloco.config import MuLoCoConfig
+from muloco.core.errors import ConfigError
+from muloco.core.topology import Topology, outer_ranks, worker_ranks
 
 
 @dataclass

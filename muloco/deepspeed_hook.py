@@ -56,15 +56,15 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from trainer import comm
-from trainer.diloco.auth import job_key, resolve_key_file
-from trainer.diloco.config import MuLoCoConfig
-from trainer.diloco.membership import StaticMembership
-from trainer.diloco.outer_loop import OuterLoop
-from trainer.diloco.plan import SyncedTensor, TensorSpec, balanced_fragments, synced_tensors
-from trainer.errors import ConfigError
-from trainer.topology import ParallelSizes, Topology, build_topology
-from trainer.typed_json import load
+from muloco.core import comm
+from muloco.diloco.auth import job_key, resolve_key_file
+from muloco.diloco.config import MuLoCoConfig
+from muloco.diloco.membership import StaticMembership
+from muloco.diloco.outer_loop import OuterLoop
+from muloco.diloco.plan import SyncedTensor, TensorSpec, balanced_fragments, synced_tensors
+from muloco.core.errors import ConfigError
+from muloco.core.topology import ParallelSizes, Topology, build_topology
+from muloco.core.typed_json import load
 
 ATTACHED = "_muloco_outer_loop"  # the engine attribute that marks an engine the outer loop is attached to
 
@@ -322,7 +322,7 @@ def attach(engine, config: MuLoCoConfig | dict, workers: Workers, *, worker_id: 
                           f"pass mpu=workers.mpu to deepspeed.initialize so its all-reduce stays inside one worker")
     tensors, replicated = engine_tensors(engine, config.streaming.fragments)
     if config.elastic is not None:
-        from trainer.elastic.membership import QuorumMembership  # only elastic runs import torchft
+        from muloco.elastic.membership import QuorumMembership  # only elastic runs import torchft
 
         topology = replace(topology, coords=replace(topology.coords, worker=worker_id))
         membership = QuorumMembership(config, topology, key, worker_id)

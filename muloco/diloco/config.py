@@ -4,9 +4,9 @@
       "workers": 2, "sync_interval": 30, "outer_lr": 0.7, "outer_momentum": 0.6, "nesterov": true,
       "compression": {"method": "statistical", "bits": 4, "error_feedback": true},
       "collective": "all_gather", "streaming": {"fragments": 1, "overlap_steps": 0}, ...
-      "auth": {"key_file": "job.key", "job_id": "run-42"} | "none",   the job secret (trainer/diloco/auth.py)
-      "elastic": {...}              each worker its own job, a fault-tolerant outer group (trainer/elastic/config.py)
-      "pace": {"mode": "wall_clock"}  workers of unequal speed sync on a deadline (trainer/diloco/pace.py)
+      "auth": {"key_file": "job.key", "job_id": "run-42"} | "none",   the job secret (muloco/diloco/auth.py)
+      "elastic": {...}              each worker its own job, a fault-tolerant outer group (muloco/diloco/elastic_config.py)
+      "pace": {"mode": "wall_clock"}  workers of unequal speed sync on a deadline (muloco/diloco/pace.py)
     }
 
 Each key's meaning, default and range are its field's `setting` below (the README's reference is
@@ -18,18 +18,18 @@ code's: `ef_form` "plain" e = beta e + delta (the outer lr then scales the step 
 error feedback) or "paper" e = beta e + outer_lr delta (with beta 0.9, which `--recipe paper`
 selects; for the tensors it compresses the same run as "plain" at outer lr outer_lr**2, identical
 at outer_lr 1, the paper's K > 1 setting); `statistical_rounding` "centred" (lower reconstruction
-error, trainer/diloco/compression.py) or "paper", the official round(c/s + n/2).
+error, muloco/diloco/compression.py) or "paper", the official round(c/s + n/2).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
-from trainer.diloco.auth import AuthConfig
-from trainer.diloco.link import SlowLink
-from trainer.diloco.pace import PaceConfig
-from trainer.elastic.config import ElasticConfig
-from trainer.typed_json import ConfigBlock, Problem, setting
+from muloco.diloco.auth import AuthConfig
+from muloco.diloco.link import SlowLink
+from muloco.diloco.pace import PaceConfig
+from muloco.diloco.elastic_config import ElasticConfig
+from muloco.core.typed_json import ConfigBlock, Problem, setting
 
 Method = Literal["none", "statistical", "linear", "topk"]
 METHODS = get_args(Method)

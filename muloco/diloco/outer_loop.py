@@ -1,11 +1,11 @@
 """The MuLoCo / DiLoCo outer loop: when syncs run, and what their results do to the local weights.
 
 It is attached to a host, the training loop that runs the inner steps (`Host` below): this
-project's trainer (trainer/outer_host.py) or any DeepSpeed engine (trainer/diloco/deepspeed_hook.py).
+project's trainer (trainer/outer_host.py) or any DeepSpeed engine (muloco/deepspeed_hook.py).
 The host calls `after_inner_step(step)` after every optimizer step. What is synced is a list of
 tensors with their plan (plan.py); the outer state of the ones this rank owns is outer_state.py's; one
 sync is sync.py's body, run through a membership (membership.py: the single world's fixed K workers,
-or the elastic mode's torchft quorum, trainer/elastic/membership.py).
+or the elastic mode's torchft quorum, muloco/elastic/membership.py).
 
 With D inner-DP replicas holding the same (replicated) tensors, each replica owns 1/D of them: it alone
 keeps their outer state and syncs them with its peers in the other workers, then shares the result
@@ -44,15 +44,15 @@ from typing import Callable, Protocol
 
 import torch
 
-from trainer import comm
-from trainer.diloco.collectives import Averaged
-from trainer.diloco.config import MuLoCoConfig
-from trainer.diloco.membership import Membership
-from trainer.diloco.outer_state import OuterState
-from trainer.diloco.pace import Pacer
-from trainer.diloco.plan import SyncedTensor, owned_by, plan_buckets, sync_offsets
-from trainer.diloco.sync import SyncBody, SyncResult, SyncTask
-from trainer.topology import Topology
+from muloco.core import comm
+from muloco.diloco.collectives import Averaged
+from muloco.diloco.config import MuLoCoConfig
+from muloco.diloco.membership import Membership
+from muloco.diloco.outer_state import OuterState
+from muloco.diloco.pace import Pacer
+from muloco.diloco.plan import SyncedTensor, owned_by, plan_buckets, sync_offsets
+from muloco.diloco.sync import SyncBody, SyncResult, SyncTask
+from muloco.core.topology import Topology
 
 
 class Host(Protocol):

@@ -45,7 +45,7 @@ def check_writable_folder(folder: str | Path, flag: str) -> None:
     """Fail at start-up, with one line naming the folder and the flag, when `folder` cannot be created
     or written (a read-only mount, no permission, a file in the way), rather than with a traceback at
     the first save. Creates nothing."""
-    from trainer.errors import ConfigError
+    from muloco.core.errors import ConfigError
 
     path = Path(folder).absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())

@@ -1,5 +1,5 @@
 """The muloco block's "elastic" sub-block: each worker (datacenter) is its own job, and the K jobs
-meet only in a fault-tolerant outer group (trainer/elastic/__init__.py).
+meet only in a fault-tolerant outer group (muloco/elastic/__init__.py).
 
     "muloco": {
       "workers": 3, ...,
@@ -26,8 +26,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from trainer.errors import ConfigError
-from trainer.typed_json import ConfigBlock, setting
+from muloco.core.errors import ConfigError
+from muloco.core.typed_json import ConfigBlock, setting
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 

@@ -7,7 +7,7 @@ runs a `Tunnel` on its own loopback, which its torchft ManagerServer uses as the
 Every connection through them:
 
 1. handshake: the tunnel sends a magic and a fresh nonce; the gateway answers with its own nonce and
-   an HMAC of both under the job secret (trainer/diloco/auth.py); the tunnel checks it and answers
+   an HMAC of both under the job secret (muloco/diloco/auth.py); the tunnel checks it and answers
    with its own HMAC; a side whose check fails closes the connection (the gateway logs it). Fresh
    nonces on both sides make a recorded handshake useless.
 2. frames: the bytes then travel in frames of at most FRAME_BYTES, each with an HMAC under a key of
@@ -37,7 +37,7 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
-from trainer.diloco.auth import JobKey
+from muloco.diloco.auth import JobKey
 
 MAGIC = b"MULOCOT1"
 NONCE_BYTES = 32

@@ -1,6 +1,6 @@
 """Which members of torchft's quorum count: those whose replica id the job secret signed.
 
-The gateway (trainer/elastic/tunnel.py) keeps strangers off the lighthouse's public port, but torchft's
+The gateway (muloco/elastic/tunnel.py) keeps strangers off the lighthouse's public port, but torchft's
 lighthouse itself listens on its host's loopback without authentication (torchft 0.2.0 binds it to a TCP
 address only), so any process on that host can ask it for quorums and be in every one. A member that
 then sends nothing made every attempt's group fail to form, and the job stopped after max_attempts.
@@ -23,7 +23,7 @@ import hmac
 import secrets
 from dataclasses import dataclass
 
-from trainer.diloco.auth import JobKey
+from muloco.diloco.auth import JobKey
 
 _NONCE_HEX = 16
 _TAG_HEX = 32

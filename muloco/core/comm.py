@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.errors import ConfigError
+from muloco.core.errors import ConfigError
 
 ReduceOp = dist.ReduceOp
 # How long a collective may wait for a peer before the run fails instead of hanging.

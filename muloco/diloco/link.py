@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from trainer.typed_json import ConfigBlock, setting
+from muloco.core.typed_json import ConfigBlock, setting
 
 
 @dataclass(frozen=True)
