@@ -65,7 +65,7 @@ def measure(args: argparse.Namespace) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from muloco.diloco.config import MuLoCoConfig
-    from muloco.deepspeed_hook import attach, data_parallel_workers
+    from muloco import attach, data_parallel_workers
     from muloco.diloco.membership import StaticMembership
     from muloco.diloco.outer_loop import OuterLoop
     from muloco.diloco.plan import synced_tensors

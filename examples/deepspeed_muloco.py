@@ -1,6 +1,6 @@
 """MuLoCo in a plain DeepSpeed training loop: a Hugging Face Llama built from a config (random init,
 nothing downloaded), trained on synthetic tokens by `deepspeed.initialize` + forward/backward/step,
-with the outer loop attached by muloco/deepspeed_hook.py.
+with the outer loop attached by muloco/hook/.
 
     deepspeed --num_gpus 4 examples/deepspeed_muloco.py --workers 2 --zero-stage 1 --sync-interval 5 --steps 30
 
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from muloco.deepspeed_hook import attach, data_parallel_workers
+from muloco import attach, data_parallel_workers
 
 COMPRESSION = {"none": {"method": "none"},
                "4bit-ef": {"method": "statistical", "bits": 4, "error_feedback": True}}

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import importlib
 
-_PUBLIC = {"attach": "muloco.deepspeed_hook", "data_parallel_workers": "muloco.deepspeed_hook",
-           "Workers": "muloco.deepspeed_hook", "ConfigError": "muloco.core.errors"}
+_PUBLIC = {"attach": "muloco.hook.attach", "data_parallel_workers": "muloco.hook.workers",
+           "Workers": "muloco.hook.workers", "ConfigError": "muloco.core.errors"}
 
 __all__ = ["ConfigError", "Workers", "attach", "data_parallel_workers"]
 

@@ -1,5 +1,5 @@
 """Launched by tests/test_deepspeed_hook.py on 4 ranks: the outer loop attached to real DeepSpeed
-engines by muloco/deepspeed_hook.py, in several short trainings per launch (start-up dominates
+engines by muloco/hook/, in several short trainings per launch (start-up dominates
 on CPU). Each case writes OUT/<case>.rank<r>.pt: the model's weights after the run, the worker's
 losses per step, the rank's checksum of its global weights after each sync, or the ConfigError a
 bad setup gets."""
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from deepspeed_muon_precision import newton_schulz_in_fp32  # beside this script
 from muloco.diloco.auth import write_new_key
-from muloco.deepspeed_hook import attach, data_parallel_workers
+from muloco import attach, data_parallel_workers
 from muloco.core.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]

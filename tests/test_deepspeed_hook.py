@@ -1,4 +1,4 @@
-"""The outer loop on real DeepSpeed engines (muloco/deepspeed_hook.py).
+"""The outer loop on real DeepSpeed engines (muloco/hook/).
 
 One 4-rank launch (tests/_deepspeed_hook_probe.py) trains K=2 workers x D=2 ranks of the example's
 Hugging Face Llama (examples/deepspeed_muloco.py) under ZeRO 0, 1 and 2, with torch's AdamW and with
@@ -19,7 +19,7 @@ import pytest
 import torch
 from deepspeed_muon_precision import newton_schulz_in_fp32
 
-from muloco.deepspeed_hook import Workers, attach
+from muloco import Workers, attach
 from muloco.core.errors import ConfigError
 from muloco.core.topology import ParallelSizes, RankCoordinates, Topology
 from tools.trainer_runs import launch_ranks, shared_memory_files

@@ -17,7 +17,7 @@ from fake_wire import Board, FakeQuorum, FakeStatic, FakeWire, run_ranks
 from muloco.diloco.auth import JobKey
 from muloco.diloco.collectives import CollectiveError
 from muloco.diloco.config import CompressionConfig, MuLoCoConfig, StreamingConfig
-from muloco.deepspeed_hook import EngineHost
+from muloco.hook.attach import EngineHost
 from muloco.diloco.outer_loop import OuterLoop
 from muloco.diloco.sync import SyncTask
 from muloco.diloco.elastic_config import ElasticConfig

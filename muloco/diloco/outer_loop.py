@@ -1,7 +1,7 @@
 """The MuLoCo / DiLoCo outer loop: when syncs run, and what their results do to the local weights.
 
 It is attached to a host, the training loop that runs the inner steps (`Host` below): this
-project's trainer (trainer/outer_host.py) or any DeepSpeed engine (muloco/deepspeed_hook.py).
+project's trainer (trainer/outer_host.py) or any DeepSpeed engine (muloco/hook/).
 The host calls `after_inner_step(step)` after every optimizer step. What is synced is a list of
 tensors with their plan (plan.py); the outer state of the ones this rank owns is outer_state.py's; one
 sync is sync.py's body, run through a membership (membership.py: the single world's fixed K workers,

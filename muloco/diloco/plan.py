@@ -8,7 +8,7 @@ A host hands the outer loop tensors (the storage its inner optimizer updates) wi
 contiguous runs of tensors balanced by bytes in the order given (module order). This project's
 trainer describes Megatron's parameters (tensor-parallel dimension, embedding and head, layer
 fragments: trainer/outer_host.py); the DeepSpeed hook describes ZeRO's fp32 master partitions as flat
-pieces of the model's parameters (muloco/deepspeed_hook.py).
+pieces of the model's parameters (muloco/hook/).
 
 A flat piece (`TensorSpec.shape` with `offset`) of a parameter whose rows are `cols` wide is synced
 as up to three blocks: the partial row it starts in, its whole rows, and the partial row it ends in,

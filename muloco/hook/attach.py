@@ -1,18 +1,11 @@
-"""MuLoCo on any DeepSpeed engine: the outer loop attached to a training loop that already uses
-`deepspeed.initialize`, in a few lines:
+"""The outer loop attached to a DeepSpeed engine, in a few lines of a user's loop:
 
-    workers = data_parallel_workers(K)                      # after init_distributed, before initialize
+    workers = muloco.data_parallel_workers(K)               # after init_distributed, before initialize
     engine, *_ = deepspeed.initialize(model=model, config=ds_config, mpu=workers.mpu, ...)
-    outer = attach(engine, muloco_block, workers)           # the outer loop on this engine
+    outer = muloco.attach(engine, muloco_block, workers)    # the outer loop on this engine
     for batch in loader:                                    # the loop, unchanged
         loss = engine(**batch).loss; engine.backward(loss); engine.step()
     outer.detach()                                          # syncs in flight land; the membership is left
-    engine.save_checkpoint(path, client_state={"muloco": outer.state_dict()})
-
-The world is K workers of D ranks each, the worker index slowest (ranks k*D .. k*D+D-1 are worker
-k). `workers.mpu` narrows DeepSpeed's data parallelism (its gradient all-reduce, ZeRO's partitions)
-to the D ranks of one worker; the outer groups join the ranks that hold the same shard in different
-workers.
 
 The hook point. DeepSpeed (0.19) has no hook after an engine step: the inner optimizer's
 `register_step_post_hook` runs once per ZeRO parameter group, before DeepSpeed copies its fp32
@@ -21,22 +14,6 @@ wraps this engine's `step` (an attribute of the instance: other engines and the 
 untouched, and `detach` removes it): after a `step()` that applied an optimizer step
 (`engine.was_step_applied()`; micro-steps inside gradient accumulation do not), the outer loop runs
 `after_inner_step(engine.global_steps)`.
-
-What is synced is what the inner optimizer updates:
-- ZeRO stage 1 or 2 (and DeepSpeed's bf16 optimizer): this rank's fp32 master partition, as flat
-  pieces of the model's parameters (DeepSpeed's own lp -> hp fragment mapping, `param._hp_mapping`,
-  the one its universal checkpoints use). The partition is the shard: its global weights, momentum
-  and error feedback live on this rank alone, it is synced with the same partition of the other
-  workers, and nothing is gathered inside the worker. After the outer loop writes a partition,
-  `update_lp_params()` refreshes the model's weights from it (bf16 or fp32) before the next forward.
-- stage 0 in fp32: the module's parameters, replicated over the worker's D ranks; each rank owns 1/D
-  of them for the sync and shares its result inside the worker.
-- ZeRO stage 3 and optimizer or parameter offload are refused, with the reason.
-
-Parameters are described by shape (plan.py): embedding and output-embedding modules
-(`torch.nn.Embedding`, a Hugging Face model's `get_output_embeddings()`) form the "embedding"
-compression group, 1-D tensors "vector", the rest "matrix"; fragments are contiguous runs of
-parameters in module order, balanced by bytes (the same on every rank, also under ZeRO).
 
 The position of the run is `engine.global_steps`: a worker that catches up from its peers (the elastic
 mode), or that ends an interval at its deadline (`muloco.pace`, wall-clock pacing), moves it and the
@@ -48,8 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from dataclasses import dataclass, replace
-from datetime import timedelta
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -57,125 +33,16 @@ import torch
 import torch.distributed as dist
 
 from muloco.core import comm
+from muloco.core.errors import ConfigError
+from muloco.core.typed_json import load
 from muloco.diloco.auth import job_key, resolve_key_file
 from muloco.diloco.config import MuLoCoConfig
 from muloco.diloco.membership import StaticMembership
 from muloco.diloco.outer_loop import OuterLoop
-from muloco.diloco.plan import SyncedTensor, TensorSpec, balanced_fragments, synced_tensors
-from muloco.core.errors import ConfigError
-from muloco.core.topology import ParallelSizes, Topology, build_topology
-from muloco.core.typed_json import load
+from muloco.hook.engine_shards import engine_tensors, plan_signature, refusal
+from muloco.hook.workers import Workers
 
 ATTACHED = "_muloco_outer_loop"  # the engine attribute that marks an engine the outer loop is attached to
-
-
-class WorkerMpu:
-    """The `mpu` DeepSpeed asks for, answered for one worker: "data parallel" is the worker's D
-    ranks (so DeepSpeed never reduces across workers), "model parallel" each rank alone."""
-
-    def __init__(self, topology: Topology, alone):
-        self._topology, self._alone = topology, alone
-
-    def get_data_parallel_group(self):
-        return self._topology.inner_dp_group
-
-    def get_data_parallel_rank(self) -> int:
-        return self._topology.coords.data
-
-    def get_data_parallel_world_size(self) -> int:
-        return self._topology.sizes.data
-
-    def get_model_parallel_group(self):
-        return self._alone
-
-    get_tensor_model_parallel_group = get_pipeline_model_parallel_group = get_model_parallel_group
-
-    def get_model_parallel_rank(self) -> int:
-        return 0
-
-    get_tensor_model_parallel_rank = get_pipeline_model_parallel_rank = get_model_parallel_rank
-
-    def get_model_parallel_world_size(self) -> int:
-        return 1
-
-    get_tensor_model_parallel_world_size = get_pipeline_model_parallel_world_size = get_model_parallel_world_size
-
-    def get_tensor_model_parallel_src_rank(self) -> int:
-        return self._topology.rank
-
-
-@dataclass
-class Workers:
-    """The world as K workers of D data-parallel ranks, and DeepSpeed's `mpu` for one worker."""
-    topology: Topology
-    mpu: WorkerMpu
-
-
-def data_parallel_workers(workers: int, timeout: timedelta = comm.COLLECTIVE_TIMEOUT) -> Workers:
-    """Every rank calls it, after torch.distributed is initialized (deepspeed.init_distributed) and
-    before deepspeed.initialize; one ConfigError line when the world does not split into K workers."""
-    if not dist.is_initialized():
-        raise ConfigError("data_parallel_workers needs torch.distributed initialized first (deepspeed.init_distributed())")
-    sizes = ParallelSizes.from_world(dist.get_world_size(), workers, 1, 1)
-    topology = build_topology(sizes, timeout)
-    alone = comm.new_subgroups([[rank] for rank in range(sizes.world)], timeout)
-    return Workers(topology, WorkerMpu(topology, alone))
-
-
-# -- what the engine's inner optimizer updates ----------------------------------------------------
-
-def _embedding_parameters(module: torch.nn.Module) -> set[int]:
-    found = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
-    output = getattr(module, "get_output_embeddings", lambda: None)()
-    if output is not None and getattr(output, "weight", None) is not None:
-        found.add(id(output.weight))
-    return found
-
-
-def _refusal(engine) -> str | None:
-    """Why the outer loop cannot attach to this engine's optimizer, if it cannot."""
-    stage = engine.zero_optimization_stage()
-    if stage >= 3:
-        return ("ZeRO stage 3 is not supported: its parameters are gathered layer by layer inside the step, so no rank "
-                "holds a stable fp32 partition to keep outer state for between steps; use stage 1 or 2 (the outer state "
-                "is then sharded like the optimizer state)")
-    if engine.zero_offload_optimizer() is not None or engine.zero_offload_param() is not None:
-        return ("ZeRO offload is not supported: the fp32 master partitions move between devices during the step; "
-                "use ZeRO stage 1 or 2 without offload_optimizer/offload_param")
-    if engine.fp16_enabled():
-        return "fp16 with loss scaling is not supported: a skipped step would part the workers' step counts; use bf16"
-    return None
-
-
-def engine_tensors(engine, fragments: int) -> tuple[list[SyncedTensor], bool]:
-    """What this rank syncs, and whether it is replicated over the worker's ranks (stage 0 in fp32)
-    or this rank's own shard (a master partition)."""
-    named = [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
-    embedding = _embedding_parameters(engine.module)
-    fragment = balanced_fragments([p.numel() for _, p in named], fragments)
-    partitioned = hasattr(engine.optimizer, "update_lp_params")  # ZeRO 1/2, or the bf16 optimizer
-    tensors, specs = [], []
-    for (name, p), f in zip(named, fragment):
-        spec = TensorSpec(name=name, fragment=f, embedding_or_head=id(p) in embedding)
-        if not partitioned:
-            tensors.append(p)
-            specs.append(spec)
-            continue
-        mapping = getattr(p, "_hp_mapping", None)
-        if mapping is None:  # none of it lies in this rank's partition
-            continue
-        address = mapping.lp_fragment_address
-        tensors.append(mapping.get_hp_fragment())
-        specs.append(TensorSpec(name=name, shape=tuple(p.shape), offset=address.start, fragment=f,
-                                embedding_or_head=spec.embedding_or_head))
-    return synced_tensors(tensors, specs, fragments), not partitioned
-
-
-def plan_signature(tensors: list[SyncedTensor]) -> bytes:
-    """32 bytes that two ranks holding the same shard of the same model share: names, wire shapes,
-    compression groups and fragments, in order."""
-    rows = [[t.name, list(t.wire_shape), t.group, t.fragment, t.transposed] for t in tensors]
-    return hashlib.sha256(json.dumps(rows).encode()).digest()
 
 
 # -- the engine as the outer loop's host ----------------------------------------------------------
@@ -309,9 +176,9 @@ def attach(engine, config: MuLoCoConfig | dict, workers: Workers, *, worker_id: 
                              else f"muloco.workers is {config.workers}"))
     if config.elastic is not None and not (isinstance(worker_id, int) and 0 <= worker_id < config.workers):
         raise ConfigError(f"an elastic worker needs worker_id in 0..{config.workers - 1}, got {worker_id!r}")
-    refusal = _refusal(engine)
-    if refusal:
-        raise ConfigError(refusal)
+    why_not = refusal(engine)
+    if why_not:
+        raise ConfigError(why_not)
     path = resolve_key_file(config.auth, Path(config_dir)) if config.talks and config.auth != "none" else None
     key = job_key(path, config.auth.job_id if path else "", config.talks, topology.is_logging_rank)
     data_parallel = sorted(dist.get_process_group_ranks(engine.data_parallel_group))
