@@ -123,7 +123,8 @@ class Evidence:
 
     def _measure(self, optimizer: str) -> dict:
         from tools.compare.simulated_workers import BranchPlan
-        from trainer.ds_config import load_ds_config, read_json_object
+        from muloco.core.typed_json import read_json_object
+        from trainer.ds_config import load_ds_config
 
         m, name = self.mode, self.mode.configs[optimizer]
         run = self.work / optimizer

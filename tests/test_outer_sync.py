@@ -49,7 +49,7 @@ class Worker:
         tensors = megatron_tensors(list(zip(names, self.params)), {n: n for n in names}, 0, NUM_LAYERS,
                                    config.streaming.fragments)
         self.loop = OuterLoop(config, tensors, topology, log=lambda record, step: self.records.append(record),
-                              membership=membership, clock=clock)
+                              membership=membership, key=getattr(membership, "key", None), clock=clock)
         # The host the loop is attached to: this project's trainer, or a DeepSpeed engine (its counters and
         # lr schedule; SGD has no master partitions to refresh).
         self.engine = SimpleNamespace(global_steps=0, lr_scheduler=engine.lr_scheduler, optimizer=optimizer,
@@ -686,5 +686,6 @@ def test_auto_overlap_picks_the_same_tau_on_every_worker_from_the_slowest_worker
     assert max(last_needed.values()) >= 5.0  # the fast worker's sync spans five of its steps
     # A checkpoint carries what the next taus are decided from: a resumed loop picks the same ones.
     resumed = Worker(0, 3, config, SlowStatic((Board(3), Board(3)), 0, FakeClock(), 5.0))
+    resumed.trainer.step = workers[0].trainer.step  # as the trainer's resume restores it before the outer state
     resumed.loop.load_state_dict(workers[0].loop.state_dict())
     assert [resumed.loop._overlap(f) for f in range(2)] == [workers[0].loop._overlap(f) for f in range(2)] != [1, 1]

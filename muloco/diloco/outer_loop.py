@@ -27,9 +27,8 @@ or after H steps, moves to the sync's step (`Host.skip_to`) and syncs with its i
 in the header; the merge weights contributions by tokens and the outer momentum takes the correction
 for unequal step counts. `emulate_slowdown` makes a worker sleep after each inner step (benchmarks).
 
-A member that is behind (the elastic mode) receives a peer's state first (`peer_state`,
-`check_peer_state`, `load_peer_state`), then goes on from the peers' position (the host's step and
-lr schedule).
+A member that is behind (the elastic mode) receives a peer's snapshot first (snapshot.py: the same
+form a checkpoint has), then goes on from the peers' position (the host's step and lr schedule).
 """
 from __future__ import annotations
 
@@ -50,7 +49,10 @@ from muloco.diloco.config import MuLoCoConfig
 from muloco.diloco.membership import Membership
 from muloco.diloco.outer_state import OuterState
 from muloco.diloco.pace import Pacer
-from muloco.diloco.plan import SyncedTensor, owned_by, plan_buckets, sync_offsets
+from muloco.diloco.auth import JobKey
+from muloco.diloco.plan import SyncedTensor, owned_by, plan_buckets, plan_signature, sync_offsets
+from muloco.diloco.snapshot import (CATCH_UP, CHECKPOINT, Form, Identity, InFlight, Joins, Snapshot, SnapshotError,
+                                    identity_problems)
 from muloco.diloco.sync import SyncBody, SyncResult, SyncTask
 from muloco.core.topology import Topology
 
@@ -104,11 +106,13 @@ def _done(result) -> Future:
 class OuterLoop:
     def __init__(self, config: MuLoCoConfig, tensors: list[SyncedTensor], topology: Topology,
                  log: Callable[[dict, int], None], membership: Membership, replicated: bool = True,
-                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep):
+                 key: JobKey | None = None, clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep):
         """`tensors` (plan.synced_tensors) are replicated over the worker's inner-DP replicas
-        (`replicated`), or each rank's own shard. `clock` times the inner steps, the syncs and the pacing's
-        deadlines; `sleep` waits out an emulated slowdown."""
-        self.config, self.topology, self.log, self.membership = config, topology, log, membership
+        (`replicated`), or each rank's own shard. `key`: the job secret, whose tag the snapshots carry.
+        `clock` times the inner steps, the syncs and the pacing's deadlines; `sleep` waits out an emulated
+        slowdown."""
+        self.config, self.topology, self.log, self.membership, self.key = config, topology, log, membership, key
         self.tensors, self.replicated = tensors, replicated
         F = config.streaming.fragments
         owned = owned_by(tensors, topology.sizes.data, topology.coords.data, replicated)
@@ -269,7 +273,8 @@ class OuterLoop:
         schedule = self.host.schedule_state() if self.host is not None else None
         step_seconds = self._recent_step_seconds()
         contribution = self.pacer.contribution(self.clock(), self.host.tokens_per_step) if self.pacer else None
-        task = SyncTask(fragment, step, self.state.outer_step + 1, schedule, step_seconds, contribution)
+        task = SyncTask(fragment, step, self.state.outer_step + 1, schedule, step_seconds, contribution,
+                        self.weights_digest(fragment))
         tau = 0 if final else self._overlap(fragment)
         if tau == 0:
             self.flush_metrics()  # their reduction shares the wires with this sync
@@ -378,92 +383,104 @@ class OuterLoop:
         """An exact digest of this rank's global weights of one fragment (outer_state.OuterState.digest)."""
         return self.state.digest([i for spec in self.buckets[fragment] for i in spec.indices])
 
-    # -- a peer's state (a member that is behind receives it) ---------------------------------------
+    # -- the snapshot: checkpoints, and a member that is behind -------------------------------------
 
-    def peer_state(self, task: SyncTask) -> dict:
-        """The outer state and the sync `task` for a member that is behind: global weights and outer
-        momentum, counters, the results of syncs still in flight (done, not yet applied), and where the
-        run stands. Called by the thread running the sync; consistent with the main thread's applies."""
+    def identity(self) -> Identity:
+        """Who this rank is, as its snapshots say."""
+        sizes, c = self.topology.sizes, self.topology.coords
+        return Identity(self.config.auth.job_id if self.config.talks and self.config.auth != "none" else "",
+                        self.key.snapshot_tag() if self.key is not None else "", c.worker, self.topology.rank,
+                        (self.config.workers, sizes.data, sizes.pipeline, sizes.tensor),
+                        plan_signature(self.tensors).hex())
+
+    def form(self) -> Form:
+        """What this rank's snapshots look like (checked on load: they are loaded with copy_)."""
+        state = self.state
+        with_feedback = [i for specs in self.buckets for spec in specs if spec.error_feedback for i in spec.indices]
+        schedule = self.host.schedule_state() if self.host is not None else None
+        return Form({self.tensors[i].name: (w.dtype, tuple(w.shape)) for i, w in state.global_weights.items()},
+                    {self.tensors[i].name: tuple(self.tensors[i].wire_shape) for i in with_feedback},
+                    [[spec.numel for spec in specs] for specs in self.buckets],
+                    None if schedule is None else frozenset(schedule))
+
+    def snapshot(self, kind: str = CHECKPOINT, joins: SyncTask | None = None) -> Snapshot:
+        """This rank's outer state (tensors shared, not copied: save or send it before the next sync
+        applies). A checkpoint holds the error feedback and every sync in flight with what this rank sent
+        (replayed on load); a catch-up for a member behind (`joins`: the sync it takes part in) the landed
+        syncs' results instead; it is taken by the thread running that sync, consistent with the main
+        thread's applies."""
         state = self.state
         with state.lock:
             tensors = state.tensors_by_name()
-            return {
-                "outer_step": state.outer_step, "skipped": state.skipped,
-                "global_weights": {n: w.clone() for n, w in tensors["global_weights"].items()},
-                "momentum": {n: m.clone() for n, m in tensors["momentum"].items()},
-                "pending": [{"apply_at": e.apply_at, "fragment": e.task.fragment,
-                             "averages": [a.average for a in e.future.result().averaged or []],
-                             "skipped": e.future.result().averaged is None}
-                            for e in self.pending if e.future.done()],
-                "sync": {"fragment": task.fragment, "step": task.step, "outer_step": task.outer_step,
-                         "scheduler": task.scheduler or (self.host.schedule_state() if self.host else None)},
-            }
+            if kind == CHECKPOINT:
+                in_flight = [InFlight(e.task.fragment, e.task.step, e.apply_at, e.task.outer_step, e.deltas)
+                             for e in self.pending]
+                feedback = self._error_feedback_state()
+            else:  # a peer's copy: the tensors are cloned, the main thread applies on
+                tensors = {key: {n: t.clone() for n, t in part.items()} for key, part in tensors.items()}
+                in_flight = [InFlight(e.task.fragment, e.task.step, e.apply_at, e.task.outer_step, [],
+                                      None if e.future.result().averaged is None
+                                      else [a.average for a in e.future.result().averaged])
+                             for e in self.pending if e.future.done()]
+                feedback = {}
+            overlap_needed = ({f: float(t.result().get("overlap_needed") or 0.0) for f, t in sorted(self._timings.items())}
+                              if self.auto_overlap else {})
+            step = self.host.inner_step() if self.host is not None else (joins.step if joins else 0)
+            return Snapshot(kind, self.identity(), step, state.outer_step, state.skipped, tensors["global_weights"],
+                            tensors["momentum"], feedback, in_flight, overlap_needed,
+                            self.pacer.deadline if self.pacer is not None else None,
+                            None if joins is None else Joins(joins.fragment, joins.step, joins.outer_step,
+                                                             joins.scheduler or (self.host.schedule_state()
+                                                                                 if self.host else None)))
 
-    def check_peer_state(self, state: dict) -> list[str]:
-        """How a peer's state differs in form from this rank's own (keys, names, shapes, dtypes, counts):
-        it is loaded with copy_, which would broadcast a smaller tensor."""
-        keys = {"outer_step", "skipped", "global_weights", "momentum", "pending", "sync"}
-        if set(state) != keys:
-            return [f"keys {sorted(state)} instead of {sorted(keys)}"]
-        problems, counts, sync = [], [("outer_step", state["outer_step"]), ("skipped", state["skipped"])], state["sync"]
-        if not isinstance(sync, dict) or set(sync) != {"fragment", "step", "outer_step", "scheduler"}:
-            problems.append("its sync is not a (fragment, step, outer_step, scheduler) record")
-        else:
-            counts += [(f"sync.{k}", sync[k]) for k in ("step", "outer_step", "fragment")]
-            if isinstance(sync["fragment"], int) and not 0 <= sync["fragment"] < len(self.buckets):
-                problems.append(f"sync.fragment {sync['fragment']} is not a fragment of this run")
-            schedule = self.host.schedule_state() if self.host is not None else None
-            theirs = sync["scheduler"]
-            if (theirs is None) != (schedule is None) or (
-                    schedule is not None and (not isinstance(theirs, dict) or set(theirs) != set(schedule))):
-                problems.append("the lr schedule's state has other keys than this run's")
-        problems += [f"{key} {value!r} is not a count" for key, value in counts
-                     if not isinstance(value, int) or isinstance(value, bool) or value < 0]
-        problems += self.state.form_problems(state)
-        if not isinstance(state["pending"], list) or not all(self._pending_form(e) for e in state["pending"]):
-            problems.append("its in-flight syncs are not (apply_at, fragment, averages, skipped) of this run's buckets")
-        return problems
-
-    def _pending_form(self, entry) -> bool:
-        if not isinstance(entry, dict) or set(entry) != {"apply_at", "fragment", "averages", "skipped"}:
-            return False
-        fragment = entry["fragment"]
-        if not isinstance(fragment, int) or not 0 <= fragment < len(self.buckets) or not isinstance(entry["apply_at"], int):
-            return False
-        sizes = [spec.numel for spec in self.buckets[fragment]]
-        averages = entry["averages"]
-        return entry["skipped"] is True and averages == [] or entry["skipped"] is False and len(averages) == len(sizes) \
-            and all(isinstance(a, torch.Tensor) and a.dtype == torch.float32 and a.shape == (n,)
-                    for a, n in zip(averages, sizes))
+    def read_snapshot(self, tree, kind: str, source: str) -> Snapshot:
+        """The snapshot in `tree`, checked against this rank's form and identity (SnapshotError naming
+        `source` otherwise): a checkpoint must be this rank's own, a catch-up a peer's of this job and plan."""
+        snapshot = Snapshot.from_tree(tree, self.form(), source)
+        problems = [] if snapshot.kind == kind else [f"it is a {snapshot.kind} snapshot, not a {kind} one"]
+        problems += identity_problems(snapshot.identity, self.identity(), kind)
+        if kind == CHECKPOINT and self.host is not None and snapshot.step != self.host.inner_step():
+            problems.append(f"it was taken at inner step {snapshot.step}, but the run is at step "
+                            f"{self.host.inner_step()}: the outer state and the model's checkpoint are of different "
+                            f"steps")
+        if problems:
+            raise SnapshotError(f"{source} is refused: " + "; ".join(problems))
+        return snapshot
 
     @torch.no_grad()
-    def load_peer_state(self, state: dict) -> SyncTask:
-        """Take a peer's outer state (checked by check_peer_state first); its error feedback restarts
-        from zero (it held what this member's own payloads did not carry). Returns the sync to take part
-        in; applying its result moves the local weights and the run's position to the peers'
-        (`_go_on_from`), on the main thread."""
-        tau = self.config.streaming.overlap_steps
-        sync = state["sync"]
-        task = SyncTask(sync["fragment"], sync["step"], sync["outer_step"], sync["scheduler"])
+    def load_snapshot(self, snapshot: Snapshot) -> SyncTask | None:
+        """Take a checked snapshot (`read_snapshot`). A checkpoint: its error feedback and in-flight syncs
+        (replayed, unless the membership catches a restarted worker up from its peers instead); returns
+        None. A peer's catch-up: its error feedback restarts from zero (it held what this member's own
+        payloads did not carry), the peer's landed syncs replace this member's (its own sync in flight,
+        of a member that fell behind mid-run, stays); returns the sync to take part in, whose result
+        moves the local weights and the run's position to the peers' (`_go_on_from`)."""
         with self.state.lock:
-            self.state.load_tensors(state)
-            self._reset_error_feedback()
-            # The peer's syncs that are done but not yet applied replace this member's; its own sync in
-            # flight (a member that fell behind mid-run) stays.
-            self.pending = [_Pending(e["apply_at"], SyncTask(e["fragment"], e["apply_at"] - tau, 0, None), [],
-                                     _done(SyncResult(e["fragment"], None if e["skipped"] else
-                                                      [Averaged(a, torch.zeros_like(a)) for a in e["averages"]], {})))
-                            for e in state["pending"]] + [e for e in self.pending if not e.future.done()]
-        self.joining = True
-        return task
-
-    def _reset_error_feedback(self) -> None:
-        for specs in self.buckets:
-            for spec in specs:
-                if spec.error_feedback:
-                    spec.error_feedback.error = None
-
-    # -- checkpointing -----------------------------------------------------------------------------
+            self.state.load_tensors(snapshot)
+            if snapshot.kind == CATCH_UP:
+                self._keep_error_feedback({})
+                self.pending = [_Pending(e.apply_at, SyncTask(e.fragment, e.launched_at, e.outer_step, None), [],
+                                         _done(SyncResult(e.fragment, None if e.averages is None else
+                                                          [Averaged(a, torch.zeros_like(a)) for a in e.averages], {})))
+                                for e in snapshot.in_flight] + [e for e in self.pending if not e.future.done()]
+                self.joining = True
+                j = snapshot.joins
+                return SyncTask(j.fragment, j.step, j.outer_step, j.scheduler)
+        self._keep_error_feedback(snapshot.error_feedback)
+        if self.pacer is not None and snapshot.pace_deadline_s is not None:
+            self.pacer.deadline = snapshot.pace_deadline_s
+        if self.auto_overlap:
+            self._timings = {f: _done({"overlap_needed": needed or None}) for f, needed in snapshot.overlap_needed.items()}
+        tasks = [SyncTask(e.fragment, e.launched_at, e.outer_step, None) for e in snapshot.in_flight]
+        if tasks and not self.membership.replays_pending:
+            if self.topology.is_logging_rank:
+                print(f"outer loop: {len(tasks)} syncs in flight in the checkpoint are dropped: this worker catches up "
+                      f"from its peers", flush=True)
+            self.pending = []
+            return None
+        self.pending = [_Pending(e.apply_at, task, e.deltas, self._background.submit(self.sync, task, e.deltas))
+                        for e, task in zip(snapshot.in_flight, tasks)]
+        return None
 
     def _error_feedback_state(self) -> dict[str, torch.Tensor]:
         """Error-feedback residuals by tensor name, in wire shape (none before the first sync)."""
@@ -475,56 +492,29 @@ class OuterLoop:
                     state.update({self.tensors[i].name: r for i, r in zip(spec.indices, residuals)})
         return state
 
-    def state_dict(self) -> dict:
-        state = {
-            "outer_step": self.state.outer_step, "skipped": self.state.skipped,
-            **self.state.tensors_by_name(),
-            "error_feedback": self._error_feedback_state(),
-            # In-flight overlapped syncs are replayed on load: the communication is deterministic, and
-            # their results (error feedback included) are only applied at apply_at.
-            "pending": [{"apply_at": e.apply_at, "fragment": e.task.fragment, "outer_step": e.task.outer_step,
-                         "deltas": e.deltas} for e in self.pending],
-        }
-        if self.auto_overlap:  # each sync's own tau, and what the next ones are decided from (an exact resume)
-            for entry, saved in zip(self.pending, state["pending"]):
-                saved["step"] = entry.task.step
-            state["overlap_needed"] = {str(f): float(t.result().get("overlap_needed") or 0.0)
-                                       for f, t in sorted(self._timings.items())}
-        if self.pacer is not None:  # the deadline of the interval after a resume (None: not set yet)
-            state["pace_deadline_s"] = self.pacer.deadline
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        owned = self.state.names()
-        with_feedback = {self.tensors[i].name for specs in self.buckets for spec in specs if spec.error_feedback
-                         for i in spec.indices}
-        feedback = state["error_feedback"]
-        if set(state["global_weights"]) != set(owned) or set(state["momentum"]) != set(owned) or (
-                feedback and set(feedback) != with_feedback):
-            raise ValueError("outer-loop checkpoint holds different parameters than this rank owns")
-        deadline = state.get("pace_deadline_s")  # absent: a checkpoint of a run without pacing
-        if self.pacer is not None and deadline is not None:
-            if not isinstance(deadline, float) or not 0 < deadline < math.inf:
-                raise ValueError(f"outer-loop checkpoint's pace_deadline_s {deadline!r} is not a positive number")
-            self.pacer.deadline = deadline
-        self.state.load_tensors(state)
+    def _keep_error_feedback(self, residuals: dict[str, torch.Tensor]) -> None:
+        """Every bucket's error feedback from `residuals` by name (empty: restart from zero)."""
         for specs in self.buckets:
             for spec in specs:
-                if spec.error_feedback and feedback:
-                    device = self.tensors[spec.indices[0]].tensor.device
-                    spec.error_feedback.keep(
-                        spec.packing.flatten([feedback[self.tensors[i].name].to(device) for i in spec.indices]))
-        tau = self.config.streaming.overlap_steps
-        tasks = [SyncTask(e["fragment"], e["step"] if self.auto_overlap else e["apply_at"] - tau, e["outer_step"], None)
-                 for e in state["pending"]]
-        if self.auto_overlap:
-            self._timings = {int(f): _done({"overlap_needed": needed or None})
-                             for f, needed in state["overlap_needed"].items()}
-        if tasks and not self.membership.replays_pending:
-            if self.topology.is_logging_rank:
-                print(f"outer loop: {len(tasks)} syncs in flight in the checkpoint are dropped: this worker catches up "
-                      f"from its peers", flush=True)
-            self.pending = []
-            return
-        self.pending = [_Pending(e["apply_at"], task, e["deltas"], self._background.submit(self.sync, task, e["deltas"]))
-                        for e, task in zip(state["pending"], tasks)]
+                if not spec.error_feedback:
+                    continue
+                if not residuals:
+                    spec.error_feedback.error = None
+                    continue
+                device = self.tensors[spec.indices[0]].tensor.device
+                spec.error_feedback.keep(spec.packing.flatten([residuals[self.tensors[i].name].to(device)
+                                                               for i in spec.indices]))
+
+    # The trainer's checkpoints hold the snapshot as one of its extra components (trainer/checkpoint/).
+    def state_dict(self) -> dict:
+        return self.snapshot(CHECKPOINT).to_tree()
+
+    def state_problems(self, tree) -> list[str]:
+        try:
+            self.read_snapshot(tree, CHECKPOINT, "the outer loop's state")
+        except SnapshotError as err:
+            return [str(err)]
+        return []
+
+    def load_state_dict(self, tree) -> None:
+        self.load_snapshot(self.read_snapshot(tree, CHECKPOINT, "the outer loop's state"))

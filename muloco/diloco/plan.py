@@ -16,6 +16,8 @@ so row-wise compression sees the parameter's own rows (cut only where the partit
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass
 
@@ -175,3 +177,12 @@ def plan_buckets(tensors: list[SyncedTensor], owned: list[int], fragment: int, c
                                                                          parts), counts_once,
                                 ErrorFeedback.from_config(codec, config.outer_lr) if codec.error_feedback else None))
     return specs
+
+
+def plan_signature(tensors: list[SyncedTensor]) -> bytes:
+    """32 bytes that two ranks holding the same shard of the same model share: names, wire shapes,
+    compression groups and fragments, in order."""
+    rows = [[t.name, list(t.wire_shape), t.group, t.fragment, t.transposed] for t in tensors]
+    return hashlib.sha256(json.dumps(rows).encode()).digest()
+
+

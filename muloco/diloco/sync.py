@@ -50,6 +50,7 @@ class SyncTask:
     scheduler: dict | None  # the lr schedule's state at `step` (None: a replay from a checkpoint, or no schedule)
     step_seconds: float = 0.0  # this rank's recent inner step time (0: not measured)
     contribution: Contribution | None = None  # this worker's interval (wall-clock pacing; None: fixed H)
+    weights_digest: float | None = None  # of this rank's global weights of the fragment at launch (None: a replay)
 
 
 @dataclass
@@ -111,7 +112,7 @@ class SyncBody:
         # Reduce-scatter cuts each bucket into one chunk per member: a quorum of fewer than K members
         # (elastic) exchanges the buckets re-cut for its size, and the results come back in K chunks.
         cut = [_recut(b, session.wire.size) for b in buckets]
-        header, choose, weigh = session.header(ballot, task.step, task.fragment), session.choose, None
+        header, choose, weigh = session.header(ballot, task), session.choose, None
         paced = self.config.pace.paced
         if paced:  # the contribution rides after the membership's header
             contribution = task.contribution if contributing and task.contribution is not None else NO_CONTRIBUTION

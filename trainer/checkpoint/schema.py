@@ -61,7 +61,7 @@ def own_form(trainer) -> dict:
     engine = trainer.engine
     return {"optimizer_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
             "scheduler": engine.lr_scheduler.state_dict(), "engine": engine.counters(), "rng": capture_rng(),
-            "extra": {name: component.state_dict() for name, component in trainer.extra_state.items()}}
+            "extra": dict(trainer.extra_state)}  # each component checks its own state (state_problems)
 
 
 def state_problems(state: Any, step: int, params: Mapping[str, torch.Tensor], own: dict,
@@ -77,8 +77,9 @@ def state_problems(state: Any, step: int, params: Mapping[str, torch.Tensor], ow
     problems += _model_problems(state["model"], params)
     if "optimizer" not in skipped:
         problems += _optimizer_problems(state["optimizer"], params, own["optimizer_groups"])
-    for key in ("scheduler", "engine", "extra"):
+    for key in ("scheduler", "engine"):
         _conform(state[key], own[key], key, problems)
+    problems += _extra_problems(state["extra"], own["extra"])
     if "rng" in state:
         _conform(state["rng"], own["rng"], "rng", problems)
         problems += _generator_problems(state["rng"])
@@ -90,6 +91,14 @@ def state_problems(state: Any, step: int, params: Mapping[str, torch.Tensor], ow
     if state.get("probe") is not None and not isinstance(state["probe"], Mapping):
         problems.append(f"probe must be a dict or null, got {_kind(state['probe'])}")
     return problems
+
+
+def _extra_problems(extra: Any, components: Mapping[str, Any]) -> list[str]:
+    """The extra components' states (the MuLoCo outer loop's snapshot), each checked by its component."""
+    if not isinstance(extra, Mapping) or set(extra) != set(components):
+        return [f"extra must hold the states of {sorted(components)}, got {_kind(extra)}"]
+    return [f"extra.{name}: {problem}" for name, component in components.items()
+            for problem in component.state_problems(extra[name])]
 
 
 def check_weight(value: Any, name: str, shape: tuple[int, ...], source: str) -> torch.Tensor:
