@@ -30,5 +30,9 @@ def assemble_outer_loop(config: MuLoCoConfig, tensors: list[SyncedTensor], topol
     else:
         membership = StaticMembership(config, topology, key)
     loop = OuterLoop(config, tensors, topology, log, membership, replicated, key=key)
-    check_start(loop, step, take_worker_zeros, weights_written)
+    try:
+        check_start(loop, step, take_worker_zeros, weights_written)
+    except BaseException:
+        loop.close()
+        raise
     return loop
