@@ -1,13 +1,12 @@
 """What the K workers of one world (the single-world mode) must agree on outside the syncs, checked in
-one exchange over each outer group: at the start, the same plan (model, ds_config, ZeRO partitions),
-the same job secret and the same starting weights (or, when asked, worker 0's taken by every worker);
-after a resume, the same outer and inner step and the same global weights. Each sync checks the step
-and the weights again in its header (membership.py).
+one exchange that every rank sees whole (so every rank decides alike): at the start, the same plan
+(model, ds_config, ZeRO partitions), the same job secret and the same starting weights (or, when asked,
+worker 0's taken by every worker); after a resume, the same outer and inner step and the same global
+weights. Each sync checks the step and the weights again in its header (membership.py).
 
 The elastic mode needs none of this: a member whose weights or step differ is left out of the sync and
 caught up from its peers (muloco/elastic/membership.py).
-"""
-from __future__ import annotations
+"""from __future__ import annotations
 
 import struct
 from typing import Callable
@@ -21,17 +20,24 @@ from muloco.diloco.plan import plan_signature
 _POSITION = "<qqd"  # outer step, inner step, digest of the rank's global weights
 
 
-def _positions(loop, outer_step: int, step: int, digest: float, context: str
-               ) -> tuple[list[bytes | None], list[tuple[int, int, float]]]:
-    """Every worker's plan signature and position (outer step, inner step, weights digest)."""
+def _by_shard(loop, outer_step: int, step: int, digest: float, context: str
+              ) -> list[tuple[list[bytes], list[tuple[int, int, float]]]]:
+    """For each shard position (d, p, t), its K workers' plan signatures and positions (outer step,
+    inner step, weights digest): every rank's row reaches every rank, so every rank decides alike."""
     mine = plan_signature(loop.tensors) + struct.pack(_POSITION, outer_step, step, digest)
     rows = loop.membership.gather(mine, context)
-    strangers = [k for k, row in enumerate(rows) if row is None]
+    per_worker = loop.topology.sizes.ranks_per_worker
+    strangers = sorted({rank // per_worker for rank, row in enumerate(rows) if row is None})
     if strangers:
         raise ConfigError(f"worker{'s' if len(strangers) > 1 else ''} {', '.join(map(str, strangers))} failed the "
                           f"job secret's tag: every worker needs the same secret (muloco.auth.key_file or "
                           f"$MULOCO_AUTH_KEY_FILE) and job_id")
-    return [row[:32] for row in rows], [struct.unpack(_POSITION, row[32:]) for row in rows]
+    shards = [rows[s::per_worker] for s in range(per_worker)]
+    return [([row[:32] for row in shard], [struct.unpack(_POSITION, row[32:]) for row in shard]) for shard in shards]
+
+
+def _first_disagreement(shards) -> str | None:
+    return next((why for _, positions in shards if (why := disagreement(positions)) is not None), None)
 
 
 def check_start(loop, step: int, take_worker_zeros: bool, weights_written: Callable[[], None]) -> None:
@@ -39,13 +45,13 @@ def check_start(loop, step: int, take_worker_zeros: bool, weights_written: Calla
     (DisagreementError), or worker 0's taken by every worker with `take_worker_zeros` (said once)."""
     if not isinstance(loop.membership, StaticMembership):
         return
-    plans, positions = _positions(loop, loop.state.outer_step, step, loop.state.digest(list(loop.state.global_weights)),
-                                  "the workers' first exchange")
-    different = [k for k, plan in enumerate(plans) if plan != plans[0]]
+    shards = _by_shard(loop, loop.state.outer_step, step, loop.state.digest(list(loop.state.global_weights)),
+                       "the workers' first exchange")
+    different = sorted({k for plans, _ in shards for k, plan in enumerate(plans) if plan != plans[0]})
     if different:
         raise ConfigError(f"workers {different} hold other parameters (names, shapes, ZeRO partitions) than worker 0: "
                           f"every worker must build the same model with the same ds_config")
-    disagree = disagreement(positions)
+    disagree = _first_disagreement(shards)
     if disagree is None:
         return
     if not take_worker_zeros:
@@ -62,7 +68,7 @@ def check_resumed(loop, outer_step: int, step: int, digest: float) -> None:
     global weights' `digest`): every worker resumed at the same steps with the same global weights."""
     if not isinstance(loop.membership, StaticMembership):
         return
-    disagree = disagreement(_positions(loop, outer_step, step, digest, "the workers' exchange after a resume")[1])
+    disagree = _first_disagreement(_by_shard(loop, outer_step, step, digest, "the workers' exchange after a resume"))
     if disagree is not None:
         raise DisagreementError(f"after the resume, {disagree}")
 

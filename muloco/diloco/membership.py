@@ -133,6 +133,9 @@ class _StaticSession:
         return self.metrics_wire.sum_per_worker(values, self.workers, context)
 
 
+OUTSIDE_SYNCS = -1  # the outer step the tags of the exchanges outside any sync name (agreement.py)
+
+
 class StaticMembership:
     """The K workers of one world. Every rank creates every group, in the same order, on
     `outer_backend`: the outer groups (one per shard position), the metrics group (every rank) and,
@@ -165,15 +168,18 @@ class StaticMembership:
     replays_pending = True  # a checkpoint's in-flight syncs are replayed on load (every worker resumes together)
 
     def gather(self, data: bytes, context: str) -> list[bytes | None]:
-        """Every worker's `data` (the same size on every rank), in worker order, over this rank's outer
-        group (None: its tag failed); outside any sync."""
-        parts = self._session.wire.all_gather(torch.frombuffer(bytearray(data), dtype=torch.uint8), context)
+        """Every rank's `data` (the same size on every rank), by global rank (None: its tag failed), over
+        the group of every rank: so every rank decides alike; outside any sync."""
+        wire = self._session.metrics_wire
+        wire.begin(outer_step=OUTSIDE_SYNCS, fragment=0)
+        parts = wire.all_gather(torch.frombuffer(bytearray(data), dtype=torch.uint8), context)
         return [None if part is None else part.cpu().numpy().tobytes() for part in parts]
 
     def from_worker_zero(self, flat: torch.Tensor, context: str) -> torch.Tensor:
-        """Worker 0's `flat` (uint8, the same size on every rank) on every worker, over this rank's outer
-        group; outside any sync."""
+        """Worker 0's `flat` (uint8, the same size on every rank of an outer group) on every worker, over
+        this rank's outer group; outside any sync."""
         wire = self._session.wire
+        wire.begin(outer_step=OUTSIDE_SYNCS, fragment=0)
         mine = flat.reshape(-1).view(torch.uint8)
         blocks = [mine if wire.rank == 0 and receiver != 0 else mine[:0] for receiver in range(wire.size)]
         received = wire.all_to_all(blocks, [mine.numel() if wire.rank != 0 and src == 0 else 0

@@ -146,6 +146,7 @@ class MuLoCoHook:
         worker's, rank's, plan's or job's state, another step's; then the workers check they all resumed
         at the same step with the same global weights, and the syncs that were in flight run again."""
         rank = self.loop.topology.rank
+        self.loop.finish()  # (a load mid-run) the syncs in flight land first: their wires are needed
         snapshot = self.loop.read_snapshot(read_rank_snapshot(folder, rank), CHECKPOINT,
                                            f"snapshot {snapshot_file(folder, rank)}")
         check_resumed(self.loop, snapshot.outer_step, snapshot.step, digest_of(snapshot.global_weights.values()))
