@@ -6,7 +6,8 @@ weights. Each sync checks the step and the weights again in its header (membersh
 
 The elastic mode needs none of this: a member whose weights or step differ is left out of the sync and
 caught up from its peers (muloco/elastic/membership.py).
-"""from __future__ import annotations
+"""
+from __future__ import annotations
 
 import struct
 from typing import Callable
