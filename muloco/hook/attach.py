@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from muloco.assembly import assemble_outer_loop
 from muloco.core import comm
+from muloco.core.durable import write_text_durably
 from muloco.core.errors import CheckpointError, ConfigError
 from muloco.core.topology import ParallelSizes
 from muloco.core.typed_json import load, read_json_object
@@ -154,14 +155,18 @@ class MuLoCoHook:
         self._seen = self.engine.global_steps
 
     def save_checkpoint(self, directory: str | Path, tag: str | None = None, client_state: dict | None = None,
-                        **kwargs):
+                        save_latest: bool = True, **kwargs):
         """engine.save_checkpoint into DIRECTORY/worker_<k>/ and this rank's outer state beside it, in the
-        tag's folder (written first: DeepSpeed's `latest` moves last). Every rank calls it; DeepSpeed's
-        keyword arguments pass through."""
+        tag's folder; then each worker's `latest` names the tag (DeepSpeed writes it on global rank 0
+        alone, so for worker 0 alone). Every rank calls it; DeepSpeed's keyword arguments pass through."""
         folder = self.worker_folder(directory)
         tag = tag or f"global_step{self.engine.global_steps}"
         self.save(folder / tag)
-        return self.engine.save_checkpoint(str(folder), tag=tag, client_state=client_state or {}, **kwargs)
+        saved = self.engine.save_checkpoint(str(folder), tag=tag, client_state=client_state or {}, save_latest=False,
+                                            **kwargs)  # ends with a barrier: every rank's files are written
+        if save_latest and self.loop.topology.rank % self.loop.topology.sizes.ranks_per_worker == 0:
+            write_text_durably(folder / "latest", tag)
+        return saved
 
     def load_checkpoint(self, directory: str | Path, tag: str | None = None, **kwargs):
         """The inverse of save_checkpoint: DeepSpeed's files (DeepSpeed's keyword arguments pass through),
