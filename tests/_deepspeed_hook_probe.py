@@ -54,8 +54,11 @@ def quiet(record: dict, step: int) -> None:
     pass
 
 
-def take_steps(engine, outer, batches, n: int, losses: list, checksums: dict, poison: set[int] = frozenset()) -> None:
-    """`n` inner steps; a step in `poison` gets a NaN loss on this rank (DeepSpeed skips that step)."""
+def take_steps(engine, outer, batches, n: int, losses: list, checksums: dict, poison: set[int] = frozenset(),
+               applied: list | None = None) -> None:
+    """`n` inner steps; a step in `poison` gets a NaN loss on this rank (DeepSpeed skips that step);
+    `applied` receives DeepSpeed's was_step_applied() of each."""
+    applied = [] if applied is None else applied
     for _ in range(n):
         tokens = next(batches)
         loss = engine(input_ids=tokens, labels=tokens).loss
@@ -64,6 +67,7 @@ def take_steps(engine, outer, batches, n: int, losses: list, checksums: dict, po
         engine.backward(loss)
         engine.step()
         losses.append(float(loss))
+        applied.append(engine.was_step_applied())
         if outer is not None and outer.outer_step not in checksums:
             checksums[outer.outer_step] = outer.loop.state.checksum()
 
@@ -87,10 +91,10 @@ def train(name: str, workers, zero: int, inner: str, muloco: dict | None, steps:
     `muloco` is given; the rank's results to OUT."""
     engine = engine_for(workers, zero, inner, bf16=bf16)
     outer = attach(engine, muloco, workers, last_step=steps, config_dir=config_dir, log=quiet) if muloco else None
-    losses, checksums = [], {}
+    losses, checksums, applied = [], {}, []
     take_steps(engine, outer, EXAMPLE.markov_batches(128, 16, 2, seed=dist.get_rank()), steps, losses, checksums,
-               poison)
-    results(name, engine, outer, losses, checksums)
+               poison, applied)
+    results(name, engine, outer, losses, checksums, applied=applied)
 
 
 def resumed(name: str, workers, zero: int, muloco: dict, save_at: int, steps: int = STEPS) -> None:
