@@ -28,7 +28,7 @@ import torch
 from muloco.core import comm
 from muloco.diloco import vote
 from muloco.diloco.auth import JobKey
-from muloco.diloco.collectives import Exchanged, GroupWire, Wire, everyone
+from muloco.diloco.collectives import AUTHENTICATION, Exchanged, GroupWire, Wire, everyone
 from muloco.diloco.config import MuLoCoConfig
 from muloco.core.errors import ConfigError, DisagreementError
 from muloco.core.topology import Topology, outer_ranks, worker_ranks
@@ -98,6 +98,10 @@ def disagreement(positions: list[tuple[int, int, float]]) -> str | None:
     return None
 
 
+# A tag that fails in the single world: its ranks hold one secret, so the message is not this sync's.
+_NOT_THIS_SYNC = (" (a message that is not this sync's: a process without the job secret, or a worker at another "
+                  "outer step, resumed from another checkpoint)")
+
 # A rank's header in the single-world mode, float64: its worker's ballot (vote.py), then where it stands
 # (outer step, inner step) and the digest of its global weights of the fragment synced, taken at launch.
 POSITION_VALUES = 3
@@ -120,7 +124,9 @@ class _StaticSession:
     def decide(self, exchanged: Exchanged) -> Decision:
         everybody = list(range(self.wire.size))
         if exchanged.rejected:  # every rank of the outer group rejects the same workers
-            return Decision(everybody, [], "; ".join(f"worker {k}: {why}" for k, why in sorted(exchanged.rejected.items())))
+            return Decision(everybody, [], "; ".join(f"worker {k}: {why}" + (_NOT_THIS_SYNC if why == AUTHENTICATION
+                                                                                else "")
+                                                     for k, why in sorted(exchanged.rejected.items())))
         rows = [h.cpu().clone().view(torch.float64).tolist() for h in exchanged.headers]  # clone: aligned
         disagree = disagreement([(int(r[-3]), int(r[-2]), r[-1]) for r in rows])
         if disagree:  # every rank of the outer group sees the same headers, so all stop here
