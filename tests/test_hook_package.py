@@ -49,8 +49,8 @@ def test_the_base_install_and_the_hook_extras_cover_every_import_of_the_muloco_p
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
     installed = (_requirements(cfg, "install_requires") | _requirements(cfg, "hook", "options.extras_require")
-                 | _requirements(cfg, "elastic", "options.extras_require"))
-    assert "megatron_core" not in installed and "transformers" not in installed
+                 | _requirements(cfg, "elastic", "options.extras_require") | _requirements(cfg, "hf", "options.extras_require"))
+    assert "megatron_core" not in installed and "torchft" not in _requirements(cfg, "install_requires")
     imported = set()
     for path in (ROOT / "muloco").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

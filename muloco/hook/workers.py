@@ -60,6 +60,11 @@ class Workers:
     mpu: WorkerMpu
 
     @property
+    def worker(self) -> int:
+        """This rank's worker (its datacenter), 0..K-1."""
+        return self.topology.coords.worker
+
+    @property
     def data_size(self) -> int:
         """How many ranks read different data: K workers x D ranks (a sampler's `num_replicas`)."""
         return self.topology.sizes.workers * self.topology.sizes.data
