@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
 import deepspeed
 import torch
@@ -55,7 +56,7 @@ class MarkovTokens(torch.utils.data.Dataset):
 
 
 def ds_config(args: argparse.Namespace) -> dict:
-    key = {"key_file": args.key_file} if args.key_file else "none"
+    key = {"key_file": Path(args.key_file).name} if args.key_file else "none"  # relative to the key's folder
     return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
             "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "weight_decay": "auto"}},
             "zero_optimization": {"stage": args.zero_stage}, "gradient_clipping": "auto", "steps_per_print": 10**9,
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
                                  dataloader_num_workers=0, seed=0, data_seed=0)
     samples = args.steps * workers.data_size * 2
     trainer = Trainer(model=llama(128, 16), args=training, train_dataset=MarkovTokens(samples))
-    callback = attach_to_trainer(trainer, config["muloco"], workers, config_dir=".")
+    callback = attach_to_trainer(trainer, config["muloco"], workers,
+                                 config_dir=Path(args.key_file).parent if args.key_file else None)
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     checksum = callback.outer.global_weights_sha256()
     if workers.topology.coords.data == 0:
