@@ -241,9 +241,10 @@ class _CountedLog:
 
 
 class Gateway(_Listener):
-    """The lighthouse's public port: authenticates each connection, then relays it to `target`."""
+    """The lighthouse's public port: authenticates each connection, then relays it to `target` (which may
+    be set after the port is bound, up to `start`: the lighthouse binds it before entering its own network)."""
 
-    def __init__(self, host: str, port: int, target: tuple[str, int], key: JobKey):
+    def __init__(self, host: str, port: int, target: tuple[str, int] | None, key: JobKey):
         super().__init__(host, port)
         self.target, self.key = target, key
         self.refused = 0
