@@ -220,8 +220,8 @@ class HfWeights:
             if shape != expected[name]:
                 problems.append(f"{name} has shape {list(shape)}, config.json implies {list(expected[name])}")
             if dtype not in _FLOAT_DTYPES:
-                problems.append(f"{name} is {dtype} ({_DTYPE_NAMES.get(dtype, 'not a torch dtype')}), expected "
-                                f"{'/'.join(_FLOAT_DTYPES)}")
+                named = f"{dtype} ({_DTYPE_NAMES[dtype]})" if dtype in _DTYPE_NAMES else dtype
+                problems.append(f"{name} is {named}, expected {'/'.join(_FLOAT_DTYPES)}")
         if problems:
             raise HfFolderError(f"{self.directory}: " + "; ".join(problems))
         nonfinite = [name for name in sorted(expected) if not self._finite(name)]
