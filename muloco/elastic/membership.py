@@ -280,7 +280,8 @@ class QuorumMembership:
             self.worker, self.topology.rank, sizes.ranks_per_worker, self.elastic.lighthouse_address(),
             self.elastic.manager_host, self.key, self.config.outer_backend,
             timedelta(seconds=self.config.sync_timeout_s),
-            timedelta(seconds=min(self.elastic.quorum_request_timeout_s, self.elastic.quorum_timeout_s)))
+            timedelta(seconds=min(self.elastic.quorum_request_timeout_s, self.elastic.quorum_timeout_s)),
+            workers=self.config.workers)
 
     def leave(self) -> None:
         if self.quorum is not None:
