@@ -533,7 +533,7 @@ class FakeTime:
 def idle(workers: list[Worker]) -> None:
     """Wait until every worker's background thread has run what was submitted to it."""
     for w in workers:
-        w.loop._background.submit(lambda: None).result()
+        w.loop.background.submit(lambda: None).result()
 
 
 @pytest.mark.parametrize("tau", [0, 1])
@@ -649,7 +649,7 @@ def test_auto_overlap_picks_the_same_tau_on_every_worker_from_the_slowest_worker
     every sync's tau is the same on every worker (the same apply step, so their global weights stay
     bit-identical), the first is 1, and each later one is the smallest that covers the fragment's
     previous sync on its slowest worker (in that worker's steps), with the margin, up to the maximum."""
-    from muloco.diloco.outer_loop import AUTO_MARGIN
+    from muloco.diloco.plan import AUTO_MARGIN
     config = MuLoCoConfig(workers=3, sync_interval=8, streaming=StreamingConfig(fragments=2, overlap_steps="auto",
                                                                                 max_overlap_steps=6))
     boards = (Board(3), Board(3))

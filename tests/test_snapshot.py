@@ -15,6 +15,7 @@ from muloco.core.errors import CheckpointError
 from muloco.core.rank_file import state_from_bytes, state_to_bytes
 from muloco.core.topology import ParallelSizes, RankCoordinates, Topology
 from muloco.diloco.auth import JobKey
+from muloco.diloco import loop_snapshot
 from muloco.diloco.config import MuLoCoConfig, StreamingConfig
 from muloco.diloco.snapshot import (CATCH_UP, CHECKPOINT, SnapshotError, read_rank_snapshot, save_rank_snapshot,
                                     snapshot_file)
@@ -40,7 +41,7 @@ def roundtrip(tree: dict) -> dict:
 def test_a_checkpoint_snapshot_holds_everything_a_resume_needs_and_reads_back_exactly():
     worker = trained(6)[0]  # fragment 1 (offset 4) launched at step 4 and applied at 5; fragment 0 (offset 2) at 6
     loop = worker.loop
-    assert loop.pending and loop._error_feedback_state()  # a sync in flight, residuals kept
+    assert loop.pending and loop_snapshot.error_feedback_state(loop)  # a sync in flight, residuals kept
     tree = roundtrip(loop.state_dict())
     snapshot = loop.read_snapshot(tree, CHECKPOINT, "x")
     assert snapshot.step == 6 and snapshot.outer_step == loop.state.outer_step
@@ -48,8 +49,8 @@ def test_a_checkpoint_snapshot_holds_everything_a_resume_needs_and_reads_back_ex
     for name, i in loop.state.names().items():
         assert torch.equal(snapshot.global_weights[name], loop.state.global_weights[i])
         assert torch.equal(snapshot.momentum[name], loop.state.momentum[i])
-    assert snapshot.error_feedback.keys() == loop._error_feedback_state().keys()
-    assert snapshot.identity == loop.identity() and snapshot.identity.job_key == KEY.snapshot_tag()
+    assert snapshot.error_feedback.keys() == loop_snapshot.error_feedback_state(loop).keys()
+    assert snapshot.identity == loop_snapshot.identity(loop) and snapshot.identity.job_key == KEY.snapshot_tag()
 
 
 def test_a_resumed_loop_continues_as_the_uninterrupted_one():

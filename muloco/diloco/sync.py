@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from concurrent.futures import Future
 from dataclasses import astuple, dataclass
 from typing import Callable
 
@@ -62,6 +63,21 @@ class SyncResult:
     caught_up: SyncTask | None = None  # the peers' sync this member received their state for
     contributions: list[Contribution] | None = None  # every worker's interval, in rank order (pacing)
     momentum_exponent: float = 1.0  # the outer momentum decays as mu ** this (pace.py's correction)
+
+
+@dataclass
+class PendingSync:
+    """A sync launched and not yet applied (an overlapped one runs in the loop's background thread)."""
+    apply_at: int
+    task: SyncTask
+    deltas: list[torch.Tensor]  # one flat buffer per bucket, kept so a checkpoint can replay the sync
+    future: Future  # of a SyncResult
+
+
+def done_future(result) -> Future:
+    future: Future = Future()
+    future.set_result(result)
+    return future
 
 
 def _repack(flat: torch.Tensor, source: BucketPacking, target: BucketPacking) -> torch.Tensor:
