@@ -216,12 +216,13 @@ def test_a_record_nested_100000_levels_deep_is_one_bad_record(tmp_path):
 
 
 @pytest.mark.launch
-def test_progress_shows_records_and_decompressed_bytes_while_a_file_inflates(tmp_path, sentencepiece_model, capsys,  # noqa: F811
-                                                                            monkeypatch, small_floor):
+def test_progress_shows_records_and_decompressed_bytes_while_a_file_inflates(
+        tmp_path, sentencepiece_model, capsys, monkeypatch, small_floor):  # noqa: F811
     path = tmp_path / "corpus" / "blanks.jsonl.zstd"
     path.parent.mkdir()
     _inflating_jsonl(path, 2 * FLOOR)
-    monkeypatch.setattr(preprocess_data, "ProgressLine", functools.partial(ProgressLine, interval_s=0, stream=sys.stderr))
+    every_chunk = functools.partial(ProgressLine, interval_s=0, stream=sys.stderr)  # stderr as captured now
+    monkeypatch.setattr(preprocess_data, "ProgressLine", every_chunk)
     code, out, err = run_main(["--input", path.parent, "--output-prefix", tmp_path / "out", "--tokenizer-model",
                                sentencepiece_model, "--chunk-mb", "0.25"], capsys)
     assert code == 0, err
