@@ -67,9 +67,12 @@ def map_indexed_files(prefix: str) -> IndexedFiles:
     for path in (idx, bin_path):
         if problem := regular_file_problem(path):
             raise ConfigError(f"dataset file {path} {problem}")
-    with open(idx, "rb") as handle:
-        header = handle.read(IDX_FIELDS.size)
-        size = os.fstat(handle.fileno()).st_size
+    try:
+        with open(idx, "rb") as handle:
+            header = handle.read(IDX_FIELDS.size)
+            size = os.fstat(handle.fileno()).st_size
+    except OSError as error:  # no permission
+        raise ConfigError(f"dataset file {idx} cannot be read ({error.strerror or error})") from None
     if len(header) < IDX_FIELDS.size:
         raise ConfigError(f"{idx}: {size} bytes, shorter than a Megatron index's header: the file is truncated")
     magic, version, code, sequences, documents = IDX_FIELDS.unpack(header)
