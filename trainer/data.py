@@ -138,16 +138,19 @@ class Datasets:
 
 # The start-up watchdog's default limit: a floor for the model, the process groups and a checkpoint, plus
 # Megatron's sample indices, built in time proportional to the data (1 s per 10 MB of tokens allows about
-# ten times what a loaded core needs).
+# ten times what a loaded core needs) and to the prefixes (a blend of 10,000 tiny ones starts in about
+# 15 ms a prefix on a loaded core: checked, then its indices built for each split).
 STARTUP_FLOOR_S = 300.0
 STARTUP_BYTES_PER_S = 10e6
+STARTUP_S_PER_PREFIX = 0.15
 
 
 def startup_timeout_s(data: DataConfig) -> float:
     """The start-up limit for this data when --startup-timeout-s is not given."""
     train, valid = data_blends(data)
     prefixes = {*train[0], *(valid[0] if valid else ())}
-    return STARTUP_FLOOR_S + sum(Path(prefix + ".bin").stat().st_size for prefix in prefixes) / STARTUP_BYTES_PER_S
+    return (STARTUP_FLOOR_S + len(prefixes) * STARTUP_S_PER_PREFIX
+            + sum(Path(prefix + ".bin").stat().st_size for prefix in prefixes) / STARTUP_BYTES_PER_S)
 
 
 def index_cache_dir(run_dir: str | Path) -> Path:
@@ -250,7 +253,7 @@ def build_datasets(data: DataConfig, tokenizer: TokenizerInfo, seq_length: int, 
     tokens' document ids (`collate`), from which attention builds its block-causal mask on the
     compute device; Megatron's per-sample [s, s] host mask is not made."""
     train_blend, valid_blend = data_blends(data)
-    blends = run_blends(data, seq_length)
+    blends = split_blends(train_blend, valid_blend, data.split, seq_length)
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(describe_blend(train_blend, "training" if valid_blend else "training and validation"), flush=True)
         if valid_blend:

@@ -14,8 +14,7 @@ import torch.distributed as dist
 
 from muloco.core import comm
 from trainer.config import RunConfig, build_parser, check_environment, resolve
-from trainer.data import check_data, check_model_vocabulary, data_blends, index_cache_dir, refuse_unsafe_index_cache
-from trainer.data import run_blends
+from trainer.data import check_data, check_model_vocabulary, index_cache_dir, refuse_unsafe_index_cache, run_blends
 from muloco.diloco.collectives import CollectiveError
 from trainer.checkpoint.format import checkpoint_args
 from muloco.core.durable import check_output_folders
@@ -40,9 +39,8 @@ def checked_config(args, world_size: int) -> RunConfig:
     check_model_vocabulary(config.data, config.model_vocab_size)
     check_output_folders(config)
     refuse_unsafe_index_cache(index_cache_dir(config.run_dir))
-    run_blends(config.data, config.model.seq_length)  # a split no prefix can feed would loop in Megatron
-    train, valid = data_blends(config.data)
-    check_open_file_limit(len({*train[0], *(valid[0] if valid else ())}))
+    blends = run_blends(config.data, config.model.seq_length)  # a split no prefix can feed would loop in Megatron
+    check_open_file_limit(len({*blends.train[0], *(blends.valid[0] if blends.valid else ())}))
     return config
 
 
