@@ -324,9 +324,9 @@ def parquet_row_group_documents(
                     yield Document(row, text, int(sizes[index]))
         if row < last:
             on_bad(BadRecord(str(path), row + 1, "inflate_ratio",
-                             f"rows {row + 1}..{last} (row group {group}): {column!r} inflates past {allowed:.0f} "
-                             f"bytes, {max_inflate_ratio:g} times its {stored} stored bytes (--max-inflate-ratio): "
-                             "dropped"))
+                             f"row group {group}: {column!r} inflates past {allowed:.0f} bytes, {max_inflate_ratio:g} "
+                             f"times its {stored} stored bytes (--max-inflate-ratio): its {last - row} row(s) from here "
+                             "are dropped"))
             row = last
 
 

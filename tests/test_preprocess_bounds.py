@@ -202,7 +202,8 @@ def test_a_parquet_column_chunk_inflating_past_the_ratio_is_dropped_and_over_lon
     assert texts == ["one", "four"]
     assert [(record.line, record.kind) for record in bad] == [(2, "oversize_record"), (3, "inflate_ratio")]
     assert bad[0].detail == f"'text' is 3000 bytes, over --max-document-bytes {LIMIT}"
-    assert bad[1].detail.startswith(f"rows 3..3 (row group 2): 'text' inflates past {FLOOR} bytes")
+    assert bad[1].detail.startswith(f"row group 2: 'text' inflates past {FLOOR} bytes, 1000 times its ")
+    assert bad[1].detail.endswith("(--max-inflate-ratio): its 1 row(s) from here are dropped")
 
 
 def test_a_record_nested_100000_levels_deep_is_one_bad_record(tmp_path):
@@ -230,7 +231,7 @@ def test_progress_shows_records_and_decompressed_bytes_while_a_file_inflates(
     assert "bad_records=1 (inflate_ratio=1)" in out and "documents=1 " in out
     moving = [line for line in err.splitlines() if line.startswith("progress: input files 0/1")]
     records = [int(line.split("MB), ")[1].split(" records")[0]) for line in moving]
-    assert records and records[0] > 0 and records == sorted(records)  # motion before the file is done
+    assert len(set(records) - {0}) >= 2 and records == sorted(records)  # motion before the file is done
     assert "MB decompressed)" in moving[0]
 
 
