@@ -138,11 +138,11 @@ class Datasets:
 
 # The start-up watchdog's default limit: a floor for the model, the process groups and a checkpoint, plus
 # Megatron's sample indices, built in time proportional to the data (1 s per 10 MB of tokens allows about
-# ten times what a loaded core needs) and to the prefixes (a blend of 10,000 tiny ones starts in about
-# 15 ms a prefix on a loaded core: checked, then its indices built for each split).
+# ten times what a loaded core needs) and to the prefixes (each checked, then its indices built for each
+# split: a blend of 10,000 tiny ones starts in 70-90 s on a loaded core, benchmarks/large_blend.py).
 STARTUP_FLOOR_S = 300.0
 STARTUP_BYTES_PER_S = 10e6
-STARTUP_S_PER_PREFIX = 0.15
+STARTUP_S_PER_PREFIX = 0.1
 
 
 def startup_timeout_s(data: DataConfig) -> float:
