@@ -131,9 +131,6 @@ def _with(path: str, value) -> dict:
     ({**GOOD, "foo": 1}, [], r"foo is not a known key \(known: train_micro_batch_size_per_gpu, "),
     ("[]", [], r"ds_config .*ds\.json must hold a JSON object$"),
     ('{"optimizer": ', [], r"ds_config .*ds\.json is not valid JSON: Expecting value: line 1 column 15"),
-    ('{"optimizer": ' + "[" * 100_000 + "]" * 100_000 + "}", [],
-     r"ds_config .*ds\.json is not valid JSON: JSON nested deeper than 64 levels$"),
-    (" " * (16 << 20) + "{}", [], r"ds_config .*ds\.json: more than 16777216 bytes, the most such a file may hold$"),
     ('{"train_micro_batch_size_per_gpu": 2, "train_micro_batch_size_per_gpu": 4}', [],
      r"ds_config .*ds\.json: key 'train_micro_batch_size_per_gpu' is given twice in one object"),
     # Unsupported combinations, refused by name with what to use instead.

@@ -9,13 +9,13 @@ reader: the trainer, tools/plan.py, the benchmarks and tools/compare all see the
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from muloco.diloco.config import MuLoCoConfig
 from muloco.core.errors import ConfigError
-from muloco.core.small_files import FileTooLargeError, loads_json, read_capped_text
 from trainer.optim.config import OptimizerConfig
 from trainer.schedule import SchedulerConfig
 from muloco.core.typed_json import ConfigBlock, load, setting
@@ -106,9 +106,6 @@ class DsConfig(ConfigBlock):
         return {k: getattr(self, k) for k in self.DEEPSPEED_KEYS if getattr(self, k) is not None}
 
 
-DS_CONFIG_MAX_BYTES = 16 << 20  # a ds_config is a few KB; /dev/zero or a wrong file stops here
-
-
 class _RepeatedKey(ValueError):
     pass
 
@@ -124,18 +121,14 @@ def _refuse_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def read_json_object(path: str | Path) -> dict[str, Any]:
     """The JSON object in `path`, or one ConfigError saying why it is not one."""
     try:
-        value = loads_json(read_capped_text(path, DS_CONFIG_MAX_BYTES), object_pairs_hook=_refuse_repeated_keys)
+        value = json.loads(Path(path).read_text(), object_pairs_hook=_refuse_repeated_keys)
     except FileNotFoundError as err:
         raise ConfigError(f"ds_config {path} not found") from err
-    except OSError as err:  # a folder, no permission
-        raise ConfigError(f"ds_config {path} cannot be read ({err.strerror or err})") from None
-    except FileTooLargeError as err:
-        raise ConfigError(f"ds_config {path}: {err}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"ds_config {path} is not valid JSON: {err}") from err
     except _RepeatedKey as err:
         raise ConfigError(f"ds_config {path}: key {err} is given twice in one object (JSON keeps only the last; "
                           "remove one)") from None
-    except ValueError as err:  # not JSON, not UTF-8, nested too deep
-        raise ConfigError(f"ds_config {path} is not valid JSON: {err}") from None
     if not isinstance(value, dict):
         raise ConfigError(f"ds_config {path} must hold a JSON object")
     return value
