@@ -8,7 +8,12 @@ with the outer loop attached by muloco/hook/.
 Every sync's record is printed by rank 0 ("outer {...}"); last, the first rank of every worker prints
 one JSON line: its worker's loss at each step (the mean over its ranks), the outer steps taken and
 `global_weights_sha256`, a checksum of the worker's global weights (equal on every worker when they
-agree). The tokens are a learnable Markov chain, a different stream on every rank.
+agree). The tokens are a learnable Markov chain, a different stream on every rank, drawn by step.
+
+Checkpoints: `--save DIR --save-at N` saves DeepSpeed's files and the outer state at step N and goes on;
+`--stop-at N` exits right after step N without the final sync, as a crash would; `--load DIR` resumes
+from the newest checkpoint in DIR (the same command line otherwise): the resumed run's losses and global
+weights are those of the run that was not stopped.
 """
 from __future__ import annotations
 
@@ -46,6 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--key-file", default=os.environ.get("MULOCO_AUTH_KEY_FILE"),
                    help="the job secret (python -m muloco.diloco.auth new-key FILE); without one the workers' "
                         "messages are not authenticated")
+    p.add_argument("--save", help="checkpoint folder (the K workers' files in DIR/worker_<k>/)")
+    p.add_argument("--save-at", type=int, help="save after this step and go on")
+    p.add_argument("--stop-at", type=int, help="exit right after this step, without the final sync (a crash)")
+    p.add_argument("--load", help="resume from the newest checkpoint in this folder")
     p.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # the launcher's
     return p.parse_args(argv)
 
@@ -96,15 +105,21 @@ def muloco_block(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.save_at is not None and not args.save:
+        raise SystemExit("--save-at needs --save DIR")
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     workers = data_parallel_workers(args.workers)
     engine, *_ = deepspeed.initialize(model=llama(args.vocab, args.seq_length), config=ds_config(args),
                                       mpu=workers.mpu)
     outer = attach(engine, muloco_block(args), workers, last_step=args.steps,
                    config_dir=Path(args.key_file).parent if args.key_file else ".")
+    if args.load:
+        outer.load_checkpoint(args.load)
     batches = markov_batches(args.vocab, args.seq_length, args.micro_batch, seed=dist.get_rank())
+    for _ in range(engine.global_steps):  # the data stream follows the step
+        next(batches)
     losses = []
-    for _ in range(args.steps):
+    while engine.global_steps < args.steps:
         tokens = next(batches).to(engine.device)
         loss = engine(input_ids=tokens, labels=tokens).loss
         engine.backward(loss)
@@ -112,6 +127,13 @@ def main(argv: list[str] | None = None) -> None:
         mean = loss.detach().float().clone()
         dist.all_reduce(mean, group=workers.topology.inner_dp_group)
         losses.append(round(float(mean) / workers.topology.sizes.data, 6))
+        if engine.global_steps == args.save_at:
+            outer.save_checkpoint(args.save)
+        if engine.global_steps == args.stop_at:
+            if workers.topology.coords.data == 0:
+                print(json.dumps({"worker": workers.topology.coords.worker, "losses": losses,
+                                  "stopped_at": args.stop_at}), flush=True)
+            os._exit(0)  # as a crash would: no final sync, no clean-up
     outer.detach()
     checksum = outer.global_weights_sha256()
     if workers.topology.coords.data == 0:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import importlib
 
-_PUBLIC = {"attach": "muloco.hook.attach", "data_parallel_workers": "muloco.hook.workers",
+_PUBLIC = {"attach": "muloco.hook.attach", "check": "muloco.hook.attach", "data_parallel_workers": "muloco.hook.workers",
            "Workers": "muloco.hook.workers", "ConfigError": "muloco.core.errors"}
 
-__all__ = ["ConfigError", "Workers", "attach", "data_parallel_workers"]
+__all__ = ["ConfigError", "Workers", "attach", "check", "data_parallel_workers"]
 
 
 def __getattr__(name: str):

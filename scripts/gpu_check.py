@@ -233,7 +233,7 @@ def write_markov_data(prefix: Path, vocab: int, tokens: int) -> str:
 def shipped_config(name: str) -> dict:
     """A shipped ds_config without its "layout" and "recipe" blocks: they describe the 8-GPU node it was
     planned for, not this one GPU (the planner would read the layout, the trainer check it)."""
-    from trainer.ds_config import read_json_object
+    from muloco.core.typed_json import read_json_object
 
     ds = read_json_object(REPO / "ds_configs" / name)
     ds.pop("layout", None)

@@ -13,7 +13,7 @@ if [ "$(cat "$INSTALL_STAMP" 2>/dev/null)" != "$wanted_install" ]; then
     echo "[setup] installing the project into $VENV_DIR (once; later runs skip this)"
     # torch pinned first: resolved as a bare dependency it could pull a multi-GB CUDA build.
     pip install --quiet torch==2.13.0
-    pip install --quiet -e ".[trainer,test]"
+    pip install --quiet -e ".[trainer,hf,test]"
     echo "$wanted_install" > "$INSTALL_STAMP"
 fi
 # (No blanket PYTHONWARNINGS=ignore: importing `trainer` filters the specific import-time warnings

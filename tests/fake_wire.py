@@ -77,6 +77,7 @@ class FakeStatic:
     def __init__(self, boards: tuple[Board, Board], rank: int, key: JobKey | None, max_norm_ratio: float = 10.0):
         from muloco.diloco.membership import _StaticSession
         outer, metrics = boards
+        self.key = key
         self.session = _StaticSession(FakeWire(outer, rank, key), FakeWire(metrics, rank, key, "metrics"),
                                       outer.size, max_norm_ratio)
 

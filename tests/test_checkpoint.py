@@ -226,3 +226,54 @@ def test_reader_refuses_a_missing_or_incomplete_checkpoint(tmp_path):
     (tmp_path / "latest").write_text("2\n")
     with pytest.raises(CheckpointError, match="incomplete"):
         CheckpointReader(tmp_path)
+
+
+def _inner_run(optimizer: str, steps: int = 3) -> tuple[dict, dict, torch.optim.Optimizer, object]:
+    """A run's saved state and own form with the param groups trainer/optim/inner.py builds for `optimizer`
+    (Muon: an adamw group for the embedding and norms, a muon group for the hidden matrices; AdamW: one
+    group), on torch's SGD with momentum (state shaped like the parameters, as the inner optimizer's) and
+    LambdaLR, stepped `steps` times."""
+    from trainer.checkpoint.state import capture_rng, optimizer_state
+
+    params = {"embedding": torch.nn.Parameter(torch.ones(4, 2)), "hidden": torch.nn.Parameter(torch.ones(2, 2))}
+    groups = [{"params": [params["embedding"]], "kind": "adamw"}, {"params": [params["hidden"]], "kind": "muon"}]
+    if optimizer == "adamw":
+        groups = [{"params": list(params.values()), "kind": "adamw"}]
+    inner = torch.optim.SGD(groups, lr=0.01, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.LambdaLR(inner, lambda step: (step + 1) / 10)
+    for _ in range(steps):
+        for p in params.values():
+            p.grad = torch.ones_like(p)
+        inner.step()
+        schedule.step()
+    name_of = {p: name for name, p in params.items()}
+    saved = {"step": steps, "model": {n: p.detach().clone() for n, p in params.items()},
+             "optimizer": optimizer_state(inner, name_of), "scheduler": schedule.state_dict(),
+             "engine": {"global_steps": steps}, "rng": capture_rng(), "extra": {}}
+    own = {"optimizer_groups": saved["optimizer"]["param_groups"], "scheduler": schedule.state_dict(),
+           "engine": {"global_steps": steps}, "rng": capture_rng(), "extra": {}}
+    return saved, own, inner, schedule
+
+
+def test_a_change_of_inner_optimizer_is_named_and_no_load_optim_allows_it():
+    """--optimizer adamw on a Muon checkpoint: one problem naming the change (not the param groups'
+    count and the scheduler's lists it implies); with --no-load-optim the scheduler is not loaded either,
+    so the other optimizer's per-group lr lists pass."""
+    from trainer.checkpoint.schema import state_problems
+    from trainer.checkpoint.state import with_run_hyperparameters
+
+    muon, muon_form, muon_inner, muon_schedule = _inner_run("muon")
+    adamw, adamw_form, adamw_inner, adamw_schedule = _inner_run("adamw")
+    params = {name: value for name, value in muon["model"].items()}
+    assert state_problems(muon, 3, params, muon_form) == []
+    assert state_problems(muon, 3, params, adamw_form) == [
+        "optimizer: the checkpoint's inner optimizer is muon, this run's adamw: resume with --optimizer muon, or with "
+        "--no-load-optim to start adamw afresh at the loaded step"]
+    assert state_problems(adamw, 3, params, muon_form)[0].startswith(
+        "optimizer: the checkpoint's inner optimizer is adamw, this run's muon")
+    without_optimizer = {k: v for k, v in muon.items() if k != "optimizer"}
+    assert state_problems(without_optimizer, 3, params, adamw_form, skipped=("optimizer",)) == []
+    with pytest.raises(CheckpointError, match="checkpoint's inner optimizer is muon, this run's adamw"):
+        with_run_hyperparameters(muon, adamw_inner, adamw_schedule)  # --load-worker's start
+    assert state_problems({**muon, "optimizer": {**muon["optimizer"], "param_groups": []}}, 3, params, muon_form) == [
+        "optimizer.param_groups must be a list of 2 groups, got 0"]

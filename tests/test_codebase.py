@@ -121,8 +121,8 @@ def test_no_import_cycles_between_project_modules():
 
 # The floors, bottom up: a folder imports only folders below it (muloco/'s sub-packages count as
 # folders of their own, its top-level modules as the floor "muloco").
-FLOORS = [{"muloco.core"}, {"muloco.diloco"}, {"muloco.elastic"}, {"muloco.hook"}, {"muloco"}, {"dataprep", "megatron_patches"},
-          {"tokenizer"}, {"trainer"}, {"tools"}, {"benchmarks"}]
+FLOORS = [{"muloco.core"}, {"muloco.diloco"}, {"muloco.elastic"}, {"muloco"}, {"muloco.hook"},
+          {"dataprep", "megatron_patches"}, {"tokenizer"}, {"trainer"}, {"tools"}, {"benchmarks"}]
 
 
 def folder_of(module: str) -> str:
@@ -199,8 +199,8 @@ def test_collectives_are_called_only_through_the_group_module():
 
 # Where sys.path edits would hide a missing install: the installed packages, and the scripts and
 # benchmarks that run on them (tests start their processes with PYTHONPATH, tests/conftest.py).
-IMPORTABLE_FROM_THE_INSTALL = ("trainer", "tools", "tokenizer", "dataprep", "megatron_patches", "benchmarks",
-                               "scripts", "examples")
+IMPORTABLE_FROM_THE_INSTALL = ("muloco", "trainer", "tools", "tokenizer", "dataprep", "megatron_patches",
+                               "benchmarks", "scripts", "examples")
 
 
 def _edits_sys_path(source: str) -> list[int]:

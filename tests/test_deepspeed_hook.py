@@ -181,6 +181,69 @@ def test_a_bad_setup_is_one_line_on_every_rank(results, case, message):
         assert error is not None and re.search(message, error), (rank, error)
 
 
+@pytest.mark.parametrize("case, ranks", [("k2_resumed_zero0", 4), ("k2_resumed_zero1", 4), ("k2_resumed_zero2", 4),
+                                         ("k4_resumed_zero1", 4)])
+@pytest.mark.launch
+def test_a_run_saved_with_a_sync_in_flight_stopped_and_resumed_is_the_run_that_was_not_stopped(results, case, ranks):
+    """outer.save_checkpoint after step 4 (4-bit + EF, F=2 fragments, tau=1: a sync in flight), a stop
+    without the final sync, fresh engines and outer.load_checkpoint: every rank's weights, global
+    weights and losses are the uninterrupted run's, bit for bit."""
+    for rank in range(ranks):
+        resumed, uninterrupted = load(results, case, rank), load(results, case.replace("resumed", "uninterrupted"), rank)
+        assert resumed["in_flight_at_save"] == 1
+        assert resumed["losses"] == uninterrupted["losses"]
+        for kind in ("weights", "global_weights"):
+            assert resumed[kind].keys() == uninterrupted[kind].keys()
+            assert all(torch.equal(resumed[kind][n], uninterrupted[kind][n]) for n in resumed[kind]), (rank, kind)
+        assert resumed["worker_sha256"] == uninterrupted["worker_sha256"]
+
+
+@pytest.mark.launch
+def test_a_step_deepspeed_skips_on_one_worker_is_counted_alike_and_the_workers_stay_together(results):
+    """bf16 under ZeRO 1 skips a step with a non-finite gradient (DeepSpeed's overflow check) on one
+    worker: at a sync step on worker 0 and at the step a sync in flight is due on worker 1."""
+    runs = [load(results, "k2_skipped_bf16_zero1", rank) for rank in range(K * D)]
+    skipped = [[step for step, applied in enumerate(run["applied"], 1) if not applied] for run in runs]
+    assert skipped == [[3], [3], [5], [5]]  # DeepSpeed skipped them, on both ranks of the worker
+    assert len({run["worker_sha256"] for run in runs}) == 1
+    assert all(torch.isfinite(w).all() for run in runs for w in run["global_weights"].values())
+    for d in range(D):
+        assert runs[d]["checksums"] == runs[D + d]["checksums"]
+        assert max(runs[d]["checksums"]) == 2 * STEPS // H + 1  # every sync taken by both (as the streaming case)
+
+
+@pytest.mark.parametrize("case, kind, message", [
+    ("different_start", "DisagreementError", r"at the start, worker 1 holds other global weights than worker 0 .*"
+                                             r"start='worker0'"),
+    ("past_the_end", "ConfigError", "a step after step 3, the last_step given to attach"),
+    ("other_steps", "DisagreementError", r"after the resume, the workers are at different steps: worker 0 at outer "
+                                         r"step 1 \(inner step 3\), worker 1 at outer step 2 \(inner step 6\)"),
+    ("outer_state_not_loaded", "ConfigError", "engine.global_steps moved from 0 to 6 outside engine.step"),
+])
+@pytest.mark.launch
+def test_a_user_loops_mistake_is_stopped_by_the_guard_that_names_it(results, case, kind, message):
+    import re
+    for rank in range(K * D):
+        got = load(results, case, rank)
+        assert got["kind"] == kind and re.search(message, got["error"]), (rank, got)
+
+
+@pytest.mark.launch
+def test_workers_that_start_apart_take_worker_zeros_weights_when_asked(results):
+    runs = [load(results, "worker0_start", rank) for rank in range(K * D)]
+    assert len({run["worker_sha256"] for run in runs}) == 1
+    for run in runs[1:]:
+        assert all(torch.equal(run["weights"][n], runs[0]["weights"][n]) for n in run["weights"])
+
+
+@pytest.mark.launch
+def test_deepspeeds_own_dataloader_gives_every_rank_of_every_worker_its_own_samples(results):
+    runs = [load(results, "deepspeed_loader", rank) for rank in range(K * D)]
+    firsts = [run["first_batch"] for run in runs]
+    assert len({i for first in firsts for i in first}) == K * D * MICRO, firsts  # 64 samples, 4 readers
+    assert {run["batches"] for run in runs} == {64 // (K * D * MICRO)}
+
+
 # -- bad input that needs no second worker: stand-in engines, in process ---------------------------
 
 def stand_in_engine(stage: int = 1, offload: bool = False, fp16: bool = False) -> SimpleNamespace:

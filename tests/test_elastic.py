@@ -341,6 +341,31 @@ def test_a_stranger_without_the_secret_never_joins_and_nobody_heals_from_it(scen
             assert 9 not in record["quorum"] and "unauthenticated" not in record, (name, record)
 
 
+def _listening_ports(pid: int) -> set[int]:
+    """The TCP ports process `pid` listens on, as this host's network shows them (/proc/net/tcp*)."""
+    fds = Path(f"/proc/{pid}/fd")
+    inodes = {link[len("socket:["):-1] for link in (os.readlink(fd) for fd in fds.iterdir()) if link.startswith("socket:[")}
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+@pytest.mark.launch
+def test_on_the_lighthouse_host_only_the_gateway_is_reachable(scenario):
+    """torchft's lighthouse port is in the lighthouse's own network (or, where the kernel refuses one, the
+    lighthouse says that any process on the host can reach it)."""
+    lighthouse = scenario.jobs["lighthouse"]
+    text = lighthouse.log.read_text()
+    gateway = int(re.search(r"^lighthouse at 127\.0\.0\.1:(\d+) \(workers must hold the job secret; ", text, re.M)[1])
+    exposed = re.search(r"^WARNING: any process on this host can reach torchft's port 127\.0\.0\.1:(\d+)", text, re.M)
+    assert _listening_ports(lighthouse.proc.pid) == {gateway, *([int(exposed[1])] if exposed else [])}, text[-3000:]
+    assert exposed or "only the gateway reaches torchft's port" in text
+
+
 @pytest.mark.launch
 def test_a_worker_restarted_during_a_trickle_flood_rejoins_soon_after_it_and_the_gateway_logs_a_few_lines(scenario):
     started, asked, ended, opened = scenario.flood

@@ -7,10 +7,13 @@ that could unpickle what it receives."""
 from __future__ import annotations
 
 import ast
+import os
 import re
 import pickle
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -72,6 +75,36 @@ def test_only_a_worker_holding_the_secret_joins_the_quorum(lighthouse):
     finally:
         worker.close()
         impostor.close()
+
+
+_IN_A_NETWORK_OF_ITS_OWN = """
+import socket, sys
+from muloco.elastic.private_network import enter_private_network
+before = socket.create_server(("127.0.0.1", 0))
+refused = enter_private_network()
+after = socket.create_server(("127.0.0.1", 0))
+socket.create_connection(after.getsockname()).close()  # its own loopback is up
+print(before.getsockname()[1], after.getsockname()[1], refused, flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.launch
+def test_a_port_opened_in_the_lighthouses_own_network_is_out_of_reach_of_the_host():
+    """What the lighthouse does (muloco/elastic/private_network.py): its public socket, opened before it
+    enters a network of its own, stays reachable; a port opened after (torchft's) is not, from the host."""
+    child = subprocess.Popen([sys.executable, "-c", _IN_A_NETWORK_OF_ITS_OWN], cwd=REPO_ROOT, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    try:
+        before, after, refused = child.stdout.readline().split(" ", 2)
+        if refused.strip() != "None":
+            pytest.skip(f"this kernel refuses a network namespace: {refused.strip()}")
+        socket.create_connection(("127.0.0.1", int(before)), timeout=5).close()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", int(after)), timeout=5)
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
 
 
 def test_a_connection_that_sends_nothing_is_closed_and_does_not_hold_the_gateway(lighthouse, monkeypatch):
@@ -278,7 +311,7 @@ def test_a_worker_whose_lighthouse_transport_fails_gets_no_quorum_and_then_a_fre
     cable = _Cable(("127.0.0.1", host_port(server.address())[1]))
     gateway = Gateway("127.0.0.1", 0, cable.address, KEY).start()
     quorum = QuorumGroup(0, 0, 1, f"http://127.0.0.1:{gateway.address[1]}", "127.0.0.1", KEY, "gloo",
-                         sync_timeout=TIMEOUT, request_timeout=timedelta(seconds=1))
+                         sync_timeout=TIMEOUT, request_timeout=timedelta(seconds=1), workers=1)
     try:
         quorum.start()
         assert quorum.commit()
@@ -300,7 +333,7 @@ def _honest_worker(worker: int, lighthouse: str, monkeypatch) -> tuple[QuorumGro
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(store.port))
     return QuorumGroup(worker, 0, 1, lighthouse, "127.0.0.1", KEY, "gloo", sync_timeout=TIMEOUT,
-                       request_timeout=timedelta(seconds=10)), store
+                       request_timeout=timedelta(seconds=10), workers=2), store
 
 
 def _sync_once(quorum: QuorumGroup, worker: int) -> list:
@@ -312,12 +345,13 @@ def _sync_once(quorum: QuorumGroup, worker: int) -> list:
     return [rows, quorum.commit()]
 
 
-def test_a_stranger_on_the_lighthouse_host_shares_its_quorums_but_never_the_group(monkeypatch):
-    """torchft's lighthouse listens on its host's loopback without authentication. A stranger there asks
-    it for every quorum (heartbeating, claiming a far-ahead step, so torchft would make its store the
-    one every member meets at) and then sends nothing: the two workers holding the secret still form
-    their group, of the two of them, and sync and commit every time. The lighthouse forms quorums of
-    three only, so the stranger is in every one."""
+def test_a_stranger_on_the_lighthouse_host_shares_its_quorums_but_never_the_group(monkeypatch, capsys):
+    """torchft's lighthouse on its host's loopback (where the kernel refuses the lighthouse a network of
+    its own) admits anyone. A stranger there asks it for every quorum (heartbeating, claiming a
+    far-ahead step, so torchft would make its store the one every member meets at) and then sends
+    nothing: the two workers holding the secret still form their group, of the two of them, and sync
+    and commit every time, and each names the stranger once per quorum. The lighthouse forms quorums
+    of three only, so the stranger is in every one."""
     server = LighthouseServer(bind="127.0.0.1:0", min_replicas=3, join_timeout_ms=200)
     inner = server.address()
     gateway = Gateway("127.0.0.1", 0, ("127.0.0.1", host_port(inner)[1]), KEY).start()
@@ -349,6 +383,11 @@ def test_a_stranger_on_the_lighthouse_host_shares_its_quorums_but_never_the_grou
             assert results == [[[[0], [1]], True]] * 2
             assert [q.quorums.dropped for q, _ in workers] == [1, 1]
         assert any(len(ids) == 3 and "worker9" in ids for ids in seen)  # it was in the lighthouse's quorums
+        out = capsys.readouterr().out
+        for k in (0, 1):
+            said = re.findall(rf"^worker {k}: quorum (\d+) holds 1 member\(s\) not among this job's 2 workers, left "
+                              r"out: worker9 \(not signed by the job secret\)$", out, re.M)
+            assert said and len(said) == len(set(said)), out  # a line per quorum, not per request
     finally:
         stop.set()
         for quorum, _ in workers:
@@ -363,20 +402,49 @@ def test_only_members_signed_under_the_job_secret_count_and_a_copied_id_sits_its
     copy = second.rpartition(":")[0] + ":uuid9"  # a stranger replaying the id the lighthouse showed it
     other_key = signed_replica_id(JobKey(b"x" * 32, "test-job"), 2, "10.0.0.9:1") + ":uuid2"
     forged = "worker3:00:" + "0" * 32 + "@10.0.0.9:1:uuid3"
-    result = SimpleNamespace(quorum_id=7, replica_rank=0, replica_world_size=5, store_address="10.0.0.9:1",
+    beyond_k = signed_replica_id(KEY, 7, "10.0.0.7:29500") + ":uuid7"  # the secret's, but not one of the K = 2
+    result = SimpleNamespace(quorum_id=7, replica_rank=0, replica_world_size=6, store_address="10.0.0.9:1",
                              max_step=10**6, max_replica_rank=None, max_world_size=1, heal=False,
-                             recover_src_manager_address="", recover_src_replica_rank=None,
-                             recover_dst_replica_ranks=[], replica_ids=sorted([first, second, copy, other_key, forged]))
+                             recover_src_manager_address="", recover_src_replica_rank=None, recover_dst_replica_ranks=[],
+                             replica_ids=sorted([first, second, copy, other_key, forged, beyond_k]))
     client = SimpleNamespace(_quorum=lambda group_rank, *a, **k: result)
-    quorums = AuthenticatedQuorums(client, KEY, first)
+    said = []
+    quorums = AuthenticatedQuorums(client, KEY, first, workers=2, say=said.append)
     kept = quorums._quorum(0)
     assert (kept.replica_ids, kept.replica_rank, kept.replica_world_size, kept.store_address) == \
         ([first], 0, 1, "10.0.0.0:29500")
-    assert (kept.max_replica_rank, kept.max_world_size, quorums.dropped) == (0, 1, 4)
+    assert (kept.max_replica_rank, kept.max_world_size, quorums.dropped) == (0, 1, 5)
+    (line,) = said
+    assert line.startswith("worker 0: quorum 7 holds 5 member(s) not among this job's 2 workers, left out: ")
+    for why in ("(not signed by the job secret)", "(signed as worker7, not one of this job's workers 0..1)",
+                "(one of 2 members signed as worker1 (a copied id))"):
+        assert why in line
+    assert line.count("not signed by the job secret") == 2 and line.count("a copied id") == 2
+    quorums._quorum(1)  # another rank's request, or a retry, in the same quorum: no second line
+    assert len(said) == 1
+    result.quorum_id = 8
+    quorums._quorum(0)
+    assert len(said) == 2 and said[1].startswith("worker 0: quorum 8 holds 5 member(s)")
     with pytest.raises(RuntimeError, match="sits it out"):
-        AuthenticatedQuorums(client, KEY, second)._quorum(0)
+        AuthenticatedQuorums(client, KEY, second, workers=2)._quorum(0)
     honest = SimpleNamespace(**{**vars(result), "replica_ids": [first, second]})
-    assert AuthenticatedQuorums(SimpleNamespace(_quorum=lambda *a: honest), KEY, second)._quorum(0) is honest
+    assert AuthenticatedQuorums(SimpleNamespace(_quorum=lambda *a: honest), KEY, second, workers=2,
+                                say=said.append)._quorum(0) is honest
+    assert len(said) == 2  # nobody to name
+
+
+def test_a_strangers_id_is_named_in_printable_ascii_cut_short():
+    """The stranger chooses its replica id: a newline or a megabyte of it must not make the line many."""
+    first = signed_replica_id(KEY, 0, "10.0.0.0:29500") + ":uuid0"
+    crafted = ["evil\nworker 1: forged line\x1b[2J" + "x" * 1000] + [f"stranger{i}" for i in range(20)]
+    result = SimpleNamespace(quorum_id=3, max_step=0, replica_ids=[first, *crafted])
+    said = []
+    AuthenticatedQuorums(SimpleNamespace(_quorum=lambda *a: result), KEY, first, workers=1, say=said.append)._quorum(0)
+    (line,) = said
+    assert "\n" not in line and "\x1b" not in line and line.isascii() and len(line) < 1500
+    assert r"evil\nworker 1: forged line\x1b[2Jxxx" in line
+    assert "x... (not signed by the job secret); stranger0 (not signed" in line
+    assert line.endswith("; and 13 more")
 
 
 class _CreatesMarker:
@@ -403,43 +471,6 @@ def test_state_bytes_round_trip_and_truncations_are_refused():
     for cut in (0, 7, 9, len(data) // 2, len(data) - 1):
         with pytest.raises(RankFileError):
             state_from_bytes(data[:cut], "x")
-
-
-def _loop_with_state(shape=(4, 5)):
-    """An OuterLoop's state-checking part over one owned (4, 5) tensor, in one fragment."""
-    from muloco.diloco.outer_loop import OuterLoop
-    from muloco.diloco.outer_state import OuterState
-    from muloco.diloco.plan import synced_tensors, TensorSpec
-    loop = OuterLoop.__new__(OuterLoop)
-    loop.tensors = synced_tensors([torch.zeros(shape)], [TensorSpec(name="w")], 1)
-    loop.state = OuterState(loop.tensors, [0], on_device=False)
-    loop.state.outer_step = 2
-    loop.pending, loop.buckets = [], [[]]
-    scheduler = SimpleNamespace(state_dict=lambda: {"last_epoch": 8, "lr_lambdas": [None]})
-    loop.host = SimpleNamespace(inner_step=lambda: 8, schedule_state=scheduler.state_dict)
-    return loop
-
-
-@pytest.mark.parametrize("change, message", [
-    (lambda s: s["global_weights"].update(w=torch.zeros(5)), r"global_weights\[w\] is not a torch.float32 tensor"),
-    (lambda s: s["momentum"].update(w=torch.zeros(4, 5, dtype=torch.float64)), r"momentum\[w\]"),
-    (lambda s: s["global_weights"].update(extra=torch.zeros(1)), "other parameters"),
-    (lambda s: s["sync"].update(step=-5), "sync.step -5 is not a count"),
-    (lambda s: s.update(outer_step="3"), "outer_step '3' is not a count"),
-    (lambda s: s.pop("sync"), "keys"),
-    (lambda s: s["sync"].update(scheduler={"x": 1}), "lr schedule"),
-    (lambda s: s["sync"].update(fragment=3), "not a fragment of this run"),
-    (lambda s: s.update(pending=[{"apply_at": 9, "fragment": 0, "averages": [torch.zeros(2)], "skipped": False}]),
-     "in-flight syncs"),
-])
-def test_a_crafted_peer_state_is_refused_before_anything_is_loaded(change, message):
-    from muloco.diloco.sync import SyncTask
-    loop = _loop_with_state()
-    task = SyncTask(0, 8, 3, None)
-    state = state_from_bytes(state_to_bytes(loop.peer_state(task)), "x")
-    change(state)
-    assert any(re.search(message, problem) for problem in loop.check_peer_state(state)), loop.check_peer_state(state)
-    assert loop.check_peer_state(state_from_bytes(state_to_bytes(loop.peer_state(task)), "x")) == []  # honest: passes
 
 
 def _non_loopback_address() -> str | None:

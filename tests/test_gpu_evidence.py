@@ -8,21 +8,39 @@ from pathlib import Path
 import pytest
 
 from script_modules import load_script
-from tools.compare.simulated_workers import BranchPlan, StepCost, warm_start_continues
+from tools.compare.simulated_workers import (MIN_MARGIN, BranchPlan, StepCost, measured_margin,
+                                             warm_start_continues)
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_warm_start_stops_while_the_branches_still_fit():
-    plan = BranchPlan(workers=8, sync_interval=30, max_warm_steps=100, deadline=1000.0, margin=1.25)
+    plan = BranchPlan(workers=8, sync_interval=30, max_warm_steps=100, deadline=1000.0)
     cost = StepCost(whole_batch_s=1.0, worker_s=0.2)
     # The reference's 30 whole-batch steps and 8 workers' 30 steps: 30 x (1 + 8 x 0.2) = 78 s, x 1.25 = 97.5 s.
     assert cost.branches_s(plan) == pytest.approx(78.0)
-    assert warm_start_continues(0, cost, plan, now=1000.0 - 98.5)  # the next step (1 s) and the branches fit
-    assert not warm_start_continues(0, cost, plan, now=1000.0 - 98.4)
-    assert not warm_start_continues(100, cost, plan, now=0.0)  # max_warm_steps, however much time is left
+    assert warm_start_continues(5, cost, plan, 1.25, now=1000.0 - 98.5)  # the next step (1 s) and the branches fit
+    assert not warm_start_continues(5, cost, plan, 1.25, now=1000.0 - 98.4)
+    assert not warm_start_continues(100, cost, plan, 1.25, now=0.0)  # max_warm_steps, however much time is left
     # A machine running at half the pace it was timed at: every step twice as long.
     assert cost.at_pace(2.0) == StepCost(2.0, 0.4)
+
+
+def test_a_stage_whose_branches_fit_its_time_is_never_stopped_by_the_margin():
+    """The loaded CPU rehearsal's false stop: the branches' predicted 191 s fitted the 247 s left, but not
+    with a x1.5 margin, and the stage stopped with no measurement. The first warm step needs no margin;
+    only a stage that would not finish at all stops."""
+    plan = BranchPlan(workers=8, sync_interval=30, max_warm_steps=30, deadline=1000.0)
+    loaded = StepCost(whole_batch_s=2.0, worker_s=(191.0 / 30 - 2.0) / 8)
+    assert loaded.branches_s(plan) == pytest.approx(191.0)
+    assert warm_start_continues(0, loaded, plan, 1.5, now=1000.0 - 247.0)  # one step, then the branches
+    assert not warm_start_continues(1, loaded, plan, 1.5, now=1000.0 - 245.0)  # further steps keep the margin
+    assert not warm_start_continues(0, loaded, plan, 1.5, now=1000.0 - 192.9)  # it would not finish: stop
+
+
+def test_the_margin_is_the_spread_of_the_steps_timed_on_this_machine():
+    assert measured_margin([1.00, 1.01, 1.02]) == MIN_MARGIN  # a device of its own: steady steps
+    assert measured_margin([2.0, 2.2, 5.0, 2.1]) == pytest.approx(5.0 / 2.15)  # a shared machine: as slow as its worst
 
 
 @pytest.mark.trains
@@ -37,7 +55,7 @@ def test_one_simulated_worker_retraces_the_reference_exactly(tmp_path):
     mode = dataclasses.replace(gpu_evidence.CPU, global_batch=4, micro=2, max_warm_steps=2)
     evidence = gpu_evidence.Evidence(mode, tmp_path)
     evidence.start_stage(200.0)  # a few seconds' work, on a 2-core machine that others may share
-    plan = BranchPlan(workers=1, sync_interval=2, max_warm_steps=2, deadline=time.time() + 180.0, margin=1.5)
+    plan = BranchPlan(workers=1, sync_interval=2, max_warm_steps=2, deadline=time.time() + 180.0)
     summary = evidence.branches("muon", tmp_path / "run", plan)
     alignment = summary["alignment"]
     assert summary["warm_start"]["steps"] == 2 and summary["steps"] == 4

@@ -1,7 +1,8 @@
 """Crafted Hugging Face folders (tools/convert_checkpoint/folder_files.py, hf_folder.py): every file the
 importer opens is a regular file inside the folder (or, for a hub-cache snapshot, its blobs/), small files
-are read with a cap, sizes are checked before transformers builds a config, and a file that does not parse
-is one `import error:` line naming it. The folders here hold a one-layer Llama of zeros, written without
+are read with a cap, sizes are checked before transformers builds a config, numbers against upper bounds
+too, weights for their dtype and finite values, and a file that does not parse is one `import error:` line
+naming it. The folders here hold a one-layer Llama of zeros, written without
 building a transformers model."""
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from tools.convert_checkpoint.__main__ import main as convert_main
 from tools.convert_checkpoint.hf_folder import (INDEX, SINGLE, HfFolderError, checked_weights, expected_hf_shapes,
@@ -75,6 +76,19 @@ def _outside_copy(folder: Path, name: str) -> Path:
     return copy
 
 
+def _edit_weights(folder: Path, **edits) -> None:
+    """Rewrite the single weights file with tensors changed by `edits` (name with dots as __ -> function)."""
+    tensors = load_file(folder / SINGLE)
+    for key, edit in edits.items():
+        name = key.replace("__", ".")
+        tensors[name] = edit(tensors[name])
+    save_file(tensors, folder / SINGLE)
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    (folder / "config.json").write_text(json.dumps({**CONFIG, **changes}))
+
+
 CRAFTED = {  # what is done to the folder, and the line it must give
     "weights linked outside": (lambda f: _link_out(f, SINGLE, _outside_copy(f, SINGLE)),
                                r"{f}/model\.safetensors leads to .*outside-model\.safetensors, outside {f}: links are "
@@ -99,6 +113,26 @@ CRAFTED = {  # what is done to the folder, and the line it must give
                            r"HuggingFaceTokenizer: \S"),
     "tokenizer not a tokenizer": (lambda f: (f / "tokenizer.json").write_text('{"model": {"type": 5}}'),
                                   r"{f}/tokenizer\.json: tokenizer model .* cannot be read as a HuggingFaceTokenizer"),
+    "NaN and infinite weights": (lambda f: _edit_weights(f, model__layers__0__mlp__up_proj__weight=lambda t: t.index_fill(
+        0, torch.tensor([5]), float("nan")), model__norm__weight=lambda t: t.fill_(float("-inf"))),
+        r"{f}: model\.layers\.0\.mlp\.up_proj\.weight, model\.norm\.weight hold NaN or infinite values$"),
+    "a float64 weight": (lambda f: _edit_weights(f, model__norm__weight=lambda t: t.double()),
+                         r"{f}: model\.norm\.weight is F64 \(float64\), expected F32/BF16/F16$"),
+    "an integer weight": (lambda f: _edit_weights(f, lm_head__weight=lambda t: t.to(torch.int8)),
+                          r"{f}: lm_head\.weight is I8 \(int8\), expected F32/BF16/F16$"),
+    "rope_theta 1e300": (lambda f: _edit_config(f, rope_theta=None, rope_parameters={"rope_theta": 1e300,
+                                                                                     "rope_type": "default"}),
+                         r"{f}/config\.json: cannot import this llama model: rope_theta 1e\+300 is not a whole number "
+                         r"in 1\.\.1e\+12"),
+    "rope_theta infinite": (lambda f: _edit_config(f, rope_theta=float("inf")),
+                            r"{f}/config\.json: cannot import this llama model: rope_theta inf is not a whole number"),
+    "rope_theta NaN": (lambda f: _edit_config(f, rope_theta=float("nan")), r".*rope_theta nan is not a whole number"),
+    "rms_norm_eps 1e300": (lambda f: _edit_config(f, rms_norm_eps=1e300),
+                           r"{f}/config\.json: rms_norm_eps must be in \(0, 1\], got 1e\+300$"),
+    "initializer_range 1e300": (lambda f: _edit_config(f, initializer_range=1e300),  # transformers' own check
+                                r"{f}/config\.json: not a valid llama config \(.*initializer_range.*1e\+300"),
+    "vocab beyond any model": (lambda f: _edit_config(f, vocab_size=10 ** 300),
+                               r"{f}/config\.json: vocab_size 1000000000\d* is not a whole number in 1\.\.16777216$"),
 }
 
 
@@ -117,6 +151,8 @@ def test_a_crafted_folder_is_one_import_error_line(tmp_path, tensors, capsys, ca
 def test_the_plain_folder_passes_the_same_checks(tmp_path, tensors):
     folder = _folder(tmp_path / "model", tensors)
     assert read_hf_model(folder).shape.num_layers == 1
+    _edit_config(folder, rope_theta=1e12, rms_norm_eps=1.0)  # the bounds themselves are in range
+    assert read_hf_model(folder).shape.rotary_base == 10 ** 12
     with pytest.raises(HfFolderError, match="is not a file in"):  # an index may still name only its own files
         (folder / INDEX).write_text(json.dumps({"weight_map": {"model.norm.weight": "../x.safetensors"}}))
         checked_weights(read_hf_model(folder))

@@ -171,6 +171,20 @@ def test_verify_fails_when_the_source_differs_from_the_import(hf_models, t2p2_im
     assert f"differ: {gate}, {up}" in str(report)
 
 
+def test_verify_never_passes_a_nan_or_infinite_difference():
+    """A NaN compares false both ways, so each comparison must fail on it rather than pass by omission."""
+    from tools.convert_checkpoint.verify import Comparison, _compare
+
+    torch.manual_seed(0)
+    logits = torch.randn(1, 4, 8)
+    nan, inf = logits.clone().index_fill(2, torch.tensor([3]), float("nan")), logits.clone().fill_(float("inf"))
+    assert _compare("same", logits, logits).ok
+    for got, reference in ((nan, logits), (logits, nan), (nan, nan), (inf, inf), (logits, inf)):
+        assert not _compare("bad", got, reference).ok
+    assert not Comparison("a finite difference of infinite logits", 0.5, float("inf")).ok
+    assert "FAIL" in str(_compare("bad", nan, nan)) and "max |diff| nan" in str(_compare("bad", nan, nan))
+
+
 def test_a_tokenizer_with_more_ids_than_rows_is_refused(hf_tokenizer_dir, tmp_path):  # noqa: F811
     folder = write_hf_model(tmp_path / "small", "llama", hf_tokenizer_dir, vocab_size=1000)
     with pytest.raises(HfFolderError, match="tokenizer.json has 1024 ids but the embedding only 1000 rows"):

@@ -49,7 +49,7 @@ class Worker:
         tensors = megatron_tensors(list(zip(names, self.params)), {n: n for n in names}, 0, NUM_LAYERS,
                                    config.streaming.fragments)
         self.loop = OuterLoop(config, tensors, topology, log=lambda record, step: self.records.append(record),
-                              membership=membership, clock=clock)
+                              membership=membership, key=getattr(membership, "key", None), clock=clock)
         # The host the loop is attached to: this project's trainer, or a DeepSpeed engine (its counters and
         # lr schedule; SGD has no master partitions to refresh).
         self.engine = SimpleNamespace(global_steps=0, lr_scheduler=engine.lr_scheduler, optimizer=optimizer,
@@ -533,7 +533,7 @@ class FakeTime:
 def idle(workers: list[Worker]) -> None:
     """Wait until every worker's background thread has run what was submitted to it."""
     for w in workers:
-        w.loop._background.submit(lambda: None).result()
+        w.loop.background.submit(lambda: None).result()
 
 
 @pytest.mark.parametrize("tau", [0, 1])
@@ -649,7 +649,7 @@ def test_auto_overlap_picks_the_same_tau_on_every_worker_from_the_slowest_worker
     every sync's tau is the same on every worker (the same apply step, so their global weights stay
     bit-identical), the first is 1, and each later one is the smallest that covers the fragment's
     previous sync on its slowest worker (in that worker's steps), with the margin, up to the maximum."""
-    from muloco.diloco.outer_loop import AUTO_MARGIN
+    from muloco.diloco.plan import AUTO_MARGIN
     config = MuLoCoConfig(workers=3, sync_interval=8, streaming=StreamingConfig(fragments=2, overlap_steps="auto",
                                                                                 max_overlap_steps=6))
     boards = (Board(3), Board(3))
@@ -686,5 +686,6 @@ def test_auto_overlap_picks_the_same_tau_on_every_worker_from_the_slowest_worker
     assert max(last_needed.values()) >= 5.0  # the fast worker's sync spans five of its steps
     # A checkpoint carries what the next taus are decided from: a resumed loop picks the same ones.
     resumed = Worker(0, 3, config, SlowStatic((Board(3), Board(3)), 0, FakeClock(), 5.0))
+    resumed.trainer.step = workers[0].trainer.step  # as the trainer's resume restores it before the outer state
     resumed.loop.load_state_dict(workers[0].loop.state_dict())
     assert [resumed.loop._overlap(f) for f in range(2)] == [workers[0].loop._overlap(f) for f in range(2)] != [1, 1]

@@ -36,8 +36,8 @@ def test_outer_loop_and_checkpointer_detach_when_the_block_ends_or_raises():
     outer.after_inner_step, outer.pacer = synced.append, None  # fixed-H syncs: no pacing
     left = []
     outer.membership = SimpleNamespace(join=lambda loop: None, leave=lambda: left.append(True))
-    outer._background = ThreadPoolExecutor(max_workers=1)
-    outer._background.submit(lambda: None).result()  # its thread is running
+    outer.background = ThreadPoolExecutor(max_workers=1)
+    outer.background.submit(lambda: None).result()  # its thread is running
     saver = Checkpointer.__new__(Checkpointer)
     saver._after_step, saver._in_flight = lambda step: {"checkpoint_seconds": 0.5}, None
     with pytest.raises(RuntimeError):
@@ -46,4 +46,4 @@ def test_outer_loop_and_checkpointer_detach_when_the_block_ends_or_raises():
             raise RuntimeError("training failed")
     assert synced == [3] and not trainer._step_hooks and left == [True]  # it left its membership too
     with pytest.raises(RuntimeError, match="after shutdown"):  # and stopped its background thread
-        outer._background.submit(lambda: None)
+        outer.background.submit(lambda: None)

@@ -76,7 +76,8 @@ from muloco.diloco.collectives import CLAIM_BYTES
 from muloco.diloco.compression import Compressor, compression_group, rows_shape
 from muloco.diloco.config import CompressionConfig, MuLoCoConfig
 from muloco.diloco.vote import BALLOT_BYTES
-from trainer.ds_config import LayoutConfig, load_ds_config, read_json_object
+from muloco.core.typed_json import read_json_object
+from trainer.ds_config import LayoutConfig, load_ds_config
 from muloco.core.errors import ConfigError, TopologyError
 from trainer.model.sharding import sharding_of
 from trainer.model.presets import PRESETS, ModelShape

@@ -24,7 +24,8 @@ from typing import Any, Literal, get_args
 
 from muloco.diloco.auth import read_private_job_key, resolve_key_file
 from muloco.diloco.config import MuLoCoConfig
-from trainer.ds_config import DsConfig, load_ds_config, read_json_object
+from muloco.core.typed_json import read_json_object
+from trainer.ds_config import DsConfig, load_ds_config
 from muloco.diloco.elastic_config import check_worker_id
 from muloco.core.errors import ConfigError
 from trainer.flags import Flag, add_flags, declared_flags

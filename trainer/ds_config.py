@@ -9,7 +9,6 @@ reader: the trainer, tools/plan.py, the benchmarks and tools/compare all see the
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -18,7 +17,7 @@ from muloco.diloco.config import MuLoCoConfig
 from muloco.core.errors import ConfigError
 from trainer.optim.config import OptimizerConfig
 from trainer.schedule import SchedulerConfig
-from muloco.core.typed_json import ConfigBlock, load, setting
+from muloco.core.typed_json import ConfigBlock, load, read_json_object, setting
 
 
 @dataclass(frozen=True)
@@ -104,34 +103,6 @@ class DsConfig(ConfigBlock):
     def deepspeed_keys(self) -> dict[str, Any]:
         """The pass-through keys the config sets, for deepspeed.initialize."""
         return {k: getattr(self, k) for k in self.DEEPSPEED_KEYS if getattr(self, k) is not None}
-
-
-class _RepeatedKey(ValueError):
-    pass
-
-
-def _refuse_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    keys = [key for key, _ in pairs]
-    repeated = next((key for i, key in enumerate(keys) if key in keys[:i]), None)
-    if repeated is not None:
-        raise _RepeatedKey(repr(repeated))
-    return dict(pairs)
-
-
-def read_json_object(path: str | Path) -> dict[str, Any]:
-    """The JSON object in `path`, or one ConfigError saying why it is not one."""
-    try:
-        value = json.loads(Path(path).read_text(), object_pairs_hook=_refuse_repeated_keys)
-    except FileNotFoundError as err:
-        raise ConfigError(f"ds_config {path} not found") from err
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ConfigError(f"ds_config {path} is not valid JSON: {err}") from err
-    except _RepeatedKey as err:
-        raise ConfigError(f"ds_config {path}: key {err} is given twice in one object (JSON keeps only the last; "
-                          "remove one)") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"ds_config {path} must hold a JSON object")
-    return value
 
 
 def load_ds_config(source: str | Path | dict[str, Any], origins: dict[str, str] | None = None) -> DsConfig:

@@ -17,13 +17,11 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from torch.optim.lr_scheduler import LambdaLR
 
 from megatron_patches import apply_cpu_shims_if_needed, initialize_megatron_groups
+from muloco.assembly import assemble_outer_loop
 from muloco.core import comm
 from trainer.checkpoint.checkpointer import Checkpointer, start_from_weights
 from trainer.config import RunConfig
 from trainer.data import StreamPosition, build_datasets, index_cache_dir, startup_timeout_s, tokenizer_info
-from muloco.diloco.auth import JobKey, job_key
-from muloco.diloco.membership import StaticMembership
-from muloco.diloco.outer_loop import OuterLoop
 from trainer.engine import Engine
 from trainer.metrics import MetricsLogger
 from trainer.model.builder import (build_model, canonical_names, count_parameters, initialize_weights,
@@ -37,20 +35,6 @@ from trainer.schedule import lr_multiplier
 from muloco.core.topology import ParallelSizes, build_topology
 from trainer.training import Trainer
 from trainer.watchdog import Watchdog
-
-
-def _membership(config: RunConfig, topology, key: JobKey | None):
-    """The workers of one world (StaticMembership), or the elastic job's torchft quorum."""
-    if config.elastic:  # only elastic runs import torchft
-        from muloco.elastic.membership import QuorumMembership
-        return QuorumMembership(config.muloco, topology, key, config.worker_id)
-    return StaticMembership(config.muloco, topology, key)
-
-
-def _job_key(config: RunConfig, is_logger: bool) -> JobKey | None:
-    """The job secret that tags the outer messages (None: the workers do not talk, or auth is off)."""
-    path = Path(config.auth_key_file) if config.auth_key_file is not None else None
-    return job_key(path, config.muloco.auth.job_id if path else "", config.muloco.talks, is_logger)
 
 
 def _seed_everything(seed: int) -> None:
@@ -155,9 +139,10 @@ def _assemble_and_train(config: RunConfig, trainer_class: type[Trainer], device:
     if config.muloco is not None:
         tensors = megatron_tensors(list(model.named_parameters()), canonical, mps.get_tensor_model_parallel_rank(),
                                    config.model.num_layers, config.muloco.streaming.fragments)
-        outer = OuterLoop(config.muloco, tensors, topology,
-                          log=lambda record, step: logger.log(record, step, prefix="outer"),
-                          membership=_membership(config, topology, _job_key(config, is_logger)))
+        outer = assemble_outer_loop(config.muloco, tensors, topology,
+                                    lambda record, step: logger.log(record, step, prefix="outer"),
+                                    key_file=Path(config.auth_key_file) if config.auth_key_file is not None else None,
+                                    step=trainer.step, worker_id=config.worker_id)
         trainer.extra_state["muloco"] = outer
     if is_logger:
         print(f"global batch {config.batch.global_batch} sequences ({config.batch.per_worker} per worker x "

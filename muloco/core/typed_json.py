@@ -22,11 +22,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import json
 import math
 import types
 import typing
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from muloco.core.errors import ConfigError
@@ -366,3 +368,48 @@ def describe(annotation: Any) -> str:
         return "an object"
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", type(None): "null",
             Any: "any value"}[annotation]
+
+
+# -- reading a config file --------------------------------------------------------------------------
+
+MAX_CONFIG_BYTES = 16 << 20  # a ds_config is a few KB: a larger file (or a device that never ends) is refused
+
+
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _refuse_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    repeated = next((key for i, key in enumerate(keys) if key in keys[:i]), None)
+    if repeated is not None:
+        raise _RepeatedKey(repr(repeated))
+    return dict(pairs)
+
+
+def read_json_object(path: str | Path, what: str = "ds_config") -> dict[str, Any]:
+    """The JSON object in the regular file `path` (at most MAX_CONFIG_BYTES), or one ConfigError naming
+    `what` and saying why it is not one."""
+    path = Path(path)
+    try:
+        if path.exists() and not path.is_file():
+            raise ConfigError(f"{what} {path} is not a regular file")
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{what} {path} is larger than {MAX_CONFIG_BYTES >> 20} MiB: not a config")
+        value = json.loads(data.decode(), object_pairs_hook=_refuse_repeated_keys)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} not found") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read {what} {path}: {err.strerror or err}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{what} {path} is not valid JSON: {err}") from None
+    except RecursionError:
+        raise ConfigError(f"{what} {path} nests its JSON too deeply") from None
+    except _RepeatedKey as err:
+        raise ConfigError(f"{what} {path}: key {err} is given twice in one object (JSON keeps only the last; "
+                          "remove one)") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what} {path} must hold a JSON object")
+    return value

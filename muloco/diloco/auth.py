@@ -90,6 +90,11 @@ class JobKey:
             mac.update(value)
         return mac.digest()
 
+    def snapshot_tag(self) -> str:
+        """What the outer-state snapshots of this job carry (hex): equal for the same secret and job id,
+        and telling nothing of the secret."""
+        return self.mac(b"outer-loop snapshot").hex()
+
     def tag(self, scope: Scope, sequence: int, sender: int, receiver: int, data: torch.Tensor | bytes) -> bytes:
         place = struct.pack("<qqqqqq", scope.epoch, scope.outer_step, scope.fragment, sequence, sender, receiver)
         return self.mac(scope.channel.encode(), place, _host_bytes(data))

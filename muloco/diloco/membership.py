@@ -17,6 +17,7 @@ sync's statistics (gathered off the critical path).
 """
 from __future__ import annotations
 
+import math
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -27,9 +28,9 @@ import torch
 from muloco.core import comm
 from muloco.diloco import vote
 from muloco.diloco.auth import JobKey
-from muloco.diloco.collectives import Exchanged, GroupWire, Wire, everyone
+from muloco.diloco.collectives import AUTHENTICATION, Exchanged, GroupWire, Wire, everyone
 from muloco.diloco.config import MuLoCoConfig
-from muloco.core.errors import ConfigError
+from muloco.core.errors import ConfigError, DisagreementError
 from muloco.core.topology import Topology, outer_ranks, worker_ranks
 
 
@@ -47,9 +48,9 @@ class Session(Protocol):
     leave_out: bool  # a rejected sender is left out (the others average), else the sync is skipped
     joining: bool  # this rank has no pseudogradient to contribute in this sync
 
-    def header(self, ballot: torch.Tensor, step: int, fragment: int) -> torch.Tensor:
-        """What this rank sends ahead of its payload (uint8); `ballot` is its worker's (non-finite
-        count, squared norm), summed over the worker's ranks."""
+    def header(self, ballot: torch.Tensor, task) -> torch.Tensor:
+        """What this rank sends ahead of its payload (uint8) in the sync `task` (sync.SyncTask); `ballot`
+        is its worker's (non-finite count, squared norm), summed over the worker's ranks."""
 
     def choose(self, headers: list[torch.Tensor | None]) -> tuple[list[int], dict[int, str]]:
         """The senders to average, and why each other group rank is not one."""
@@ -79,6 +80,33 @@ class Membership(Protocol):
         """sync(session) for each attempt of the sync `task`, until one commits; returns its result."""
 
 
+def disagreement(positions: list[tuple[int, int, float]]) -> str | None:
+    """Why K workers that must agree do not, from each one's (outer step, inner step, digest of its
+    global weights) (NaN digests are not compared); None when they agree."""
+    places = [(outer, inner) for outer, inner, _ in positions]
+    if len(set(places)) > 1:
+        return ("the workers are at different steps: " + ", ".join(
+            f"worker {k} at outer step {outer} (inner step {inner})" for k, (outer, inner) in enumerate(places))
+            + ": every worker must resume from the same step's checkpoint and take the same steps")
+    digests = [digest for *_, digest in positions if not math.isnan(digest)]
+    if len(set(digests)) > 1:
+        usual = max(digests, key=lambda d: (digests.count(d), -digests.index(d)))  # the most common, then the first
+        odd = [k for k, (*_, digest) in enumerate(positions) if digest != usual]
+        return (f"worker{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} hold{'' if len(odd) > 1 else 's'} other "
+                f"global weights than worker {[d for *_, d in positions].index(usual)} at outer step {places[0][0]}: "
+                f"changed outside the outer loop (a different start, a damaged or unverified checkpoint)")
+    return None
+
+
+# A tag that fails in the single world: its ranks hold one secret, so the message is not this sync's.
+_NOT_THIS_SYNC = (" (a message that is not this sync's: a process without the job secret, or a worker at another "
+                  "outer step, resumed from another checkpoint)")
+
+# A rank's header in the single-world mode, float64: its worker's ballot (vote.py), then where it stands
+# (outer step, inner step) and the digest of its global weights of the fragment synced, taken at launch.
+POSITION_VALUES = 3
+
+
 class _StaticSession:
     leave_out = False
     joining = False
@@ -86,21 +114,32 @@ class _StaticSession:
     def __init__(self, wire: Wire, metrics: Wire, workers: int, max_norm_ratio: float):
         self.wire, self.metrics_wire, self.workers, self.max_norm_ratio = wire, metrics, workers, max_norm_ratio
 
-    def header(self, ballot: torch.Tensor, step: int, fragment: int) -> torch.Tensor:
-        return ballot.view(torch.uint8)
+    def header(self, ballot: torch.Tensor, task) -> torch.Tensor:
+        digest = math.nan if task.weights_digest is None else task.weights_digest  # a replayed sync's is not known
+        position = torch.tensor([float(task.outer_step), float(task.step), digest], dtype=torch.float64)
+        return torch.cat([ballot, position]).view(torch.uint8)
 
     choose = staticmethod(everyone)
 
     def decide(self, exchanged: Exchanged) -> Decision:
         everybody = list(range(self.wire.size))
         if exchanged.rejected:  # every rank of the outer group rejects the same workers
-            return Decision(everybody, [], "; ".join(f"worker {k}: {why}" for k, why in sorted(exchanged.rejected.items())))
-        norms, reason = vote.count(exchanged.headers, self.max_norm_ratio)
+            return Decision(everybody, [], "; ".join(f"worker {k}: {why}" + (_NOT_THIS_SYNC if why == AUTHENTICATION
+                                                                                else "")
+                                                     for k, why in sorted(exchanged.rejected.items())))
+        rows = [h.cpu().clone().view(torch.float64).tolist() for h in exchanged.headers]  # clone: aligned
+        disagree = disagreement([(int(r[-3]), int(r[-2]), r[-1]) for r in rows])
+        if disagree:  # every rank of the outer group sees the same headers, so all stop here
+            raise DisagreementError(disagree)
+        norms, reason = vote.count([h[:vote.BALLOT_BYTES] for h in exchanged.headers], self.max_norm_ratio)
         return Decision(everybody, norms, reason)
 
     def sums(self, values: list[float], outer_step: int, fragment: int, context: str) -> list[list[float]]:
         self.metrics_wire.begin(outer_step, fragment)
         return self.metrics_wire.sum_per_worker(values, self.workers, context)
+
+
+OUTSIDE_SYNCS = -1  # the outer step the tags of the exchanges outside any sync name (agreement.py)
 
 
 class StaticMembership:
@@ -134,13 +173,26 @@ class StaticMembership:
 
     replays_pending = True  # a checkpoint's in-flight syncs are replayed on load (every worker resumes together)
 
-    def differing_workers(self, signature: bytes) -> list[int]:
-        """The workers whose `signature` (the same size on every rank: a digest) differs from this
-        rank's, or fails its tag: one all-gather over this rank's outer group, before any sync."""
+    def gather(self, data: bytes, context: str) -> list[bytes | None]:
+        """Every rank's `data` (the same size on every rank), by global rank (None: its tag failed), over
+        the group of every rank: so every rank decides alike; outside any sync."""
+        wire = self._session.metrics_wire
+        wire.begin(outer_step=OUTSIDE_SYNCS, fragment=0)
+        parts = wire.all_gather(torch.frombuffer(bytearray(data), dtype=torch.uint8), context)
+        return [None if part is None else part.cpu().numpy().tobytes() for part in parts]
+
+    def from_worker_zero(self, flat: torch.Tensor, context: str) -> torch.Tensor:
+        """Worker 0's `flat` (uint8, the same size on every rank of an outer group) on every worker, over
+        this rank's outer group; outside any sync."""
         wire = self._session.wire
-        mine = torch.frombuffer(bytearray(signature), dtype=torch.uint8)
-        parts = wire.all_gather(mine, "the outer groups' first exchange")
-        return [k for k, part in enumerate(parts) if part is None or not torch.equal(part.cpu(), mine)]
+        wire.begin(outer_step=OUTSIDE_SYNCS, fragment=0)
+        mine = flat.reshape(-1).view(torch.uint8)
+        blocks = [mine if wire.rank == 0 and receiver != 0 else mine[:0] for receiver in range(wire.size)]
+        received = wire.all_to_all(blocks, [mine.numel() if wire.rank != 0 and src == 0 else 0
+                                            for src in range(wire.size)], context)[0]
+        if received is None:
+            raise DisagreementError(f"{context}: worker 0's weights failed their tag")
+        return flat if wire.rank == 0 else received.to(flat.device)
 
     def run(self, task, sync):
         return sync(self._session)

@@ -1,7 +1,7 @@
 """The MuLoCo / DiLoCo outer loop: when syncs run, and what their results do to the local weights.
 
-It is attached to a host, the training loop that runs the inner steps (`Host` below): this
-project's trainer (trainer/outer_host.py) or any DeepSpeed engine (muloco/hook/).
+It is attached to a host, the training loop that runs the inner steps (host.py): this project's
+trainer (trainer/outer_host.py) or any DeepSpeed engine (muloco/hook/).
 The host calls `after_inner_step(step)` after every optimizer step. What is synced is a list of
 tensors with their plan (plan.py); the outer state of the ones this rank owns is outer_state.py's; one
 sync is sync.py's body, run through a membership (membership.py: the single world's fixed K workers,
@@ -9,13 +9,13 @@ or the elastic mode's torchft quorum, muloco/elastic/membership.py).
 
 With D inner-DP replicas holding the same (replicated) tensors, each replica owns 1/D of them: it alone
 keeps their outer state and syncs them with its peers in the other workers, then shares the result
-inside its worker. Sharded tensors (ZeRO's partitions) are each rank's own: nothing is shared.
+inside its worker (local_weights.py). Sharded tensors (ZeRO's partitions) are each rank's own.
 
 A sync applies Nesterov SGD to the global weights, and every worker restarts from them (or, when the
 sync overlapped tau inner steps, mixes them into its local weights with weight alpha); inner optimizer
 state is kept. With `streaming.overlap_steps` > 0 a sync runs in a background thread while the inner
 steps go on, and its result is applied tau steps after it started; `"auto"` picks each sync's tau
-from the fragment's previous sync (`_overlap`). At the run's last step (`final_sync`) the syncs in flight
+from the fragment's previous sync (plan.auto_overlap_steps). At the run's last step (`final_sync`) the syncs in flight
 are applied and every fragment whose local weights moved since it last took the global ones syncs once
 more, so the run ends with one model on every worker. The background thread runs one
 task at a time (syncs and metrics in the order every rank submits them), on the outer loop's own
@@ -27,93 +27,51 @@ or after H steps, moves to the sync's step (`Host.skip_to`) and syncs with its i
 in the header; the merge weights contributions by tokens and the outer momentum takes the correction
 for unequal step counts. `emulate_slowdown` makes a worker sleep after each inner step (benchmarks).
 
-A member that is behind (the elastic mode) receives a peer's state first (`peer_state`,
-`check_peer_state`, `load_peer_state`), then goes on from the peers' position (the host's step and
-lr schedule).
+Checkpoints, and a member that is behind (the elastic mode), take the loop's state as one snapshot
+(loop_snapshot.py, snapshot.py); a member that caught up goes on from its peers' position.
 """
 from __future__ import annotations
 
 import contextlib
-import math
 import statistics
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 
 from muloco.core import comm
-from muloco.diloco.collectives import Averaged
+from muloco.core.topology import Topology
+from muloco.diloco import loop_snapshot
+from muloco.diloco.auth import JobKey
 from muloco.diloco.config import MuLoCoConfig
+from muloco.diloco.host import Host
+from muloco.diloco.local_weights import LocalWeights
 from muloco.diloco.membership import Membership
 from muloco.diloco.outer_state import OuterState
-from muloco.diloco.pace import Pacer
-from muloco.diloco.plan import SyncedTensor, owned_by, plan_buckets, sync_offsets
-from muloco.diloco.sync import SyncBody, SyncResult, SyncTask
-from muloco.core.topology import Topology
-
-
-class Host(Protocol):
-    """What the outer loop asks of the training loop it is attached to."""
-    last_step: int | None  # the run's last inner step, when known: no sync is prepared past it
-
-    def inner_step(self) -> int:
-        """Optimizer steps taken (the run's position; the data stream follows it)."""
-
-    def schedule_state(self) -> dict | None:
-        """The lr schedule's state_dict (None: the host has no schedule)."""
-
-    def go_on_from(self, step: int, schedule: dict | None) -> None:
-        """Move the run to a peer's position: its inner step and lr schedule (a member that caught up)."""
-
-    def weights_written(self) -> None:
-        """The outer loop wrote the local weights outside an optimizer step's own update: refresh
-        whatever the host derives from them (DeepSpeed's bf16 copies of its fp32 master partitions)."""
-
-    # Wall-clock pacing only (pace.py):
-    tokens_per_step: float  # what one inner step of this worker consumes (only ratios between workers matter)
-
-    def inner_lr(self) -> float:
-        """The lr the coming inner step uses (the first parameter group's: only ratios matter)."""
-
-    def skip_to(self, step: int) -> list[float]:
-        """Move the run forward to `step` as if the steps in between were taken (the lr schedule steps,
-        the data position follows the step); the lrs those steps would have used."""
-
-
-AUTO_FIRST_OVERLAP = 1  # `overlap_steps: "auto"`: a fragment's first sync, before any timing is known
-AUTO_MARGIN = 1.25  # ... later ones cover the slowest worker's last sync of the fragment with this margin
-
-
-@dataclass
-class _Pending:
-    apply_at: int
-    task: SyncTask
-    deltas: list[torch.Tensor]  # one flat buffer per bucket, kept so a checkpoint can replay the sync
-    future: Future  # of a SyncResult
-
-
-def _done(result) -> Future:
-    future: Future = Future()
-    future.set_result(result)
-    return future
+from muloco.diloco.pace import Pacer, next_sync_step
+from muloco.diloco.plan import SyncedTensor, auto_overlap_steps, owned_by, plan_buckets, sync_offsets
+from muloco.diloco.snapshot import CHECKPOINT, Snapshot, SnapshotError
+from muloco.diloco.sync import PendingSync, SyncBody, SyncResult, SyncTask
 
 
 class OuterLoop:
     def __init__(self, config: MuLoCoConfig, tensors: list[SyncedTensor], topology: Topology,
                  log: Callable[[dict, int], None], membership: Membership, replicated: bool = True,
-                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep):
+                 key: JobKey | None = None, clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep):
         """`tensors` (plan.synced_tensors) are replicated over the worker's inner-DP replicas
-        (`replicated`), or each rank's own shard. `clock` times the inner steps, the syncs and the pacing's
-        deadlines; `sleep` waits out an emulated slowdown."""
-        self.config, self.topology, self.log, self.membership = config, topology, log, membership
+        (`replicated`), or each rank's own shard. `key`: the job secret, whose tag the snapshots carry.
+        `clock` times the inner steps, the syncs and the pacing's deadlines; `sleep` waits out an emulated
+        slowdown."""
+        self.config, self.topology, self.log, self.membership, self.key = config, topology, log, membership, key
         self.tensors, self.replicated = tensors, replicated
         F = config.streaming.fragments
         owned = owned_by(tensors, topology.sizes.data, topology.coords.data, replicated)
         self.state = OuterState(tensors, owned, config.outer_state_on_device)
         self.buckets = [plan_buckets(tensors, owned, fragment, config) for fragment in range(F)]
+        self.local = LocalWeights(tensors, self.state, self.buckets, topology, replicated)
         self.offsets = sync_offsets(config.sync_interval, F)
         device = tensors[0].tensor.device if tensors else comm.compute_device()
         self.clock, self.sleep = clock, sleep
@@ -121,15 +79,14 @@ class OuterLoop:
         self.pacer = Pacer(config.pace, config.sync_interval) if config.pace.paced else None
         self.body = SyncBody(config, self.buckets, device, membership, topology.sizes.ranks_per_worker, self._context,
                              clock)
-        self.pending: list[_Pending] = []
+        self.pending: list[PendingSync] = []
         self.auto_overlap = config.streaming.overlap_steps == "auto"
         self._step_seconds: deque[float] = deque(maxlen=config.sync_interval)  # recent inner steps' wall time
         self._step_started: float | None = None
-        self._timings: dict[int, Future] = {}  # fragment -> the metrics of its last applied sync (auto overlap)
+        self.timings: dict[int, Future] = {}  # fragment -> the metrics of its last applied sync (auto overlap)
         self.joining = False  # no pseudogradient of its own to contribute (an elastic start, or a state just loaded)
-        self._hold_global: set[int] = set()  # fragments whose local weights are the global ones since the last step
         self.host: Host | None = None
-        self._background = ThreadPoolExecutor(max_workers=1)  # overlapped syncs and every sync's metrics
+        self.background = ThreadPoolExecutor(max_workers=1)  # overlapped syncs and every sync's metrics
         self._statistics: list[Future] = []  # of records whose metrics are being reduced
 
     # -- attaching ---------------------------------------------------------------------------------
@@ -152,7 +109,7 @@ class OuterLoop:
     def close(self) -> None:
         """Stop the background thread: queued tasks are dropped, a running one ends (a failed run's
         peers are gone, so its collective fails) and the thread is joined, so none outlives the run."""
-        self._background.shutdown(wait=True, cancel_futures=True)
+        self.background.shutdown(wait=True, cancel_futures=True)
 
     def finish(self) -> None:
         """At the end of the run: every sync still in flight (none after a final sync) finishes its
@@ -176,7 +133,7 @@ class OuterLoop:
             self._step_seconds.append(self.clock() - self._step_started)
         if self.pacer is not None:
             step = self._paced(step)
-        self._hold_global.clear()  # the inner step moved every fragment's local weights
+        self.local.hold_global.clear()  # the inner step moved every fragment's local weights
         self._log_statistics(wait=False)
         with self.state.lock:
             due = [e for e in self.pending if e.apply_at == step]
@@ -193,32 +150,23 @@ class OuterLoop:
             # syncs are its peers' next ones)
             syncs_next = any((step + 1) % self.config.sync_interval == offset for offset in self.offsets)
             if syncs_next or (step + 1 == last and self.config.final_sync):
-                self.membership.prepare(self._background, step + 1)
+                self.membership.prepare(self.background, step + 1)
         self._step_started = self.clock()
 
     def _paced(self, step: int) -> int:
         """Wall-clock pacing: the step the run is at after inner step `step`, the sync's own step when
         this worker's deadline has come (it moves there: `Host.skip_to`)."""
         self.pacer.stepped(self.host.inner_lr())
-        sync_step = self._sync_step_from(step)
+        sync_step = next_sync_step(step, self.config.sync_interval, self.host.last_step, self.config.final_sync)
         if sync_step is None or sync_step == step or not self.pacer.due(self.clock(), self._recent_step_seconds()):
             return step
         self.pacer.skipped(self.host.skip_to(sync_step))
         return sync_step
 
-    def _sync_step_from(self, step: int) -> int | None:
-        """The step of the next sync at or after `step` (F = 1): the next multiple of H, or the run's
-        final sync; None when the run ends before another sync."""
-        interval, last = self.config.sync_interval, self.host.last_step
-        next_sync = -(-step // interval) * interval
-        if last is not None and last < next_sync:
-            return last if self.config.final_sync else None
-        return next_sync
-
     def _recent_step_seconds(self) -> float:
         return statistics.median(self._step_seconds) if self._step_seconds else 0.0
 
-    def _apply_pending(self, entry: _Pending) -> None:
+    def _apply_pending(self, entry: PendingSync) -> None:
         waited = time.perf_counter()
         result = entry.future.result()
         result.record["apply_wait_seconds"] = time.perf_counter() - waited  # what overlap did not hide
@@ -236,7 +184,7 @@ class OuterLoop:
         for entry in landing:
             self._apply_pending(entry)
         for fragment in range(len(self.buckets)):
-            if fragment not in self._hold_global and not self._moved_from(step):
+            if fragment not in self.local.hold_global and not self._moved_from(step):
                 self._launch(fragment, step, final=True)
 
     def _moved_from(self, step: int) -> bool:
@@ -269,7 +217,8 @@ class OuterLoop:
         schedule = self.host.schedule_state() if self.host is not None else None
         step_seconds = self._recent_step_seconds()
         contribution = self.pacer.contribution(self.clock(), self.host.tokens_per_step) if self.pacer else None
-        task = SyncTask(fragment, step, self.state.outer_step + 1, schedule, step_seconds, contribution)
+        task = SyncTask(fragment, step, self.state.outer_step + 1, schedule, step_seconds, contribution,
+                        self.weights_digest(fragment))
         tau = 0 if final else self._overlap(fragment)
         if tau == 0:
             self.flush_metrics()  # their reduction shares the wires with this sync
@@ -280,7 +229,7 @@ class OuterLoop:
             if self.pacer is not None:  # the next interval starts when this sync has ended
                 self.pacer.start(self.clock(), self.host.inner_lr())
         else:
-            self.pending.append(_Pending(step + tau, task, deltas, self._background.submit(self.sync, task, deltas)))
+            self.pending.append(PendingSync(step + tau, task, deltas, self.background.submit(self.sync, task, deltas)))
 
     def _overlap(self, fragment: int) -> int:
         """tau for the fragment's next sync. `auto`: the smallest number of inner steps that covers its
@@ -289,11 +238,9 @@ class OuterLoop:
         streaming = self.config.streaming
         if not self.auto_overlap:
             return streaming.overlap_steps
-        timing = self._timings.get(fragment)
-        needed = timing.result().get("overlap_needed") if timing is not None else None
-        if needed is None:  # its first sync (or its metrics were lost: an elastic member left)
-            return AUTO_FIRST_OVERLAP
-        return max(1, min(streaming.max_overlap_steps, math.ceil(AUTO_MARGIN * needed)))
+        timing = self.timings.get(fragment)
+        return auto_overlap_steps(timing.result().get("overlap_needed") if timing is not None else None,
+                                  streaming.max_overlap_steps)
 
     def sync(self, task: SyncTask, deltas: list[torch.Tensor]) -> SyncResult:
         """One sync through the membership (sync.py); may run in the background thread."""
@@ -330,8 +277,8 @@ class OuterLoop:
         if result.statistics is None:
             self._log(result.record)
         else:
-            self._statistics.append(self._background.submit(result.statistics))
-            self._timings[result.fragment] = self._statistics[-1]
+            self._statistics.append(self.background.submit(result.statistics))
+            self.timings[result.fragment] = self._statistics[-1]
 
     def _go_on_from(self, task: SyncTask) -> None:
         """After a sync it caught up to, a member goes on as its peers do: every fragment's local weights
@@ -344,187 +291,35 @@ class OuterLoop:
             self.host.go_on_from(task.step, task.scheduler)
 
     def _restart_from_global(self, fragments: list[int], alpha: float = 0.0) -> None:
-        """The fragments' local weights := their global weights (mixed with weight alpha of the local ones)."""
-        if alpha == 0.0:
-            self._hold_global.update(fragments)
-        for fragment in fragments:
-            for spec in self.buckets[fragment]:
-                for i in spec.indices:
-                    t = self.tensors[i].tensor
-                    new = self.state.global_weights[i].to(t.device, t.dtype, non_blocking=True)
-                    t.copy_(new if alpha == 0.0 else t.mul(alpha).add_(new, alpha=1 - alpha))
-            self._share_inside_worker(fragment)
+        self.local.restart_from_global(fragments, alpha)
         if self.host is not None:
             self.host.weights_written()
-
-    def _share_inside_worker(self, fragment: int) -> None:
-        """The owning replica's new weights to the other D-1 replicas (non-owners add zeros: exact)."""
-        if not self.replicated or self.topology.sizes.data == 1:
-            return
-        members = [i for i, t in enumerate(self.tensors) if t.fragment == fragment]
-        if not members:
-            return
-        owned = self.state.global_weights
-        flat = torch.cat([self.tensors[i].tensor.detach().reshape(-1) if i in owned
-                          else torch.zeros_like(self.tensors[i].tensor).reshape(-1) for i in members])
-        comm.all_reduce(flat, group=self.topology.inner_dp_group)
-        offset = 0
-        for i in members:
-            t = self.tensors[i].tensor
-            t.detach().copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
 
     def weights_digest(self, fragment: int) -> float:
         """An exact digest of this rank's global weights of one fragment (outer_state.OuterState.digest)."""
         return self.state.digest([i for spec in self.buckets[fragment] for i in spec.indices])
 
-    # -- a peer's state (a member that is behind receives it) ---------------------------------------
+    # -- the snapshot: checkpoints, and a member that is behind (loop_snapshot.py) ---------------------
 
-    def peer_state(self, task: SyncTask) -> dict:
-        """The outer state and the sync `task` for a member that is behind: global weights and outer
-        momentum, counters, the results of syncs still in flight (done, not yet applied), and where the
-        run stands. Called by the thread running the sync; consistent with the main thread's applies."""
-        state = self.state
-        with state.lock:
-            tensors = state.tensors_by_name()
-            return {
-                "outer_step": state.outer_step, "skipped": state.skipped,
-                "global_weights": {n: w.clone() for n, w in tensors["global_weights"].items()},
-                "momentum": {n: m.clone() for n, m in tensors["momentum"].items()},
-                "pending": [{"apply_at": e.apply_at, "fragment": e.task.fragment,
-                             "averages": [a.average for a in e.future.result().averaged or []],
-                             "skipped": e.future.result().averaged is None}
-                            for e in self.pending if e.future.done()],
-                "sync": {"fragment": task.fragment, "step": task.step, "outer_step": task.outer_step,
-                         "scheduler": task.scheduler or (self.host.schedule_state() if self.host else None)},
-            }
+    def snapshot(self, kind: str = CHECKPOINT, joins: SyncTask | None = None) -> Snapshot:
+        return loop_snapshot.take(self, kind, joins)
 
-    def check_peer_state(self, state: dict) -> list[str]:
-        """How a peer's state differs in form from this rank's own (keys, names, shapes, dtypes, counts):
-        it is loaded with copy_, which would broadcast a smaller tensor."""
-        keys = {"outer_step", "skipped", "global_weights", "momentum", "pending", "sync"}
-        if set(state) != keys:
-            return [f"keys {sorted(state)} instead of {sorted(keys)}"]
-        problems, counts, sync = [], [("outer_step", state["outer_step"]), ("skipped", state["skipped"])], state["sync"]
-        if not isinstance(sync, dict) or set(sync) != {"fragment", "step", "outer_step", "scheduler"}:
-            problems.append("its sync is not a (fragment, step, outer_step, scheduler) record")
-        else:
-            counts += [(f"sync.{k}", sync[k]) for k in ("step", "outer_step", "fragment")]
-            if isinstance(sync["fragment"], int) and not 0 <= sync["fragment"] < len(self.buckets):
-                problems.append(f"sync.fragment {sync['fragment']} is not a fragment of this run")
-            schedule = self.host.schedule_state() if self.host is not None else None
-            theirs = sync["scheduler"]
-            if (theirs is None) != (schedule is None) or (
-                    schedule is not None and (not isinstance(theirs, dict) or set(theirs) != set(schedule))):
-                problems.append("the lr schedule's state has other keys than this run's")
-        problems += [f"{key} {value!r} is not a count" for key, value in counts
-                     if not isinstance(value, int) or isinstance(value, bool) or value < 0]
-        problems += self.state.form_problems(state)
-        if not isinstance(state["pending"], list) or not all(self._pending_form(e) for e in state["pending"]):
-            problems.append("its in-flight syncs are not (apply_at, fragment, averages, skipped) of this run's buckets")
-        return problems
+    def read_snapshot(self, tree, kind: str, source: str) -> Snapshot:
+        return loop_snapshot.read(self, tree, kind, source)
 
-    def _pending_form(self, entry) -> bool:
-        if not isinstance(entry, dict) or set(entry) != {"apply_at", "fragment", "averages", "skipped"}:
-            return False
-        fragment = entry["fragment"]
-        if not isinstance(fragment, int) or not 0 <= fragment < len(self.buckets) or not isinstance(entry["apply_at"], int):
-            return False
-        sizes = [spec.numel for spec in self.buckets[fragment]]
-        averages = entry["averages"]
-        return entry["skipped"] is True and averages == [] or entry["skipped"] is False and len(averages) == len(sizes) \
-            and all(isinstance(a, torch.Tensor) and a.dtype == torch.float32 and a.shape == (n,)
-                    for a, n in zip(averages, sizes))
+    def load_snapshot(self, snapshot: Snapshot) -> SyncTask | None:
+        return loop_snapshot.restore(self, snapshot)
 
-    @torch.no_grad()
-    def load_peer_state(self, state: dict) -> SyncTask:
-        """Take a peer's outer state (checked by check_peer_state first); its error feedback restarts
-        from zero (it held what this member's own payloads did not carry). Returns the sync to take part
-        in; applying its result moves the local weights and the run's position to the peers'
-        (`_go_on_from`), on the main thread."""
-        tau = self.config.streaming.overlap_steps
-        sync = state["sync"]
-        task = SyncTask(sync["fragment"], sync["step"], sync["outer_step"], sync["scheduler"])
-        with self.state.lock:
-            self.state.load_tensors(state)
-            self._reset_error_feedback()
-            # The peer's syncs that are done but not yet applied replace this member's; its own sync in
-            # flight (a member that fell behind mid-run) stays.
-            self.pending = [_Pending(e["apply_at"], SyncTask(e["fragment"], e["apply_at"] - tau, 0, None), [],
-                                     _done(SyncResult(e["fragment"], None if e["skipped"] else
-                                                      [Averaged(a, torch.zeros_like(a)) for a in e["averages"]], {})))
-                            for e in state["pending"]] + [e for e in self.pending if not e.future.done()]
-        self.joining = True
-        return task
-
-    def _reset_error_feedback(self) -> None:
-        for specs in self.buckets:
-            for spec in specs:
-                if spec.error_feedback:
-                    spec.error_feedback.error = None
-
-    # -- checkpointing -----------------------------------------------------------------------------
-
-    def _error_feedback_state(self) -> dict[str, torch.Tensor]:
-        """Error-feedback residuals by tensor name, in wire shape (none before the first sync)."""
-        state = {}
-        for specs in self.buckets:
-            for spec in specs:
-                if spec.error_feedback and spec.error_feedback.error is not None:
-                    residuals = spec.packing.unflatten(spec.error_feedback.error)
-                    state.update({self.tensors[i].name: r for i, r in zip(spec.indices, residuals)})
-        return state
-
+    # The trainer's checkpoints hold the snapshot as one of its extra components (trainer/checkpoint/).
     def state_dict(self) -> dict:
-        state = {
-            "outer_step": self.state.outer_step, "skipped": self.state.skipped,
-            **self.state.tensors_by_name(),
-            "error_feedback": self._error_feedback_state(),
-            # In-flight overlapped syncs are replayed on load: the communication is deterministic, and
-            # their results (error feedback included) are only applied at apply_at.
-            "pending": [{"apply_at": e.apply_at, "fragment": e.task.fragment, "outer_step": e.task.outer_step,
-                         "deltas": e.deltas} for e in self.pending],
-        }
-        if self.auto_overlap:  # each sync's own tau, and what the next ones are decided from (an exact resume)
-            for entry, saved in zip(self.pending, state["pending"]):
-                saved["step"] = entry.task.step
-            state["overlap_needed"] = {str(f): float(t.result().get("overlap_needed") or 0.0)
-                                       for f, t in sorted(self._timings.items())}
-        if self.pacer is not None:  # the deadline of the interval after a resume (None: not set yet)
-            state["pace_deadline_s"] = self.pacer.deadline
-        return state
+        return self.snapshot(CHECKPOINT).to_tree()
 
-    def load_state_dict(self, state: dict) -> None:
-        owned = self.state.names()
-        with_feedback = {self.tensors[i].name for specs in self.buckets for spec in specs if spec.error_feedback
-                         for i in spec.indices}
-        feedback = state["error_feedback"]
-        if set(state["global_weights"]) != set(owned) or set(state["momentum"]) != set(owned) or (
-                feedback and set(feedback) != with_feedback):
-            raise ValueError("outer-loop checkpoint holds different parameters than this rank owns")
-        deadline = state.get("pace_deadline_s")  # absent: a checkpoint of a run without pacing
-        if self.pacer is not None and deadline is not None:
-            if not isinstance(deadline, float) or not 0 < deadline < math.inf:
-                raise ValueError(f"outer-loop checkpoint's pace_deadline_s {deadline!r} is not a positive number")
-            self.pacer.deadline = deadline
-        self.state.load_tensors(state)
-        for specs in self.buckets:
-            for spec in specs:
-                if spec.error_feedback and feedback:
-                    device = self.tensors[spec.indices[0]].tensor.device
-                    spec.error_feedback.keep(
-                        spec.packing.flatten([feedback[self.tensors[i].name].to(device) for i in spec.indices]))
-        tau = self.config.streaming.overlap_steps
-        tasks = [SyncTask(e["fragment"], e["step"] if self.auto_overlap else e["apply_at"] - tau, e["outer_step"], None)
-                 for e in state["pending"]]
-        if self.auto_overlap:
-            self._timings = {int(f): _done({"overlap_needed": needed or None})
-                             for f, needed in state["overlap_needed"].items()}
-        if tasks and not self.membership.replays_pending:
-            if self.topology.is_logging_rank:
-                print(f"outer loop: {len(tasks)} syncs in flight in the checkpoint are dropped: this worker catches up "
-                      f"from its peers", flush=True)
-            self.pending = []
-            return
-        self.pending = [_Pending(e["apply_at"], task, e["deltas"], self._background.submit(self.sync, task, e["deltas"]))
-                        for e, task in zip(state["pending"], tasks)]
+    def state_problems(self, tree) -> list[str]:
+        try:
+            self.read_snapshot(tree, CHECKPOINT, "the outer loop's state")
+        except SnapshotError as err:
+            return [str(err)]
+        return []
+
+    def load_state_dict(self, tree) -> None:
+        self.load_snapshot(self.read_snapshot(tree, CHECKPOINT, "the outer loop's state"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Iterable
 
 import torch
 
@@ -20,6 +21,13 @@ def outer_sgd_direction(average: torch.Tensor, momentum: torch.Tensor, mu: float
     dampening 0), updating `momentum` in place; the weights move by -outer_lr times it."""
     m = momentum.mul_(mu).add_(average)
     return average.add(m, alpha=mu) if nesterov else m
+
+
+def digest_of(tensors: Iterable[torch.Tensor]) -> float:
+    """An exact digest of fp32 tensors (the sum of their bit patterns as integers, mod 2**52, in any
+    order): equal wherever they are bit-identical, on any device."""
+    total = sum(int(t.view(torch.int32).sum(dtype=torch.int64)) for t in tensors)
+    return float(total % (1 << 52))
 
 
 def _state_copy(t: torch.Tensor, on_device: bool) -> torch.Tensor:
@@ -55,11 +63,9 @@ class OuterState:
         return self.tensors[i].to_wire(self.global_weights[i].to(t.device, non_blocking=True) - t.float())
 
     def digest(self, indices: list[int]) -> float:
-        """An exact digest of these tensors' global weights (the sum of their fp32 bit patterns as
-        integers, mod 2**52): equal wherever they are bit-identical, on any device."""
+        """digest_of these tensors' global weights."""
         with self.lock:
-            total = sum(int(self.global_weights[i].view(torch.int32).sum(dtype=torch.int64)) for i in indices)
-        return float(total % (1 << 52))
+            return digest_of(self.global_weights[i] for i in indices)
 
     def checksum(self) -> str:
         """sha256 of this rank's global weights (fp32 bytes, in tensor order): equal on two workers iff
@@ -73,27 +79,11 @@ class OuterState:
         return {"global_weights": {self.tensors[i].name: w for i, w in self.global_weights.items()},
                 "momentum": {self.tensors[i].name: m for i, m in self.momentum.items()}}
 
-    def form_problems(self, state: dict) -> list[str]:
-        """How `state`'s global weights and momentum differ in form from this rank's (names, dtypes,
-        shapes): they are loaded with copy_, which would broadcast a smaller tensor."""
-        problems = []
-        for key, mine in (("global_weights", self.global_weights), ("momentum", self.momentum)):
-            theirs = state.get(key)
-            if not isinstance(theirs, dict) or set(theirs) != {self.tensors[i].name for i in mine}:
-                problems.append(f"{key} holds other parameters than this rank owns")
-                continue
-            for i, tensor in mine.items():
-                t = theirs[self.tensors[i].name]
-                if not isinstance(t, torch.Tensor) or t.dtype != tensor.dtype or t.shape != tensor.shape:
-                    problems.append(f"{key}[{self.tensors[i].name}] is not a {tensor.dtype} tensor of shape "
-                                    f"{tuple(tensor.shape)}")
-        return problems
-
     @torch.no_grad()
-    def load_tensors(self, state: dict) -> None:
-        """Global weights, momentum and counters from a checked state (the caller holds the lock
-        where another thread may read)."""
+    def load_tensors(self, snapshot) -> None:
+        """Global weights, momentum and counters from a checked snapshot (snapshot.py; the caller holds
+        the lock where another thread may read)."""
         for name, i in self.names().items():
-            self.global_weights[i].copy_(state["global_weights"][name])
-            self.momentum[i].copy_(state["momentum"][name])
-        self.outer_step, self.skipped = state["outer_step"], state["skipped"]
+            self.global_weights[i].copy_(snapshot.global_weights[name])
+            self.momentum[i].copy_(snapshot.momentum[name])
+        self.outer_step, self.skipped = snapshot.outer_step, snapshot.skipped

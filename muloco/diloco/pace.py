@@ -190,3 +190,12 @@ class Pacer:
         quorum, and only theirs)."""
         if self.config.interval_s == "auto":
             self.deadline = auto_deadline(contributions, self.sync_interval) or self.deadline
+
+
+def next_sync_step(step: int, interval: int, last_step: int | None, final_sync: bool) -> int | None:
+    """The step of the next sync at or after `step` (F = 1): the next multiple of H, or the run's final
+    sync; None when the run ends before another sync."""
+    next_sync = -(-step // interval) * interval
+    if last_step is not None and last_step < next_sync:
+        return last_step if final_sync else None
+    return next_sync

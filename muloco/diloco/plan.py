@@ -16,6 +16,8 @@ so row-wise compression sees the parameter's own rows (cut only where the partit
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass
 
@@ -131,6 +133,19 @@ def sync_offsets(sync_interval: int, fragments: int) -> list[int]:
     return [math.floor(sync_interval / fragments * (i + 1)) % sync_interval for i in range(fragments)]
 
 
+AUTO_FIRST_OVERLAP = 1  # `overlap_steps: "auto"`: a fragment's first sync, before any timing is known
+AUTO_MARGIN = 1.25  # ... later ones cover the slowest worker's last sync of the fragment with this margin
+
+
+def auto_overlap_steps(needed: float | None, max_overlap_steps: int) -> int:
+    """`overlap_steps: "auto"`: tau for a fragment's next sync, from the inner steps its last sync took on
+    the slowest worker (`needed`, reduced alike by every worker; None: its first sync, or its metrics were
+    lost when an elastic member left)."""
+    if needed is None:
+        return AUTO_FIRST_OVERLAP
+    return max(1, min(max_overlap_steps, math.ceil(AUTO_MARGIN * needed)))
+
+
 def owned_by(tensors: list[SyncedTensor], replicas: int, replica: int, replicated: bool) -> list[int]:
     """The tensors this rank keeps the outer state of and syncs: with tensors replicated over the
     worker's D inner-DP replicas, 1/D of them (balanced by size); with sharded tensors (ZeRO's
@@ -175,3 +190,12 @@ def plan_buckets(tensors: list[SyncedTensor], owned: list[int], fragment: int, c
                                                                          parts), counts_once,
                                 ErrorFeedback.from_config(codec, config.outer_lr) if codec.error_feedback else None))
     return specs
+
+
+def plan_signature(tensors: list[SyncedTensor]) -> bytes:
+    """32 bytes that two ranks holding the same shard of the same model share: names, wire shapes,
+    compression groups and fragments, in order."""
+    rows = [[t.name, list(t.wire_shape), t.group, t.fragment, t.transposed] for t in tensors]
+    return hashlib.sha256(json.dumps(rows).encode()).digest()
+
+

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from concurrent.futures import Future
 from dataclasses import astuple, dataclass
 from typing import Callable
 
@@ -50,6 +51,7 @@ class SyncTask:
     scheduler: dict | None  # the lr schedule's state at `step` (None: a replay from a checkpoint, or no schedule)
     step_seconds: float = 0.0  # this rank's recent inner step time (0: not measured)
     contribution: Contribution | None = None  # this worker's interval (wall-clock pacing; None: fixed H)
+    weights_digest: float | None = None  # of this rank's global weights of the fragment at launch (None: a replay)
 
 
 @dataclass
@@ -61,6 +63,21 @@ class SyncResult:
     caught_up: SyncTask | None = None  # the peers' sync this member received their state for
     contributions: list[Contribution] | None = None  # every worker's interval, in rank order (pacing)
     momentum_exponent: float = 1.0  # the outer momentum decays as mu ** this (pace.py's correction)
+
+
+@dataclass
+class PendingSync:
+    """A sync launched and not yet applied (an overlapped one runs in the loop's background thread)."""
+    apply_at: int
+    task: SyncTask
+    deltas: list[torch.Tensor]  # one flat buffer per bucket, kept so a checkpoint can replay the sync
+    future: Future  # of a SyncResult
+
+
+def done_future(result) -> Future:
+    future: Future = Future()
+    future.set_result(result)
+    return future
 
 
 def _repack(flat: torch.Tensor, source: BucketPacking, target: BucketPacking) -> torch.Tensor:
@@ -111,7 +128,7 @@ class SyncBody:
         # Reduce-scatter cuts each bucket into one chunk per member: a quorum of fewer than K members
         # (elastic) exchanges the buckets re-cut for its size, and the results come back in K chunks.
         cut = [_recut(b, session.wire.size) for b in buckets]
-        header, choose, weigh = session.header(ballot, task.step, task.fragment), session.choose, None
+        header, choose, weigh = session.header(ballot, task), session.choose, None
         paced = self.config.pace.paced
         if paced:  # the contribution rides after the membership's header
             contribution = task.contribution if contributing and task.contribution is not None else NO_CONTRIBUTION

@@ -52,8 +52,8 @@ def sync_record(rows: list[list[float]], contributors: list[int], ranks_per_work
     from the others', and the run stops here, on every rank, rather than train on apart."""
     if len({row[5] for row in rows}) > 1:
         raise CollectiveError(f"the workers disagree on which outer payloads to reject in {context} (a message was "
-                              f"altered on its way to some of them): their weights now differ; restart from the last "
-                              f"checkpoint")
+                              f"altered on its way to some of them, or a worker is at another outer step): their "
+                              f"weights now differ; restart every worker from the same checkpoint")
     # The slowest worker's sync, in its own inner steps: what `overlap_steps: "auto"` covers (every
     # member reduces the same rows, so every member finds the same value).
     timing = {"overlap_needed": max(row[6] for row in rows)}

@@ -2,7 +2,8 @@
 fault-tolerant outer group built on torchft (https://github.com/pytorch/torchft).
 
 - `lighthouse`: the quorum server every worker's torchft ManagerServer talks to (`python -m
-  muloco.elastic.lighthouse`), behind `tunnel`'s authenticated gateway.
+  muloco.elastic.lighthouse`), behind `tunnel`'s authenticated gateway, in a network of its own
+  (`private_network`) that only the gateway reaches.
 - `authentic_quorum`: which members of torchft's quorum count (those whose replica id the job secret
   signed).
 - `quorum`: this rank's torchft Manager and its reconfigurable group, which joins rank (d, p, t) of

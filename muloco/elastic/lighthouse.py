@@ -15,8 +15,10 @@ torchft's lighthouse itself listens on loopback only; --bind is the gateway in f
 (muloco/elastic/tunnel.py), which admits only connections that prove they hold the job secret
 (--key-file, default $MULOCO_AUTH_KEY_FILE, and --job-id as in the workers' muloco.auth). With
 --no-auth the lighthouse listens on --bind directly and anyone who reaches it can join the quorum.
-Any process on this host can still reach torchft's loopback port: the workers count only the quorum
-members whose replica id the job secret signed (muloco/elastic/authentic_quorum.py).
+That loopback is one of the lighthouse's own (a network namespace, muloco/elastic/private_network.py),
+so no other process on this host reaches torchft's port; where the kernel refuses one, the lighthouse
+says so and any process on this host can reach that port: the workers still count only the quorum
+members whose replica id the job secret signed, and log the others (muloco/elastic/authentic_quorum.py).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from pathlib import Path
 from torchft.coordination import LighthouseServer
 
 from muloco.diloco.auth import KEY_FILE_ENV, AuthConfig, read_private_job_key
+from muloco.elastic.private_network import enter_private_network
 from muloco.elastic.tunnel import Gateway, host_port
 from muloco.core.errors import ConfigError
 
@@ -63,9 +66,25 @@ def main(argv: list[str] | None = None) -> None:
         server, gateway = LighthouseServer(bind=f"{host}:{port}", **timeouts), None
         print(f"lighthouse at {server.address()} (no authentication)", flush=True)
     else:
+        # The public port first, in the host's network; torchft's lighthouse (which starts threads) in its own.
+        try:
+            gateway = Gateway(host, port, None, key)
+        except OSError as err:
+            sys.exit(f"lighthouse: cannot listen on {args.bind}: {err}")
+        try:
+            refused = enter_private_network()
+        except OSError as err:
+            sys.exit(f"lighthouse: cannot set up a network of its own: {err}")
         server = LighthouseServer(bind="127.0.0.1:0", **timeouts)
-        gateway = Gateway(host, port, ("127.0.0.1", host_port(server.address())[1]), key).start()
-        print(f"lighthouse at {gateway.address[0]}:{gateway.address[1]} (workers must hold the job secret)", flush=True)
+        gateway.target = ("127.0.0.1", host_port(server.address())[1])
+        gateway.start()
+        reach = "only the gateway reaches torchft's port, on a loopback of the lighthouse's own"
+        if refused is not None:
+            reach = f"any process on this host can reach torchft's port 127.0.0.1:{gateway.target[1]}"
+            print(f"WARNING: {reach}: a network of the lighthouse's own was refused ({refused}); the workers count "
+                  "only the quorum members the job secret signed, and log the others", file=sys.stderr, flush=True)
+        print(f"lighthouse at {gateway.address[0]}:{gateway.address[1]} (workers must hold the job secret; {reach})",
+              flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -13,7 +13,7 @@ once per attempt:
    the quorum: every member publishes (worker id, committed syncs), tagged; the first member that has
    them all sends its state and the sync's task to the members behind, over the quorum's group, tagged,
    as safetensors (nothing received is unpickled), each checked against its own shapes before it is
-   loaded (muloco.diloco.outer_loop.OuterLoop.peer_state / load_peer_state);
+   loaded (muloco/diloco/snapshot.py, the form a checkpoint has too);
 3. the exchange: every member's row rides in its payload's header (worker id, inner step, joining,
    non-finite, squared norm, committed syncs), so who contributes (`left_out` below) is decided in the
    same collective: one round trip. Left out: a row that fails its tag, a member that is joining (it
@@ -58,6 +58,7 @@ from muloco.diloco.auth import JobKey
 from muloco.diloco.collectives import CollectiveError, Exchanged, Wire
 from muloco.diloco.config import MuLoCoConfig
 from muloco.diloco.membership import Decision
+from muloco.diloco.snapshot import CATCH_UP
 from muloco.diloco.sync import SyncTask
 from muloco.elastic.quorum import NoQuorum, QuorumGroup
 from muloco.core.topology import Topology, worker_ranks
@@ -184,10 +185,10 @@ class _QuorumSession:
         self.caught_up = None  # the sync this member takes part in after catching up (else the one it launched)
         self.members: list[Member] = []
 
-    def header(self, ballot: torch.Tensor, step: int, fragment: int) -> torch.Tensor:
+    def header(self, ballot: torch.Tensor, task) -> torch.Tensor:
         nonfinite, sq = ballot.tolist() if not self.joining else (0.0, 0.0)
-        row = [float(self.membership.worker), float(step), float(self.joining), nonfinite, sq,
-               float(self.membership.quorum.committed_syncs), self.membership.loop.weights_digest(fragment)]
+        row = [float(self.membership.worker), float(task.step), float(self.joining), nonfinite, sq,
+               float(self.membership.quorum.committed_syncs), self.membership.loop.weights_digest(task.fragment)]
         return torch.tensor(row, dtype=torch.float64).view(torch.uint8)
 
     def choose(self, headers: list[torch.Tensor | None]) -> tuple[list[int], dict[int, str]]:
@@ -279,7 +280,8 @@ class QuorumMembership:
             self.worker, self.topology.rank, sizes.ranks_per_worker, self.elastic.lighthouse_address(),
             self.elastic.manager_host, self.key, self.config.outer_backend,
             timedelta(seconds=self.config.sync_timeout_s),
-            timedelta(seconds=min(self.elastic.quorum_request_timeout_s, self.elastic.quorum_timeout_s)))
+            timedelta(seconds=min(self.elastic.quorum_request_timeout_s, self.elastic.quorum_timeout_s)),
+            workers=self.config.workers)
 
     def leave(self) -> None:
         if self.quorum is not None:
@@ -387,8 +389,8 @@ class QuorumMembership:
         behind = [i for i, c in enumerate(committed) if 0 <= c < top]
         source = committed.index(top)
         me = wire.rank
-        blob = (torch.frombuffer(bytearray(state_to_bytes(loop.peer_state(task))), dtype=torch.uint8) if me == source
-                else torch.empty(0, dtype=torch.uint8))
+        blob = (torch.frombuffer(bytearray(state_to_bytes(loop.snapshot(CATCH_UP, joins=task).to_tree())),
+                                 dtype=torch.uint8) if me == source else torch.empty(0, dtype=torch.uint8))
         sizes = wire.all_gather_ints([blob.numel()], context)
         blocks = [blob if j in behind and me == source else blob[:0] for j in range(wire.size)]
         if me not in behind:
@@ -403,10 +405,8 @@ class QuorumMembership:
                                    context)[source]
         if received is None:
             raise RankFileError(f"the state from quorum member {source} failed authentication")
-        state = state_from_bytes(received.numpy().tobytes(), f"the state from quorum member {source}")
-        problems = loop.check_peer_state(state)
-        if problems:
-            raise RankFileError("the state from a peer is refused: " + "; ".join(problems[:5]))
-        session.caught_up = loop.load_peer_state(state)
+        what = f"the state from quorum member {source}"
+        session.caught_up = loop.load_snapshot(loop.read_snapshot(state_from_bytes(received.numpy().tobytes(), what),
+                                                                  CATCH_UP, what))
         session.joining = self.rejoined = True
         self.quorum.set_committed_syncs(top)

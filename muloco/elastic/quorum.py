@@ -113,7 +113,7 @@ class NoQuorum(Exception):
 
 class QuorumGroup:
     def __init__(self, worker: int, group_rank: int, group_size: int, lighthouse: str, manager_host: str,
-                 key: JobKey | None, backend: str, sync_timeout: timedelta, request_timeout: timedelta):
+                 key: JobKey | None, backend: str, sync_timeout: timedelta, request_timeout: timedelta, workers: int):
         # gloo: the payload goes through host memory (a WAN); nccl: it stays on the device (a fabric).
         self.device = torch.device("cpu") if backend == "gloo" else comm.compute_device()
         self.group = (_QuorumGloo if backend == "gloo" else _QuorumNCCL)(timeout=sync_timeout)
@@ -136,11 +136,13 @@ class QuorumGroup:
                 store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
                 lighthouse_addr=lighthouse, replica_id=replica_id, hostname=manager_host,
                 checkpoint_transport=_NoTransport())
-        # Only members that hold the job secret count (muloco/elastic/authentic_quorum.py).
+        # Only members that hold the job secret count (muloco/elastic/authentic_quorum.py); the worker's
+        # rank 0 names the others, once per quorum.
         self.quorums = None
         if key is not None:
             own = self.manager._store.get(REPLICA_ID_KEY).decode()  # with torchft's uuid, as the lighthouse has it
-            self.quorums = self.manager._client = AuthenticatedQuorums(self.manager._client, key, own)
+            say = (lambda line: print(line, flush=True)) if group_rank == 0 else None
+            self.quorums = self.manager._client = AuthenticatedQuorums(self.manager._client, key, own, workers, say)
 
     def start(self) -> None:
         """Block until this worker is in a quorum. Raises NoQuorum when the request got none, and the

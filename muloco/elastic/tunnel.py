@@ -1,9 +1,10 @@
 """An authenticated TCP tunnel to the lighthouse: nobody without the job secret can reach it.
 
 torchft's lighthouse (Rust, gRPC) accepts anyone who can connect, and whoever reaches it can join the
-quorum, claim to be far ahead and have every worker load its state. So the lighthouse listens on
-loopback only, and the port the workers reach is a `Gateway` in front of it; each worker's rank 0
-runs a `Tunnel` on its own loopback, which its torchft ManagerServer uses as the lighthouse's address.
+quorum, claim to be far ahead and have every worker load its state. So the lighthouse listens on a
+loopback of its own (muloco/elastic/private_network.py), and the port the workers reach is a `Gateway`
+in front of it; each worker's rank 0 runs a `Tunnel` on its own loopback, which its torchft
+ManagerServer uses as the lighthouse's address.
 Every connection through them:
 
 1. handshake: the tunnel sends a magic and a fresh nonce; the gateway answers with its own nonce and
@@ -241,9 +242,10 @@ class _CountedLog:
 
 
 class Gateway(_Listener):
-    """The lighthouse's public port: authenticates each connection, then relays it to `target`."""
+    """The lighthouse's public port: authenticates each connection, then relays it to `target` (which may
+    be set after the port is bound, up to `start`: the lighthouse binds it before entering its own network)."""
 
-    def __init__(self, host: str, port: int, target: tuple[str, int], key: JobKey):
+    def __init__(self, host: str, port: int, target: tuple[str, int] | None, key: JobKey):
         super().__init__(host, port)
         self.target, self.key = target, key
         self.refused = 0

@@ -18,9 +18,6 @@ parameters in module order, balanced by bytes (the same on every rank, also unde
 """
 from __future__ import annotations
 
-import hashlib
-import json
-
 import torch
 
 from muloco.diloco.plan import SyncedTensor, TensorSpec, balanced_fragments, synced_tensors
@@ -71,12 +68,3 @@ def engine_tensors(engine, fragments: int) -> tuple[list[SyncedTensor], bool]:
         specs.append(TensorSpec(name=name, shape=tuple(p.shape), offset=address.start, fragment=f,
                                 embedding_or_head=spec.embedding_or_head))
     return synced_tensors(tensors, specs, fragments), not partitioned
-
-
-def plan_signature(tensors: list[SyncedTensor]) -> bytes:
-    """32 bytes that two ranks holding the same shard of the same model share: names, wire shapes,
-    compression groups and fragments, in order."""
-    rows = [[t.name, list(t.wire_shape), t.group, t.fragment, t.transposed] for t in tensors]
-    return hashlib.sha256(json.dumps(rows).encode()).digest()
-
-

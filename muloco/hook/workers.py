@@ -15,6 +15,7 @@ import torch.distributed as dist
 from muloco.core import comm
 from muloco.core.errors import ConfigError
 from muloco.core.topology import ParallelSizes, Topology, build_topology
+from muloco.hook.reports import report_uncaught_in_one_line
 
 
 class WorkerMpu:
@@ -58,10 +59,26 @@ class Workers:
     topology: Topology
     mpu: WorkerMpu
 
+    @property
+    def worker(self) -> int:
+        """This rank's worker (its datacenter), 0..K-1."""
+        return self.topology.coords.worker
+
+    @property
+    def data_size(self) -> int:
+        """How many ranks read different data: K workers x D ranks (a sampler's `num_replicas`)."""
+        return self.topology.sizes.workers * self.topology.sizes.data
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's reader among them (a sampler's `rank`): worker k's rank d reads k*D + d."""
+        return self.topology.coords.worker * self.topology.sizes.data + self.topology.coords.data
+
 
 def data_parallel_workers(workers: int, timeout: timedelta = comm.COLLECTIVE_TIMEOUT) -> Workers:
     """Every rank calls it, after torch.distributed is initialized (deepspeed.init_distributed) and
     before deepspeed.initialize; one ConfigError line when the world does not split into K workers."""
+    report_uncaught_in_one_line()
     if not dist.is_initialized():
         raise ConfigError("data_parallel_workers needs torch.distributed initialized first (deepspeed.init_distributed())")
     sizes = ParallelSizes.from_world(dist.get_world_size(), workers, 1, 1)

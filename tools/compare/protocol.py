@@ -22,7 +22,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tools.compare.methods import BY_NAME, METHOD_ORDER, UNCOMPRESSED, MethodSpec
-from trainer.ds_config import DsConfig, load_ds_config, read_json_object
+from muloco.core.typed_json import read_json_object
+from trainer.ds_config import DsConfig, load_ds_config
 from trainer.model.presets import PRESETS
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,10 @@ engine, data), `SimulatedWorkersTrainer.train` does, in place of the usual loop:
 1. the warm start: data-parallel steps on the global batch B, as many as `BranchPlan.max_warm_steps`
    and the deadline allow: it stops while the branches' predicted time, with a margin, still fits,
    predicted from a few steps of each kind timed first (a whole-batch step, a worker's step) and
-   undone (the state is restored to step 0);
+   undone (the state is restored to step 0), then at the pace of the warm start's own steps. All is
+   measured on the machine it runs on: the margin is the spread of the whole-batch steps timed (the
+   slowest over their median: a shared machine's steps vary, a device of its own barely), and the first
+   warm step needs none, so a stage whose branches fit its time is never stopped for want of it;
 2. the start state: weights, inner optimizer state, lr schedule position, step and RNG states, kept
    in memory;
 3. the K=1 reference: H steps on the whole batch B, Delta_1 = theta_start - theta_end;
@@ -36,6 +39,7 @@ from trainer.model.builder import canonical_names
 from trainer.training import Trainer
 
 CALIBRATION_STEPS = 2  # timed steps of each kind, after one that allocates and compiles
+MIN_MARGIN = 1.1  # on the branches' predicted seconds, however steady the timed steps
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,6 @@ class BranchPlan:
     sync_interval: int  # H
     max_warm_steps: int
     deadline: float  # time.time() by which the branches must be done
-    margin: float  # on the branches' predicted seconds (a kill at the deadline loses the measurement)
 
 
 @dataclass(frozen=True)
@@ -63,10 +66,19 @@ class StepCost:
         return plan.sync_interval * (self.whole_batch_s + plan.workers * self.worker_s)
 
 
-def warm_start_continues(step: int, cost: StepCost, plan: BranchPlan, now: float) -> bool:
-    """Whether one more warm-start step leaves time for the branches (with the plan's margin)."""
-    return step < plan.max_warm_steps and \
-        now + cost.whole_batch_s + plan.margin * cost.branches_s(plan) <= plan.deadline
+def measured_margin(whole_batch_s: list[float]) -> float:
+    """The margin on the branches' predicted time (a kill at the deadline loses the measurement): as if
+    every step were as slow as the slowest whole-batch step timed, relative to their median; at least
+    MIN_MARGIN."""
+    return max(MIN_MARGIN, max(whole_batch_s) / statistics.median(whole_batch_s))
+
+
+def warm_start_continues(step: int, cost: StepCost, plan: BranchPlan, margin: float, now: float) -> bool:
+    """Whether one more warm-start step leaves time for the branches: the first whenever it and the
+    branches' predicted time fit (a stage that would finish in its time is not stopped), each further
+    one with `margin` on the branches."""
+    branches_s = cost.branches_s(plan) * (margin if step else 1.0)
+    return step < plan.max_warm_steps and now + cost.whole_batch_s + branches_s <= plan.deadline
 
 
 @dataclass
@@ -97,16 +109,18 @@ class SimulatedWorkersTrainer(Trainer):
     def train(self) -> dict:
         plan = self.plan
         started = time.time()
-        calibrated = cost = self._calibrate()
+        calibrated, whole_batch_s = self._calibrate()
+        cost, margin = calibrated, measured_margin(whole_batch_s)
         calibration_s, warm_losses, warm_step_s = time.time() - started, [], []
-        while warm_start_continues(self.step, cost, plan, time.time()):
+        while warm_start_continues(self.step, cost, plan, margin, time.time()):
             loss, seconds = self._timed_step(self.position)
             warm_losses.append(loss)
             warm_step_s.append(seconds)
-            cost = calibrated.at_pace(statistics.median(warm_step_s))
+            cost, margin = calibrated.at_pace(statistics.median(warm_step_s)), measured_margin(whole_batch_s + warm_step_s)
         if not warm_losses:
-            raise RuntimeError(f"no time for a warm start: the branches' predicted {cost.branches_s(plan):.0f} s "
-                               f"(x{plan.margin} margin) exceed the {plan.deadline - time.time():.0f} s left")
+            raise RuntimeError(f"no time for a warm start: one step ({cost.whole_batch_s:.1f} s) and the branches' "
+                               f"predicted {cost.branches_s(plan):.0f} s (no margin) exceed the "
+                               f"{plan.deadline - time.time():.0f} s left: the stage would not finish in its timeout")
         warm_s, branch_start = time.time() - started - calibration_s, time.time()
         start = self._capture()
         branch_lr = self.engine.optimizer.param_groups[-1]["lr"]
@@ -130,23 +144,24 @@ class SimulatedWorkersTrainer(Trainer):
                              "worker_batch": self._worker_batch.per_worker,
                              "reference_last_loss": reference_loss, "workers_last_loss_mean": statistics.fmean(worker_losses),
                              "seconds": round(time.time() - branch_start, 2),
-                             "predicted_seconds": round(cost.branches_s(plan), 2),
+                             "predicted_seconds": round(cost.branches_s(plan), 2), "margin": round(margin, 3),
                              "step_seconds": dataclasses.asdict(cost)},
                 "alignment": dataclasses.asdict(comparison)}
 
     def _canonical_params(self):
         return ((self._canonical[name], p) for name, p in self._named)
 
-    def _calibrate(self) -> StepCost:
-        """Median seconds of whole-batch and worker steps from step 0, then the state of step 0 again."""
+    def _calibrate(self) -> tuple[StepCost, list[float]]:
+        """Median seconds of whole-batch and worker steps from step 0, then the state of step 0 again; and
+        the whole-batch steps' seconds."""
         start = self._capture()
 
-        def median_step_s(position: StreamPosition) -> float:
-            return statistics.median([self._timed_step(position)[1] for _ in range(CALIBRATION_STEPS + 1)][1:])
+        def step_s(position: StreamPosition) -> list[float]:
+            return [self._timed_step(position)[1] for _ in range(CALIBRATION_STEPS + 1)][1:]
 
-        cost = StepCost(median_step_s(self.position), median_step_s(StreamPosition(0, 0, self._worker_batch)))
+        whole_batch_s, worker_s = step_s(self.position), step_s(StreamPosition(0, 0, self._worker_batch))
         self._restore(start)
-        return cost
+        return StepCost(statistics.median(whole_batch_s), statistics.median(worker_s)), whole_batch_s
 
     def _timed_step(self, position: StreamPosition) -> tuple[float, float]:
         """One optimizer step on `position`'s samples: (loss, seconds)."""

@@ -5,7 +5,10 @@ Everything is checked before anything is written, and every problem is reported 
 `HfFolderError`: an architecture other than Llama, Qwen3 or the Gemma3 form the exporter writes
 (hf_mapping), and any feature the trainer's model cannot represent (sliding-window layers, biases,
 tied embeddings unless untied on request, a rope scaling type, another activation, Gemma's logit
-soft-capping or attention scale, quantized weights); then every tensor's name, shape and dtype.
+soft-capping or attention scale, quantized weights); the numbers against the ranges the trainer's
+model shape declares (a rope_theta of 1e300 is one line, not an overflow in a spawned writer); then
+every tensor's name, shape and dtype, and its values (finite: a NaN or infinite weight would train
+to NaN from the first step, so it is refused by name).
 Nothing here runs code from the folder: JSON is parsed by `json`, the configuration by its
 transformers class (never `trust_remote_code`), once its sizes are known to be sane, tensors by the
 safetensors library; pickled `pytorch_model.bin` files are refused, and every file is opened through
@@ -14,6 +17,7 @@ folder_files (regular files, links only within the folder or its hub cache, JSON
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,7 +28,7 @@ from safetensors import safe_open
 from tools.convert_checkpoint.folder_files import HfFolderError, folder_file, has_entry, read_folder_text
 from tools.convert_checkpoint.hf_mapping import (ARCHITECTURES, EMBEDDING, HEAD, MODEL_TYPES, config_class, hf_names,
                                                  megatron_names)
-from trainer.model.presets import ModelShape
+from trainer.model.presets import ROTARY_BASE_MAX, ModelShape
 from muloco.core.typed_json import ConfigProblems
 
 if TYPE_CHECKING:
@@ -32,7 +36,12 @@ if TYPE_CHECKING:
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 _ARCH_OF_MODEL_TYPE = {model_type: arch for arch, model_type in MODEL_TYPES.items()}
-_FLOAT_DTYPES = {"F32", "BF16", "F16"}
+_FLOAT_DTYPES = ("F32", "BF16", "F16")
+# safetensors' dtype codes as torch names them, for the refusal of another dtype.
+_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+                "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+                "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool"}
+FINITE_CHECK_ELEMENTS = 1 << 24  # read per slice when checking a tensor's values (64 MB of fp32)
 # Derived buffers older transformers versions saved; transformers itself ignores them on load.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 CONFIG_MAX_BYTES = 1 << 20
@@ -67,8 +76,10 @@ def read_hf_model(directory: str | Path, untie_embeddings: bool = False) -> HfMo
         problems.append("tie_word_embeddings is true: the trainer's output layer is its own matrix (--untie-embeddings "
                         "starts it as a copy of the embedding, trained separately from then on)")
     theta = _rope(config).get("rope_theta")
-    if not isinstance(theta, (int, float)) or theta != int(theta) or theta < 1:
-        problems.append(f"rope_theta {theta!r} is not a whole number >= 1 (the trainer's rotary base is)")
+    # Bounded before int(): an infinite theta would raise, and a huge one overflow RoPE's int64 base.
+    if not (type(theta) in (int, float) and 1 <= theta <= ROTARY_BASE_MAX and theta == int(theta)):
+        problems.append(f"rope_theta {theta!r} is not a whole number in 1..{ROTARY_BASE_MAX:.0e} (the trainer's "
+                        "rotary base is)")
     if problems:
         raise HfFolderError(f"{directory / 'config.json'}: cannot import this {config.model_type} model: "
                             + "; ".join(problems))
@@ -79,9 +90,15 @@ def read_hf_model(directory: str | Path, untie_embeddings: bool = False) -> HfMo
                            num_query_groups=config.num_key_value_heads or config.num_attention_heads, arch=arch,
                            rotary_base=int(theta), seq_length=config.max_position_embeddings,
                            init_std=config.initializer_range, norm_epsilon=config.rms_norm_eps)
-    except ConfigProblems as err:
-        raise HfFolderError(f"{directory / 'config.json'}: {err}") from None
+    except ConfigProblems as err:  # named as config.json names them
+        raise HfFolderError(f"{directory / 'config.json'}: {ConfigProblems(err.problems, _HF_KEYS)}") from None
     return HfModel(directory, config, shape, config.vocab_size, tied)
+
+
+# The trainer's model-shape fields by the config.json keys they are read from.
+_HF_KEYS = {"num_layers": "num_hidden_layers", "ffn_hidden_size": "intermediate_size", "kv_channels": "head_dim",
+            "num_query_groups": "num_key_value_heads", "rotary_base": "rope_theta",
+            "seq_length": "max_position_embeddings", "init_std": "initializer_range", "norm_epsilon": "rms_norm_eps"}
 
 
 def _read_config(directory: Path) -> PretrainedConfig:
@@ -112,7 +129,8 @@ def _read_config(directory: Path) -> PretrainedConfig:
     try:
         return config_class(arch).from_dict(raw)
     except Exception as err:  # noqa: BLE001 - transformers' validation raises several exception types
-        raise HfFolderError(f"{path}: not a valid {model_type} config ({type(err).__name__}: {err})") from None
+        detail = " ".join(str(err).split())  # transformers' validation errors span lines
+        raise HfFolderError(f"{path}: not a valid {model_type} config ({type(err).__name__}: {detail})") from None
 
 
 def _rope(config: PretrainedConfig) -> dict:
@@ -202,9 +220,23 @@ class HfWeights:
             if shape != expected[name]:
                 problems.append(f"{name} has shape {list(shape)}, config.json implies {list(expected[name])}")
             if dtype not in _FLOAT_DTYPES:
-                problems.append(f"{name} is {dtype}, not a float (F32, BF16, F16)")
+                named = f"{dtype} ({_DTYPE_NAMES[dtype]})" if dtype in _DTYPE_NAMES else dtype
+                problems.append(f"{name} is {named}, expected {'/'.join(_FLOAT_DTYPES)}")
         if problems:
             raise HfFolderError(f"{self.directory}: " + "; ".join(problems))
+        nonfinite = [name for name in sorted(expected) if not self._finite(name)]
+        if nonfinite:
+            problems.append(f"{', '.join(nonfinite[:6])}{' ...' if len(nonfinite) > 6 else ''} hold"
+                            f"{'s' if len(nonfinite) == 1 else ''} NaN or infinite values")
+        if problems:
+            raise HfFolderError(f"{self.directory}: " + "; ".join(problems))
+
+    def _finite(self, name: str) -> bool:
+        """Whether every value of the tensor is finite, read a slice of rows at a time (memory stays bounded)."""
+        info = self._handle(self._file_of[name]).get_slice(name)
+        rows, *rest = info.get_shape()
+        step = max(1, FINITE_CHECK_ELEMENTS // max(1, math.prod(rest)))
+        return all(bool(torch.isfinite(info[start:start + step]).all()) for start in range(0, rows, step))
 
     def names(self) -> list[str]:
         """The model's tensors (without the derived buffers older transformers versions saved)."""

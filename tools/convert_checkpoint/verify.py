@@ -15,6 +15,7 @@ And an import (`verify_import`) against its Hugging Face source:
    sqrt(hidden)-scaled embedding, see hf_mapping) within the two fp32 roundings of the conversion."""
 from __future__ import annotations
 
+import math
 import tempfile
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -55,7 +56,8 @@ class Comparison:
 
     @property
     def ok(self) -> bool:
-        return self.max_abs_diff <= self.tolerance
+        # NaN logits on either side make every difference NaN: never a pass, whatever the comparison says of NaN.
+        return math.isfinite(self.max_abs_diff) and math.isfinite(self.scale) and self.max_abs_diff <= self.tolerance
 
     def __str__(self) -> str:
         return (f"{'ok  ' if self.ok else 'FAIL'} {self.what}: max |diff| {self.max_abs_diff:.3g} "

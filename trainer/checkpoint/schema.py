@@ -11,7 +11,11 @@ ones meta.json names, not that they make sense. So the tree is held to this run'
   its dtype or bf16 (Muon's momentum_dtype; the optimizer takes either as its own dtype);
 - `scheduler`, `engine`, `rng` and each `extra` component: the form of this run's own state (same
   keys, kinds, tensor shapes and dtypes; lists of the same length where this run's is not empty),
-  numbers finite, counters equal to the step; RNG states a scratch generator accepts.
+  numbers finite, counters equal to the step; RNG states a scratch generator accepts. Without the
+  optimizer (--no-load-optim) the scheduler is not loaded either (the lr follows this run's schedule
+  at the step), so it need only be plain data: its per-group lists may be another optimizer's.
+
+A checkpoint of another inner optimizer (Muon's groups where this run has AdamW's) is said as such.
 
 Every violation is named by its dotted field; `check_rank_state` raises one CheckpointError naming
 the file and the first few.
@@ -29,7 +33,7 @@ import torch
 from muloco.core.errors import CheckpointError
 from trainer.checkpoint.format import CheckpointReader, rank_file
 from muloco.core.rank_file import to_plain
-from trainer.checkpoint.state import capture_rng
+from trainer.checkpoint.state import capture_rng, optimizer_change
 
 REQUIRED = ("step", "model", "optimizer", "scheduler", "engine", "extra")
 OPTIONAL = ("rng", "probe")  # a resharded state has no RNG; only last-stage ranks save a probe
@@ -61,7 +65,7 @@ def own_form(trainer) -> dict:
     engine = trainer.engine
     return {"optimizer_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
             "scheduler": engine.lr_scheduler.state_dict(), "engine": engine.counters(), "rng": capture_rng(),
-            "extra": {name: component.state_dict() for name, component in trainer.extra_state.items()}}
+            "extra": dict(trainer.extra_state)}  # each component checks its own state (state_problems)
 
 
 def state_problems(state: Any, step: int, params: Mapping[str, torch.Tensor], own: dict,
@@ -75,21 +79,39 @@ def state_problems(state: Any, step: int, params: Mapping[str, torch.Tensor], ow
     if not _is_int(state["step"]) or state["step"] != step:
         problems.append(f"step must be the iteration's, {step}, got {_show(state['step'])}")
     problems += _model_problems(state["model"], params)
-    if "optimizer" not in skipped:
+    loads_optimizer = "optimizer" not in skipped
+    if loads_optimizer:
+        change = optimizer_change(state["optimizer"].get("param_groups") if isinstance(state["optimizer"], Mapping)
+                                  else None, own["optimizer_groups"])
+        if change:  # the scheduler's per-group lists differ too: one cause, said once
+            return [f"optimizer: {change}"]
         problems += _optimizer_problems(state["optimizer"], params, own["optimizer_groups"])
-    for key in ("scheduler", "engine", "extra"):
-        _conform(state[key], own[key], key, problems)
+        _conform(state["scheduler"], own["scheduler"], "scheduler", problems)
+    else:
+        _plain(state["scheduler"], "scheduler", problems)
+    _conform(state["engine"], own["engine"], "engine", problems)
+    problems += _extra_problems(state["extra"], own["extra"])
     if "rng" in state:
         _conform(state["rng"], own["rng"], "rng", problems)
         problems += _generator_problems(state["rng"])
     if not problems:  # the counters follow the step
-        for where, value in (("scheduler.last_epoch", state["scheduler"].get("last_epoch")),
-                             ("engine.global_steps", state["engine"].get("global_steps"))):
+        counters = [("engine.global_steps", state["engine"].get("global_steps"))]
+        if loads_optimizer:
+            counters.insert(0, ("scheduler.last_epoch", state["scheduler"].get("last_epoch")))
+        for where, value in counters:
             if value != step:
                 problems.append(f"{where} must be the step, {step}, got {_show(value)}")
     if state.get("probe") is not None and not isinstance(state["probe"], Mapping):
         problems.append(f"probe must be a dict or null, got {_kind(state['probe'])}")
     return problems
+
+
+def _extra_problems(extra: Any, components: Mapping[str, Any]) -> list[str]:
+    """The extra components' states (the MuLoCo outer loop's snapshot), each checked by its component."""
+    if not isinstance(extra, Mapping) or set(extra) != set(components):
+        return [f"extra must hold the states of {sorted(components)}, got {_kind(extra)}"]
+    return [f"extra.{name}: {problem}" for name, component in components.items()
+            for problem in component.state_problems(extra[name])]
 
 
 def check_weight(value: Any, name: str, shape: tuple[int, ...], source: str) -> torch.Tensor:
@@ -124,7 +146,8 @@ def _optimizer_problems(optimizer: Any, params: Mapping[str, torch.Tensor], own_
         return [f"optimizer must be a dict of param_groups and state, got {_kind(optimizer)}"]
     groups, per_param = optimizer["param_groups"], optimizer["state"]
     if not isinstance(groups, list) or len(groups) != len(own_groups):
-        return [f"optimizer.param_groups must be a list of {len(own_groups)} groups, got {_kind(groups)}"]
+        got = f"{len(groups)}" if isinstance(groups, list) else _kind(groups)
+        return [f"optimizer.param_groups must be a list of {len(own_groups)} groups, got {got}"]
     for i, (group, own) in enumerate(zip(groups, own_groups)):
         where = f"optimizer.param_groups[{i}]"
         if not isinstance(group, Mapping) or group.get("kind") != own.get("kind"):

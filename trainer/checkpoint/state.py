@@ -65,12 +65,32 @@ def optimizer_state(optimizer: torch.optim.Optimizer, name_of: dict[torch.Tensor
             "state": {name_of[p]: dict(s) for p, s in optimizer.state.items()}}
 
 
+# The inner optimizer (--optimizer) whose param groups have these kinds (trainer/optim/inner.py): Muon
+# takes the hidden matrices in a muon group and the rest in an adamw one; AdamW takes everything.
+_OPTIMIZER_OF_GROUP_KINDS = {("adamw",): "adamw", ("adamw", "muon"): "muon"}
+
+
+def optimizer_change(saved_groups: Any, own_groups: list[dict]) -> str | None:
+    """The change of inner optimizer between a checkpoint's param groups and this run's, said as the
+    user chose it (--optimizer); None where both are the same optimizer or the saved groups are not
+    an inner optimizer's."""
+    if not isinstance(saved_groups, list) or not all(isinstance(g, dict) for g in saved_groups):
+        return None
+    saved = _OPTIMIZER_OF_GROUP_KINDS.get(tuple(g.get("kind") for g in saved_groups))
+    own = _OPTIMIZER_OF_GROUP_KINDS.get(tuple(g.get("kind") for g in own_groups))
+    if saved is None or own is None or saved == own:
+        return None
+    return (f"the checkpoint's inner optimizer is {saved}, this run's {own}: resume with --optimizer {saved}, or "
+            f"with --no-load-optim to start {own} afresh at the loaded step")
+
+
 def _check_group_kinds(optimizer: torch.optim.Optimizer, saved_groups: list[dict]) -> None:
     kinds = [g.get("kind") for g in optimizer.param_groups]
     saved_kinds = [g.get("kind") for g in saved_groups]
     if kinds != saved_kinds:
-        raise CheckpointError(f"checkpoint optimizer has param groups {saved_kinds}, this run {kinds} "
-                              "(a different inner optimizer?)")
+        raise CheckpointError(optimizer_change(saved_groups, optimizer.param_groups)
+                              or f"checkpoint optimizer has param groups {saved_kinds}, this run {kinds} "
+                                 "(a different inner optimizer?)")
 
 
 def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict, param_of: dict[str, torch.Tensor]) -> None:

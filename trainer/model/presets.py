@@ -17,6 +17,8 @@ from muloco.core.typed_json import ConfigBlock, setting
 
 Architecture = Literal["paper", "qwen3", "llama"]
 ARCHITECTURES = get_args(Architecture)
+# Far beyond any model's RoPE base (1e4..1e7 are usual); Megatron raises the base, an int64, to float powers.
+ROTARY_BASE_MAX = 10 ** 12
 
 
 @dataclass(frozen=True)
@@ -32,10 +34,11 @@ class ModelShape(ConfigBlock):
                                  doc="paper (pre+post norms, QK-norm, document-masked attention, the paper's init; "
                                      "the paper presets' default), qwen3 (pre-norm, QK-norm), llama (pre-norm, "
                                      "no QK-norm)")
-    rotary_base: int = setting(500_000, ge=1)
+    rotary_base: int = setting(500_000, ge=1, le=ROTARY_BASE_MAX)
     seq_length: int = setting(2048, ge=1, flag="--seq-length", doc="tokens per sequence")
-    init_std: float = setting(0.02, gt=0)
-    norm_epsilon: float = setting(1e-6, gt=0)
+    # Upper bounds no sane model comes near: a checkpoint's or a Hugging Face config's value is input.
+    init_std: float = setting(0.02, gt=0, le=1)
+    norm_epsilon: float = setting(1e-6, gt=0, le=1)
 
     @property
     def query_groups(self) -> int:
