@@ -11,15 +11,17 @@ two merges concatenate into their combined token-weighted blend.
 """
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from muloco.core.durable import write_text_durably
+from muloco.core.small_files import loads_json, read_capped_text
 
 PER_SPLIT_KEYS = ("train", "valid", "test")
+# A million prefixes of 200 characters fit; /dev/zero or a wrong file is refused at this size, not at MemoryError.
+BLEND_FILE_MAX_BYTES = 256 << 20
 
 
 class BlendFileError(ValueError):
@@ -36,7 +38,7 @@ def parse_subset_weights(spec: str) -> dict[str, float]:
     """`high=2,medium=1.5` or a `.json` file holding `{"high": 2, "medium": 1.5}`."""
     if spec.endswith(".json"):
         try:
-            weights = json.loads(Path(spec).read_text())
+            weights = loads_json(read_capped_text(spec, BLEND_FILE_MAX_BYTES))
         except (OSError, ValueError) as error:
             raise BlendFileError(f"cannot read subset weights from {spec}: {error}") from None
         if not isinstance(weights, dict):
@@ -96,8 +98,8 @@ def write_data_args(path: Path, entries: list[BlendEntry]) -> None:
 def read_data_args(path: str | Path) -> list[str]:
     """The blend list of a --data-args-path file."""
     try:
-        items = Path(path).read_text().split()
-    except (OSError, UnicodeDecodeError) as error:
+        items = read_capped_text(path, BLEND_FILE_MAX_BYTES).split()
+    except (OSError, ValueError) as error:
         raise BlendFileError(f"cannot read --data-args-path {path}: {error}") from None
     if not items:
         raise BlendFileError(f"--data-args-path {path} is empty")
@@ -107,7 +109,7 @@ def read_data_args(path: str | Path) -> list[str]:
 def read_per_split_data_args(path: str | Path) -> dict[str, list[str]]:
     """The train and valid blend lists of a --per-split-data-args-path file."""
     try:
-        splits = json.loads(Path(path).read_text())
+        splits = loads_json(read_capped_text(path, BLEND_FILE_MAX_BYTES))
     except (OSError, ValueError) as error:
         raise BlendFileError(f"cannot read --per-split-data-args-path {path}: {error}") from None
     if not isinstance(splits, dict) or set(splits) - set(PER_SPLIT_KEYS):

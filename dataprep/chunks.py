@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dataprep.input_files import (
+    DEFAULT_MAX_INFLATE_RATIO,
     BadRecord,
     Document,
     OnBadRecord,
@@ -62,7 +63,8 @@ def chunk_bytes_for(path: Path, override: int | None = None) -> int:
 
 
 def plan_chunks(
-    file_index: int, path: Path, chunk_bytes: int, column: str, max_record_bytes: int, on_bad: OnBadRecord
+    file_index: int, path: Path, chunk_bytes: int, column: str, max_record_bytes: int, on_bad: OnBadRecord,
+    max_inflate_ratio: float = DEFAULT_MAX_INFLATE_RATIO,
 ) -> Iterator[tuple[Chunk, bytes | None]]:
     """The input file's chunks in order, each with its bytes when a process cannot read it itself.
 
@@ -72,7 +74,7 @@ def plan_chunks(
         yield from ((chunk, None) for chunk in _parquet_chunks(file_index, path, chunk_bytes, column, on_bad))
     elif is_compressed(path):
         start = lines = 0
-        for index, block in enumerate(read_line_blocks(path, chunk_bytes, max_record_bytes, on_bad)):
+        for index, block in enumerate(read_line_blocks(path, chunk_bytes, max_record_bytes, on_bad, max_inflate_ratio)):
             yield Chunk(file_index, index, path, start, start + len(block), lines), block
             start += len(block)
             lines += block.count(b"\n")
@@ -110,8 +112,8 @@ def count_records(chunk: Chunk, data: bytes | None) -> int:
     return sum(metadata.row_group(group).num_rows for group in range(chunk.start, chunk.stop))
 
 
-def chunk_documents(chunk: Chunk, data: bytes | None, column: str, max_record_bytes: int,
-                    on_bad: OnBadRecord) -> Iterator[Document]:
+def chunk_documents(chunk: Chunk, data: bytes | None, column: str, max_record_bytes: int, on_bad: OnBadRecord,
+                    max_inflate_ratio: float = DEFAULT_MAX_INFLATE_RATIO) -> Iterator[Document]:
     """The chunk's documents (`data` from `load_chunk`); line (row) numbers count from 1 at the chunk's start."""
     if data is not None:
         yield from documents_in_lines(chunk.path, data, 1, column, on_bad)
@@ -119,7 +121,7 @@ def chunk_documents(chunk: Chunk, data: bytes | None, column: str, max_record_by
     parquet = open_parquet(chunk.path, column, on_bad)
     if parquet is not None:
         yield from parquet_row_group_documents(chunk.path, parquet, range(chunk.start, chunk.stop), 1, column,
-                                               max_record_bytes, on_bad)
+                                               max_record_bytes, on_bad, max_inflate_ratio)
 
 
 def records_before(chunk: Chunk) -> int:

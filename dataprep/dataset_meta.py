@@ -7,13 +7,17 @@ tokenizer.json exported from it; data made before records its model file's SHA-2
 from __future__ import annotations
 
 import json
+import os
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from muloco.core.durable import write_text_durably
+from muloco.core.small_files import loads_json, read_capped_text
 from muloco.core.typed_json import ConfigBlock, load, setting
 
 SUFFIX = ".meta.json"
+META_MAX_BYTES = 1 << 20  # preprocessing writes about 200 bytes
 
 
 @dataclass(frozen=True)
@@ -36,9 +40,16 @@ def write_dataset_meta(data_prefix: str | Path, meta: DatasetMeta) -> Path:
 
 
 def read_dataset_meta(data_prefix: str | Path) -> DatasetMeta | None:
-    """The dataset's metadata, or None for data preprocessed without it (older runs, other tools).
-    Raises ValueError (JSON) or a ConfigError naming each key of the wrong type or range."""
+    """The dataset's metadata, or None for data preprocessed without it (older runs, other tools): no
+    entry of that name at all. Anything else that is not a readable regular file raises ValueError, as do
+    JSON that is not one, or too large or deep (a FIFO would block, /dev/zero never end), and a ConfigError
+    names each key of the wrong type or range."""
     path = meta_path(data_prefix)
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
-    return load(DatasetMeta, json.loads(path.read_text()))
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise ValueError("not a regular file (a folder, device, fifo or socket)")
+        return load(DatasetMeta, loads_json(read_capped_text(path, META_MAX_BYTES)))
+    except OSError as error:  # a dangling link, no permission
+        raise ValueError(f"cannot be read ({error.strerror or error})") from None

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import zstandard
 
 from dataprep.long_lines import LineLimit
@@ -29,7 +30,13 @@ _READ_CHUNK_BYTES = 1 << 20
 # (and reads at ~90% of the speed of whole 1 MiB reads, which could inflate to 32 GiB).
 _ZSTD_FEED_BYTES = 1024
 DEFAULT_MAX_DOCUMENT_BYTES = 16 << 20  # a record (JSON line, parquet text) longer than this is dropped
+# Text compresses 3-10x, repetitive text 100x: an input file (or parquet column chunk) that inflates past this
+# many times its stored bytes is a bomb, and the rest of it is dropped as one bad record. Any file may inflate
+# to INFLATE_FLOOR_BYTES, so that a tiny file of repeated text is not taken for one.
+DEFAULT_MAX_INFLATE_RATIO = 1000.0
+INFLATE_FLOOR_BYTES = 16 << 20
 _PARQUET_BATCH_ROWS = 1024
+_PARQUET_BATCH_BYTES = 1 << 30  # rows per batch are cut so that even rows of --max-document-bytes fit in this
 
 
 class NoInputMatchedError(ValueError):
@@ -96,10 +103,11 @@ def is_compressed(path: Path | str) -> bool:
     return str(path).endswith((".zstd", ".zst", ".gz"))
 
 
-def read_documents(path: Path, json_key: str, on_bad: OnBadRecord,
-                   max_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES) -> Iterator[Document]:
+def read_documents(path: Path, json_key: str, on_bad: OnBadRecord, max_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
+                   max_inflate_ratio: float = DEFAULT_MAX_INFLATE_RATIO) -> Iterator[Document]:
     """Yield every well-formed document of one input file; report everything else to `on_bad`."""
-    records = functools.partial(_parquet_documents if is_parquet(path) else _jsonl_documents, max_bytes=max_bytes)
+    records = functools.partial(_parquet_documents if is_parquet(path) else _jsonl_documents, max_bytes=max_bytes,
+                                max_inflate_ratio=max_inflate_ratio)
     unreadable = False
 
     def note(record: BadRecord) -> None:
@@ -115,9 +123,10 @@ def read_documents(path: Path, json_key: str, on_bad: OnBadRecord,
         on_bad(BadRecord(str(path), 0, "empty_file", "the file holds no document"))
 
 
-def _jsonl_documents(path: Path, json_key: str, on_bad: OnBadRecord, max_bytes: int) -> Iterator[Document]:
+def _jsonl_documents(path: Path, json_key: str, on_bad: OnBadRecord, max_bytes: int,
+                     max_inflate_ratio: float) -> Iterator[Document]:
     lines = 0
-    for block in read_line_blocks(path, _READ_CHUNK_BYTES, max_bytes, on_bad):
+    for block in read_line_blocks(path, _READ_CHUNK_BYTES, max_bytes, on_bad, max_inflate_ratio):
         yield from documents_in_lines(path, block, lines + 1, json_key, on_bad)
         lines += count_lines(block)
 
@@ -136,23 +145,37 @@ def line_limit(path: Path, max_bytes: int, on_bad: OnBadRecord) -> LineLimit:
     return LineLimit(max_bytes, report)
 
 
-def read_line_blocks(path: Path, min_bytes: int, max_line_bytes: int, on_bad: OnBadRecord) -> Iterator[bytes]:
+def inflate_allowance(stored_bytes: int, max_inflate_ratio: float) -> float:
+    """The most bytes `stored_bytes` of compressed input may inflate to (inf: a ratio of inf, no bound)."""
+    return max(INFLATE_FLOOR_BYTES, stored_bytes * max_inflate_ratio)
+
+
+def read_line_blocks(path: Path, min_bytes: int, max_line_bytes: int, on_bad: OnBadRecord,
+                     max_inflate_ratio: float = DEFAULT_MAX_INFLATE_RATIO) -> Iterator[bytes]:
     """The (decompressed) bytes of a JSONL input file in blocks of whole lines, each ending at the first
     newline at or after `min_bytes` (the last block: at the end of the stream). The cut points depend
     only on the content and `min_bytes`, so a rerun cuts the same blocks. A line longer than
     `max_line_bytes` is reported and left empty (streamed past, never held).
 
     A damaged or truncated compressed stream ends the blocks at the last whole line before the damage
-    and is reported; a file that is not what its name says is reported as unreadable.
+    and is reported, and so does a compressed file at the point where it inflates past `max_inflate_ratio`
+    times its size on disk (`inflate_allowance`); a file that is not what its name says is reported as
+    unreadable.
     """
     buffer = bytearray()
     lines = produced = 0
     limit = line_limit(path, max_line_bytes, on_bad)
+    allowed = None
     try:
+        if is_compressed(path):
+            allowed = inflate_allowance(path.stat().st_size, max_inflate_ratio)
         with _open_binary(path) as stream:
             # read1: one raw read at a time, so the bytes before a truncation are not lost with it
             while chunk := stream.read1(_READ_CHUNK_BYTES):
                 produced += len(chunk)
+                if allowed is not None and produced > allowed:  # the lines within the bound are kept
+                    buffer += limit.feed(chunk[:len(chunk) - (produced - int(allowed))])
+                    break
                 buffer += limit.feed(chunk)
                 while len(buffer) >= min_bytes and (end := buffer.find(b"\n", min_bytes - 1)) >= 0:
                     block = bytes(buffer[: end + 1])
@@ -169,6 +192,13 @@ def read_line_blocks(path: Path, min_bytes: int, max_line_bytes: int, on_bad: On
             lines += count_lines(bytes(buffer))
             yield bytes(buffer)
         on_bad(BadRecord(str(path), lines + 1, "truncated", f"stream ends early ({error})"))
+        return
+    if allowed is not None and produced > allowed:  # the line it stopped in is dropped with the rest
+        if buffer:
+            yield bytes(buffer)
+        on_bad(BadRecord(str(path), limit.line, "inflate_ratio",
+                         f"the file inflates past {allowed:.0f} bytes, {max_inflate_ratio:g} times its "
+                         f"{path.stat().st_size} bytes on disk (--max-inflate-ratio): the rest of it is dropped"))
         return
     buffer += limit.finish()
     if buffer:
@@ -206,6 +236,9 @@ def _parse_json_line(
         record = json.loads(line)
     except json.JSONDecodeError as error:
         bad("malformed_json", error.msg + f" (column {error.colno})")
+        return None
+    except RecursionError:  # Python's parser recurses once per level: 100,000 nested `[` end here
+        bad("malformed_json", "nested deeper than Python's recursion limit")
         return None
     if not isinstance(record, dict) or json_key not in record:
         bad("missing_key", f"no {json_key!r} key")
@@ -254,31 +287,89 @@ def open_parquet_metadata(path: Path):
 
 
 def parquet_row_group_documents(
-    path: Path, parquet, groups: range, first_row: int, column: str, max_bytes: int, on_bad: OnBadRecord
+    path: Path, parquet, groups: range, first_row: int, column: str, max_bytes: int, on_bad: OnBadRecord,
+    max_inflate_ratio: float = DEFAULT_MAX_INFLATE_RATIO,
 ) -> Iterator[Document]:
-    """The documents of row groups `groups`, whose first row is row `first_row` (1-based) of the file."""
+    """The documents of row groups `groups`, whose first row is row `first_row` (1-based) of the file.
+
+    Nothing over a limit is held as Python text: a row group whose column inflates past `max_inflate_ratio`
+    times its stored bytes (by the file's metadata, or by the rows read so far: a dictionary repeats one
+    value) is dropped from there on as one bad record, and a row longer than `max_bytes` is reported from
+    its length in the Arrow batch, before its text is made."""
     row = first_row - 1
+    batch_rows = max(1, min(_PARQUET_BATCH_ROWS, _PARQUET_BATCH_BYTES // max_bytes))
     for group in groups:
-        for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, row_groups=[group], columns=[column]):
-            for text in batch.column(0).to_pylist():
+        metadata = parquet.metadata.row_group(group)
+        last = row + metadata.num_rows
+        stored, inflated = _column_chunk_bytes(metadata, column)
+        allowed = inflate_allowance(stored, max_inflate_ratio)
+        decoded = inflated if inflated > allowed else 0  # the metadata's count, then the rows' (dictionaries)
+        batches = parquet.iter_batches(batch_size=batch_rows, row_groups=[group], columns=[column])
+        while decoded <= allowed and (batch := next(batches, None)) is not None:
+            values = batch.column(0)
+            sizes = _text_sizes(values)
+            decoded += int(sizes.sum()) if sizes is not None else 0
+            if decoded > allowed:
+                break
+            for index, text in enumerate(_texts(values, sizes, max_bytes)):
                 row += 1
-                if text is None:
+                if sizes is not None and sizes[index] > max_bytes:
+                    on_bad(BadRecord(str(path), row, "oversize_record", f"{column!r} is {sizes[index]} bytes, "
+                                                                        f"over --max-document-bytes {max_bytes}"))
+                elif text is None:
                     on_bad(BadRecord(str(path), row, "missing_key", f"{column!r} is null"))
                 elif not isinstance(text, str):
-                    kind = type(text).__name__
-                    on_bad(BadRecord(str(path), row, "non_string_text", f"{column!r} is {kind}"))
-                elif (nbytes := len(text.encode("utf-8"))) > max_bytes:
-                    on_bad(BadRecord(str(path), row, "oversize_record",
-                                     f"{column!r} is {nbytes} bytes, over --max-document-bytes {max_bytes}"))
+                    on_bad(BadRecord(str(path), row, "non_string_text", f"{column!r} is {type(text).__name__}"))
                 else:
-                    yield Document(row, text, nbytes)
+                    yield Document(row, text, int(sizes[index]))
+        if row < last:
+            on_bad(BadRecord(str(path), row + 1, "inflate_ratio",
+                             f"row group {group}: {column!r} inflates past {allowed:.0f} bytes, {max_inflate_ratio:g} "
+                             f"times its {stored} stored bytes (--max-inflate-ratio): its {last - row} row(s) from here "
+                             "are dropped"))
+            row = last
 
 
-def _parquet_documents(path: Path, json_key: str, on_bad: OnBadRecord, max_bytes: int) -> Iterator[Document]:
+def _texts(values, sizes: np.ndarray | None, max_bytes: int) -> list:
+    """The batch's values as Python objects, None for those longer than `max_bytes` (never made)."""
+    if sizes is None or not (sizes > max_bytes).any():
+        return values.to_pylist()
+    return [None if size > max_bytes else values[index].as_py() for index, size in enumerate(sizes)]
+
+
+def _column_chunk_bytes(row_group, column: str) -> tuple[int, int]:
+    """The stored (compressed) and the uncompressed bytes of `column` in a row group, by its metadata."""
+    chunks = [row_group.column(index) for index in range(row_group.num_columns)]
+    mine = [chunk for chunk in chunks if f"{chunk.path_in_schema}.".startswith(f"{column}.")]
+    return sum(c.total_compressed_size for c in mine), sum(c.total_uncompressed_size for c in mine)
+
+
+def _text_sizes(values) -> np.ndarray | None:
+    """The bytes of each value of a text (or binary) Arrow array, from its offsets, without making the values
+    (0 for a null; a dictionary's by its indices); None for a column of another type."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_dictionary(values.type):
+        sizes = _text_sizes(values.dictionary)
+        if sizes is None:
+            return None
+        indices = values.indices.fill_null(0).to_numpy(zero_copy_only=False)
+        return np.where(values.is_null().to_numpy(zero_copy_only=False), 0, sizes[indices] if len(sizes) else 0)
+    kind = values.type
+    if not any(test(kind) for test in (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view,
+                                       pa.types.is_binary, pa.types.is_large_binary, pa.types.is_binary_view)):
+        return None
+    return pc.binary_length(values).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _parquet_documents(path: Path, json_key: str, on_bad: OnBadRecord, max_bytes: int,
+                       max_inflate_ratio: float) -> Iterator[Document]:
     parquet = open_parquet(path, json_key, on_bad)
     if parquet is not None:
         groups = range(parquet.metadata.num_row_groups)
-        yield from parquet_row_group_documents(path, parquet, groups, 1, json_key, max_bytes, on_bad)
+        yield from parquet_row_group_documents(path, parquet, groups, 1, json_key, max_bytes, on_bad,
+                                               max_inflate_ratio)
 
 
 def _open_binary(path: Path) -> io.BufferedIOBase:

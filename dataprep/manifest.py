@@ -20,9 +20,12 @@ from pathlib import Path
 
 from dataprep.dataset_meta import meta_path
 from muloco.core.durable import write_text_durably
+from muloco.core.small_files import FileTooLargeError, loads_json, read_capped_text
 
 FORMAT = "muloco-preprocess-partition/2"
 FORMAT_1 = "muloco-preprocess-partition/1"
+# Every manifest holds the run's whole listing: a million input files with their groups fit.
+MANIFEST_MAX_BYTES = 1 << 30
 _SHOWN = 5  # input files named in an error before "... and N more"
 
 
@@ -111,10 +114,10 @@ def write_manifest(path: Path, manifest: PartitionManifest) -> None:
 
 def read_manifest(path: Path) -> PartitionManifest:
     try:
-        document = json.loads(path.read_text())
-    except OSError as error:
+        document = loads_json(read_capped_text(path, MANIFEST_MAX_BYTES))
+    except (OSError, FileTooLargeError) as error:
         raise ManifestError(f"cannot read manifest {path}: {error}") from None
-    except ValueError as error:
+    except ValueError as error:  # not UTF-8, not JSON, nested too deep
         raise ManifestError(f"manifest {path} is not JSON: {error}") from None
     if not isinstance(document, dict) or document.get("format") not in (FORMAT, FORMAT_1):
         raise ManifestError(f"{path} is not a partition manifest of this tool (format {FORMAT!r})")

@@ -1,5 +1,7 @@
 """The progress line of a preprocessing run (or partition): plain lines a batch log keeps readable,
-at most one per interval, with input files done, tokens/s and an ETA from the input bytes still to do."""
+at most one per interval, with input files done, records and (decompressed) bytes read, tokens/s and an ETA
+from the input bytes still to do. Records and bytes grow with every chunk, so a file that takes long (a
+compressed one inflating far) still shows motion before it is done."""
 from __future__ import annotations
 
 import sys
@@ -17,6 +19,12 @@ class ProgressLine:
         self._start = time.monotonic()
         self._last_print = self._start
         self.files_done = self._bytes_done = self._bytes_this_run = self.tokens = 0
+        self.records = self.read_bytes = 0  # of the chunks tokenized in this run
+
+    def chunk_done(self, records: int, read_bytes: int) -> None:
+        """A chunk tokenized: its records (lines, parquet rows) and the decompressed bytes they hold."""
+        self.records += records
+        self.read_bytes += read_bytes
 
     def add_tokens(self, tokens: int) -> None:
         self.tokens += tokens
@@ -44,8 +52,9 @@ class ProgressLine:
         else:
             eta = "unknown"
         print(f"progress: {self._label}input files {self.files_done}/{self._input_files} "
-              f"({self._bytes_done / 1e6:.1f} of {self._input_bytes / 1e6:.1f} MB), {self.tokens} tokens, "
-              f"{self.tokens / seconds:.0f} tokens/s, ETA {eta}", file=self._stream, flush=True)
+              f"({self._bytes_done / 1e6:.1f} of {self._input_bytes / 1e6:.1f} MB), {self.records} records "
+              f"({self.read_bytes / 1e6:.1f} MB decompressed), {self.tokens} tokens, {self.tokens / seconds:.0f} "
+              f"tokens/s, ETA {eta}", file=self._stream, flush=True)
 
 
 def _clock(seconds: float) -> str:

@@ -1,8 +1,10 @@
 """The trainer's blends from files (trainer/data.py, dataprep/blend.py): --data-args-path and
 --per-split-data-args-path read as Megatron reads them, what --data-path would give for the same text;
-every bad file or weight stopped with one error that names it; the tokenizer check over a blend's
-.meta.json files; the blend the run prints."""
+every bad file or weight stopped with one error that names it, however large or deep the file (/dev/zero, a
+prefix of megabytes, JSON nested 100,000 levels); the tokenizer check over a blend's .meta.json files, and the
+warning for data without one; the blend the run prints."""
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +85,33 @@ def test_bad_per_split_files_are_refused_by_name(tmp_path: Path, splits, message
         data_blends(DataConfig(per_split_data_args_path=str(path)))
 
 
+def test_an_endless_or_huge_args_file_and_a_huge_prefix_are_one_line(prefixes: list[str], tmp_path: Path):
+    with pytest.raises(BlendFileError, match=r"^cannot read --data-args-path /dev/zero: more than 268435456 bytes, the "
+                                             r"most such a file may hold$"):
+        data_blends(DataConfig(data_args_path="/dev/zero"))
+    path = tmp_path / "blend.data_args"
+    path.write_text(f"1 {prefixes[0]}\n1 {'a' * (16 << 20)}\n")  # a prefix far past PATH_MAX
+    with pytest.raises(ConfigError, match=rf"^dataset file a{{300}}\.\.\. \(16777220 characters\) cannot be opened "
+                                          rf"\(File name too long\) \(from {path}\)$"):
+        data_blends(DataConfig(data_args_path=str(path)))
+    deep = tmp_path / "splits.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(BlendFileError, match=rf"^cannot read --per-split-data-args-path {deep}: JSON nested deeper "
+                                             r"than 64 levels$"):
+        data_blends(DataConfig(per_split_data_args_path=str(deep)))
+
+
+@pytest.mark.parametrize("make", ["fifo", "folder", "link to /dev/zero"])
+@pytest.mark.parametrize("suffix", [".bin", ".idx"])
+def test_a_data_file_that_is_not_a_regular_file_says_so(prefixes: list[str], make: str, suffix: str):
+    path = Path(prefixes[0] + suffix)
+    path.unlink()
+    {"fifo": os.mkfifo, "folder": os.mkdir, "link to /dev/zero": lambda p: os.symlink("/dev/zero", p)}[make](path)
+    with pytest.raises(ConfigError, match=rf"^dataset file {path} is not a regular file \(a folder, device, fifo or "
+                                          r"socket\) \(from --data-path\)$"):
+        check_data(DataConfig(data_path=(prefixes[0],), vocab_size=100))
+
+
 def test_data_given_twice_or_not_at_all_is_refused(prefixes: list[str], tmp_path: Path):
     for data, message in ((DataConfig(data_path=(prefixes[0],), data_args_path="x"), "cannot be combined"),
                           (DataConfig(valid_data_path=(prefixes[0],), per_split_data_args_path="x"), "cannot be combined"),
@@ -116,6 +145,20 @@ def test_every_prefix_is_checked_against_the_tokenizer_hashing_it_once(
     write_dataset_meta(prefixes[2], DatasetMeta(9, tokenizer.vocab_size, "0" * 64, 2, 10))
     with pytest.raises(ConfigError, match=f"{prefixes[2]}.meta.json: the data was tokenized with a tokenizer"):
         check_data(data)
+
+
+def test_data_without_a_meta_json_is_a_warning_that_the_tokenizer_was_not_checked(
+        prefixes: list[str], sentencepiece_model: Path, capsys):  # noqa: F811
+    tokenizer = load_tokenizer(sentencepiece_model)
+    write_dataset_meta(prefixes[0], DatasetMeta(9, tokenizer.vocab_size, tokenizer_identity(tokenizer), 2, 10))
+    check_data(DataConfig(data_path=("1", prefixes[0], "1", prefixes[1], "1", prefixes[2]),
+                          tokenizer_model=str(sentencepiece_model)))
+    assert capsys.readouterr().out == (
+        f"warning: 2 of 3 dataset(s) have no .meta.json (e.g. {prefixes[1]}.meta.json): that --tokenizer-model "
+        f"{sentencepiece_model} made them is not checked, only that their token ids fit its {tokenizer.vocab_size} "
+        "ids\n")
+    check_data(DataConfig(data_path=(prefixes[0],), tokenizer_model=str(sentencepiece_model)))
+    assert capsys.readouterr().out == ""
 
 
 def test_the_printed_blend_has_megatrons_normalised_shares(prefixes: list[str]):

@@ -5,6 +5,7 @@ Megatron's own reader (MMapIndexedDataset) is the reference for what a good pair
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
 from pathlib import Path
@@ -86,7 +87,40 @@ DAMAGES = {  # what is done to the pair, and the line it must give
     "bin damaged under its meta": (lambda p: _poke(f"{p}.bin", 2 * 10, (60000).to_bytes(2, "little")),
                                    r"{p}\.bin: its largest token id is 60000, but {p}\.meta\.json records 999: the "
                                    r"\.bin was damaged or replaced after preprocessing$"),
+    # A sparse file of the size a 24 GB index would have: one line from its size, never read (nor mapped).
+    "idx sparse, 24 GB": (lambda p: os.truncate(f"{p}.idx", 24 << 30),
+                          r"{p}\.idx: 25769803776 bytes, but its header describes 4 sequences and 5 document "
+                          r"boundaries \(122 bytes\)"),
+    # ... and one whose header agrees with its 24 GB: its zeros fail the checks that cost no pass over it.
+    "idx sparse, 24 GB, its header agreeing": (lambda p: _sparse_index(f"{p}.idx", 24 << 30),
+                                               r"{p}\.bin: 706 bytes, but {p}\.idx describes 0 tokens"),
+    "meta a fifo": (lambda p: _replace(f"{p}.meta.json", os.mkfifo),
+                    r"{p}\.meta\.json is not a valid data description: not a regular file \(a folder, device, fifo "
+                    r"or socket\)$"),
+    "meta a link to /dev/zero": (lambda p: _replace(f"{p}.meta.json", lambda path: os.symlink("/dev/zero", path)),
+                                 r"{p}\.meta\.json is not a valid data description: not a regular file"),
+    "meta a dangling link": (lambda p: _replace(f"{p}.meta.json", lambda path: os.symlink(f"{p}.nowhere", path)),
+                             r"{p}\.meta\.json is not a valid data description: cannot be read \(No such file"),
+    "meta huge": (lambda p: Path(f"{p}.meta.json").write_text(" " * (2 << 20)),
+                  r"{p}\.meta\.json is not a valid data description: more than 1048576 bytes"),
+    "meta nested 100000 deep": (lambda p: Path(f"{p}.meta.json").write_text("[" * 100_000 + "]" * 100_000),
+                                r"{p}\.meta\.json is not a valid data description: JSON nested deeper than 64 levels$"),
 }
+
+
+def _replace(path: str, make) -> None:
+    os.unlink(path)
+    make(path)
+
+
+def _sparse_index(path: str, size: int) -> None:
+    """An .idx header whose sequence and boundary counts fill `size` bytes, the rest a hole of zeros."""
+    sequences = (size - 34) // 20
+    documents = (size - 34 - 12 * sequences) // 8
+    with open(path, "wb") as handle:
+        handle.write(b"MMIDIDX\x00\x00" + (1).to_bytes(8, "little") + bytes([8]) + sequences.to_bytes(8, "little")
+                     + documents.to_bytes(8, "little"))
+    os.truncate(path, 34 + 12 * sequences + 8 * documents)
 
 
 def _poke(path: str, offset: int, data: bytes) -> None:

@@ -18,7 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from trainer.config import DataConfig
-from trainer.data import STARTUP_BYTES_PER_S, STARTUP_FLOOR_S, startup_timeout_s
+from trainer.data import STARTUP_BYTES_PER_S, STARTUP_FLOOR_S, STARTUP_S_PER_PREFIX, startup_timeout_s
 from trainer.progress_board import Progress, ProgressBoard, stopped_first
 from trainer.watchdog import HANG_EXIT_CODE, Watchdog
 
@@ -64,7 +64,7 @@ def test_at_start_up_the_rank_still_computing_is_named_before_the_ones_waiting_f
                         r"start-up before the first step: not running", line), line
 
 
-def test_the_start_up_limit_defaults_to_a_floor_plus_a_term_per_byte_of_data(tmp_path):
+def test_the_start_up_limit_defaults_to_a_floor_plus_a_term_per_prefix_and_per_byte_of_data(tmp_path):
     sizes = {"a": 25_000_000, "b": 5_000_000}
     for name, size in sizes.items():
         (tmp_path / f"{name}.idx").write_bytes(b"")
@@ -72,8 +72,10 @@ def test_the_start_up_limit_defaults_to_a_floor_plus_a_term_per_byte_of_data(tmp
             f.truncate(size)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     blend = DataConfig(data_path=("1", a, "2", b), valid_data_path=(a,))  # a prefix counts once
-    assert startup_timeout_s(blend) == STARTUP_FLOOR_S + sum(sizes.values()) / STARTUP_BYTES_PER_S
-    assert startup_timeout_s(DataConfig(data_path=(b,))) == STARTUP_FLOOR_S + sizes["b"] / STARTUP_BYTES_PER_S
+    assert startup_timeout_s(blend) == \
+        STARTUP_FLOOR_S + 2 * STARTUP_S_PER_PREFIX + sum(sizes.values()) / STARTUP_BYTES_PER_S
+    assert startup_timeout_s(DataConfig(data_path=(b,))) == \
+        STARTUP_FLOOR_S + STARTUP_S_PER_PREFIX + sizes["b"] / STARTUP_BYTES_PER_S
     assert startup_timeout_s(DataConfig(data_path=(b,))) < 600  # minutes, not an hour
 
 

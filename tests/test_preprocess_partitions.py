@@ -1,8 +1,10 @@
 """tools/preprocess_data.py split across processes: 3 partitions of a generated corpus in Nemotron-CC form
-(three subsets; zstd, plain, parquet and gzip input files; a few bad records), run as separate processes with
-different --processes counts and chunk sizes, write the same files byte for byte as one process; the merge
-checks that every input file was covered exactly once and writes a token-weighted blend; the trainer trains
-10 steps on it; a killed partition resumes; manifests written before the renames still merge and resume."""
+(four subsets, one of a single document; zstd, plain, parquet and gzip input files; a few bad records), run as
+separate processes with different --processes counts and chunk sizes, write the same files byte for byte as one
+process; the merge checks that every input file was covered exactly once and writes a token-weighted blend; the
+trainer trains 10 steps on it at the default split, the one-document piece left out of validation; a killed
+partition resumes; manifests written before the renames still merge and resume; a manifest nested 100,000
+levels deep is one line."""
 import gzip
 import json
 import os
@@ -31,6 +33,7 @@ OPTIONS = ["--input-files-per-output", "2", "--max-tokens-per-file", "12000"]
 HIGH = "quality=high/kind=actual/kind2=actual"
 MEDIUM = "quality=medium/kind=actual/kind2=actual"
 LOW = "quality=low/kind=synthetic/kind2=distill"
+TINY = "quality=tiny/kind=actual/kind2=actual"  # one document: a piece no split but training can use
 
 
 def jsonl(texts: list[str]) -> bytes:
@@ -39,7 +42,8 @@ def jsonl(texts: list[str]) -> bytes:
 
 @pytest.fixture(scope="module")
 def subset_corpus(shakespeare: Path, tmp_path_factory) -> Path:
-    """Seven input files in three subsets, ~400-character documents of the sample corpus's text."""
+    """Seven input files in three subsets, ~400-character documents of the sample corpus's text, and an eighth
+    of one 2000-character document in a fourth."""
     text = " ".join(doc.text for path in resolve_inputs([str(shakespeare / "train")])
                     for doc in read_documents(path, "text", print))
     pieces = iter(text[i:i + 400] for i in range(0, len(text), 400))
@@ -54,6 +58,8 @@ def subset_corpus(shakespeare: Path, tmp_path_factory) -> Path:
     pq.write_table(pa.table({"text": documents()}), corpus / MEDIUM / "part-00001.parquet", row_group_size=16)
     for index in range(2):
         (corpus / LOW / f"part-{index:05d}.jsonl.gz").write_bytes(gzip.compress(jsonl(documents())))
+    (corpus / TINY).mkdir(parents=True)
+    (corpus / TINY / "part-00000.jsonl").write_bytes(jsonl(["".join(next(pieces) for _ in range(5))]))
     return corpus
 
 
@@ -111,11 +117,11 @@ def test_three_partitions_write_byte_identical_files_to_one(
     folder, outputs = three_partitions
     reference = dataset_files(one_partition)
     assert dataset_files(folder) == reference
-    # Groups of two input files of one subset: high 0-1 and 2, low 3-4, medium 5-6; groups of two exceed
-    # 12000 tokens and are cut in two.
+    # Groups of two input files of one subset: high 0-1 and 2, low 3-4, medium 5-6, tiny 7; groups of two
+    # exceed 12000 tokens and are cut in two.
     names = sorted({name.split("_text_document")[0] for name in reference})
     assert names == ["cc_000000_0000", "cc_000000_0001", "cc_000001_0000", "cc_000002_0000", "cc_000002_0001",
-                     "cc_000003_0000", "cc_000003_0001"]
+                     "cc_000003_0000", "cc_000003_0001", "cc_000004_0000"]
     assert "partition 2/3 (from SLURM_ARRAY_TASK_ID=3 of 1-3)" in outputs[2]
     for index, output in enumerate(outputs):
         assert f"progress: partition {index}/3: input files" in output
@@ -138,7 +144,7 @@ def test_three_partitions_write_byte_identical_files_to_one(
 def test_manifests_count_documents_tokens_and_dropped_records_per_subset(one_partition: Path, three_partitions):
     folder, outputs = three_partitions
     reference = read_manifest(one_partition / "cc_partition-00000-of-00001.json").subsets()
-    assert set(reference) == {HIGH, MEDIUM, LOW}
+    assert set(reference) == {HIGH, MEDIUM, LOW, TINY}
     assert [(reference[s].input_files, reference[s].documents) for s in (HIGH, MEDIUM, LOW)] == [
         (3, 3 * DOCUMENTS_PER_FILE), (2, 2 * DOCUMENTS_PER_FILE), (2, 2 * DOCUMENTS_PER_FILE)]
     assert reference[MEDIUM].dropped == {"malformed_json": 1, "missing_key": 1} and not reference[HIGH].dropped
@@ -179,7 +185,8 @@ def test_merge_writes_a_token_weighted_blend_that_trains(one_partition: Path, th
     assert code == 0, out
     blend = blend_lines(tmp_path / "cc.data_args")
     assert blend == blend_lines(tmp_path / "one.data_args")
-    multiplier = {"cc_000000": 2.0, "cc_000001": 2.0, "cc_000002": 0.5, "cc_000003": 1.0}  # high, high, low, medium
+    # high, high, low, medium, tiny
+    multiplier = {"cc_000000": 2.0, "cc_000001": 2.0, "cc_000002": 0.5, "cc_000003": 1.0, "cc_000004": 1.0}
     assert blend == [(read_dataset_meta(folder / name).tokens * multiplier[name[:9]], name)
                      for name in sorted(p.name[:-len(".meta.json")] for p in folder.glob("cc_*.meta.json"))]
 
@@ -188,9 +195,22 @@ def test_merge_writes_a_token_weighted_blend_that_trains(one_partition: Path, th
         "--ds_config", str(DS_CONFIGS["adamw"]), "--model", "tiny", "--data-args-path", str(tmp_path / "cc.data_args"),
         "--tokenizer-model", str(sentencepiece_model), "--train-iters", "10", "--log-interval", "1",
         "--eval-interval", "10", "--eval-iters", "1", "--run-dir", str(run_dir)]).check("training on the blend")
-    assert "data: training and validation: blend of 7 prefixes" in result.output
+    assert "data: training and validation: blend of 8 prefixes" in result.output
+    # The one-document piece trains, and is left out of validation, where --split 98,2,0 gives it nothing.
+    assert ("data: 1 of 8 prefixes hold less than one sample (129 tokens) of the valid split (--split 98,2,0) and "
+            "are left out of its blend, the weights renormalized over the other 7: "
+            f"{(folder / 'cc_000004_0000_text_document').resolve()}"
+            in result.output)
     losses = [record["loss"] for record in read_metrics(run_dir) if "loss" in record]
     assert len(losses) == 10 and all(loss == loss for loss in losses)
+
+
+def test_a_manifest_nested_100000_levels_deep_is_one_line_naming_it(tmp_path: Path, capsys):
+    deep = tmp_path / "cc_partition-00000-of-00001.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    code, out = run_main(["--merge-manifests", deep, "--data-args-path", tmp_path / "blend"], capsys)
+    assert (code, out) == (1, f"preprocess_data: error: manifest {deep} is not JSON: JSON nested deeper than 64 "
+                              "levels\n")
 
 
 def copy_manifests(folder: Path, into: Path) -> list[Path]:
@@ -276,7 +296,7 @@ def test_a_killed_partition_resumes_its_unfinished_groups(one_partition: Path, s
     monkeypatch.delenv(preprocess_data.KILL_HOOK_ENV)
     code, out = run_main(args, capsys)
     assert code == 0, out
-    assert "reuses 2 finished group(s) of 4" in out and "resuming: reused" in out  # and group 2's first chunks
+    assert "reuses 2 finished group(s) of 5" in out and "resuming: reused" in out  # and group 2's first chunks
     assert finished == {path: path.stat().st_mtime_ns for path in finished}
     assert dataset_files(folder) == dataset_files(one_partition)
     assert read_manifest(folder / "cc_partition-00000-of-00001.json").complete
@@ -348,6 +368,6 @@ def test_a_format_1_manifest_still_merges_and_resumes(one_partition: Path, subse
     written = {path: path.stat().st_mtime_ns for path in folder.glob("cc_*_text_document.*")}
     code, out = run_main(tool_args(subset_corpus, folder / "cc", sentencepiece_model), capsys)
     assert code == 0, out
-    assert "reuses 4 finished group(s) of 4" in out
+    assert "reuses 5 finished group(s) of 5" in out
     assert written == {path: path.stat().st_mtime_ns for path in written}
     assert json.loads(manifest.read_text())["format"] == FORMAT

@@ -73,6 +73,7 @@ from dataprep.chunks import (
 from dataprep.dataset_meta import DatasetMeta, meta_path, write_dataset_meta
 from dataprep.listing import Listing
 from dataprep.input_files import DEFAULT_MAX_DOCUMENT_BYTES, BadRecord, NoInputMatchedError, resolve_inputs
+from dataprep.input_files import DEFAULT_MAX_INFLATE_RATIO, is_parquet
 from dataprep.manifest import (
     GroupRecord,
     ManifestError,
@@ -91,6 +92,7 @@ from dataprep.progress import ProgressLine
 from tokenizer.identity import tokenizer_identity
 from tokenizer.interface import TOKENIZER_TYPES, load_tokenizer
 from muloco.core.durable import fsync_dir, write_text_durably
+from muloco.core.small_files import loads_json, read_capped_text
 
 # Bump when the part file contents would change for the same inputs, to invalidate old parts.
 PART_FORMAT_VERSION = 2
@@ -102,6 +104,7 @@ CHUNKS_IN_FLIGHT_PER_PROCESS = 2  # bounds the decompressed bytes held for the p
 # Test hook: "FILE:CHUNK:DOCUMENTS" SIGKILLs the process once that many documents of that chunk (of that input file,
 # by its position in the listing) are encoded.
 KILL_HOOK_ENV = "MULOCO_PREPROCESS_TEST_KILL_AT"
+PART_MANIFEST_MAX_BYTES = 64 << 20  # a chunk's stats, or an input file's chunk plan (about 40 bytes a chunk)
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,7 @@ class PreprocessConfig:
     input_files_per_output: int | None = None  # None: 1 when there is one output per input group
     max_tokens_per_file: int | None = None
     max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES  # longer records are dropped as bad
+    max_inflate_ratio: float = DEFAULT_MAX_INFLATE_RATIO  # a compressed file inflating further is cut there
 
     @property
     def output_per_group(self) -> bool:
@@ -297,7 +301,8 @@ def _tokenize_chunk(chunk: Chunk, payload: bytes | None, fingerprint: str, prefi
                 and documents_before < kill_at[2] <= stats.documents):
             os.kill(os.getpid(), signal.SIGKILL)
 
-    for document in chunk_documents(chunk, data, config.json_key, config.max_document_bytes, on_bad):
+    for document in chunk_documents(chunk, data, config.json_key, config.max_document_bytes, on_bad,
+                                    config.max_inflate_ratio):
         stats.input_bytes += document.nbytes
         if not document.text:
             stats.empty_documents += 1
@@ -360,10 +365,11 @@ def completed_chunk_stats(parts_dir: Path, chunk: Chunk, fingerprint: str) -> Ch
     """The stats of a part finished by an earlier run with the same fingerprint, else None."""
     prefix = part_prefix(parts_dir, chunk)
     try:
-        manifest = json.loads(Path(f"{prefix}.json").read_text())
+        manifest = loads_json(read_capped_text(f"{prefix}.json", PART_MANIFEST_MAX_BYTES))
     except (OSError, ValueError):
         return None
-    if manifest.get("fingerprint") != fingerprint or manifest.get("part_sizes") != _part_sizes(prefix):
+    if not isinstance(manifest, dict) or manifest.get("fingerprint") != fingerprint \
+            or manifest.get("part_sizes") != _part_sizes(prefix):
         return None
     stats = ChunkStats(**manifest["stats"])
     stats.bad_examples = [tuple(example) for example in stats.bad_examples]
@@ -463,6 +469,8 @@ class _Preprocess:
         self.part_identity = {"version": PART_FORMAT_VERSION, "tokenizer_sha256": self.tokenizer_hash,
                               "json_key": config.json_key, "append_eod": config.append_eod,
                               "dtype": np.dtype(self.dtype).name, "max_document_bytes": config.max_document_bytes}
+        if config.max_inflate_ratio != DEFAULT_MAX_INFLATE_RATIO:  # the default keeps earlier runs' fingerprints
+            self.part_identity["max_inflate_ratio"] = config.max_inflate_ratio
         self.output_identity = {**self.part_identity, "input_files_per_output": config.input_files_per_output or 1,
                                 "max_tokens_per_file": config.max_tokens_per_file}
         if config.output_per_group:
@@ -551,7 +559,8 @@ class _Preprocess:
                 continue
             for chunk, payload in plan_chunks(file_index, path, chunk_bytes, self.config.json_key,
                                               self.config.max_document_bytes,
-                                              functools.partial(_file_problem, self.config, plan)):
+                                              functools.partial(_file_problem, self.config, plan),
+                                              self.config.max_inflate_ratio):
                 plan.chunks.append(chunk)
                 self.chunks += 1
                 fingerprint = chunk_fingerprint(plan.fingerprint, chunk)
@@ -570,6 +579,9 @@ class _Preprocess:
             self._finish_group(work)
 
     def _chunk_done(self, chunk: Chunk, stats: ChunkStats) -> None:
+        # A JSONL chunk spans its (decompressed) bytes; a parquet one its row groups, whose text is counted.
+        read_bytes = stats.input_bytes if is_parquet(chunk.path) else chunk.stop - chunk.start
+        self.progress.chunk_done(stats.records, read_bytes)
         work = self._work_of_file[chunk.file_index]
         work.stats[(chunk.file_index, chunk.index)] = stats
         work.pending -= 1
@@ -720,10 +732,10 @@ def _write_file_plan(parts_dir: Path, plan: InputFilePlan) -> None:
 def _reuse_finished_file(parts_dir: Path, plan: InputFilePlan) -> dict | None:
     """The stats of every chunk when an earlier run finished the whole input file (filling `plan`), else None."""
     try:
-        manifest = json.loads(_file_plan_path(parts_dir, plan.file_index).read_text())
+        manifest = loads_json(read_capped_text(_file_plan_path(parts_dir, plan.file_index), PART_MANIFEST_MAX_BYTES))
     except (OSError, ValueError):
         return None
-    if manifest.get("fingerprint") != plan.fingerprint:
+    if not isinstance(manifest, dict) or manifest.get("fingerprint") != plan.fingerprint:
         return None
     chunks = [Chunk(plan.file_index, index, plan.path, start, stop, before)
               for index, (start, stop, before) in enumerate(manifest["chunks"])]
@@ -845,6 +857,10 @@ def parse_args(argv: Sequence[str] | None = None) -> PreprocessConfig | MergeCon
     parser.add_argument("--max-document-bytes", type=int, default=DEFAULT_MAX_DOCUMENT_BYTES,
                         help="drop (as a bad record) a JSON line or parquet text longer than this many bytes, "
                              "without holding it (default: %(default)s)")
+    parser.add_argument("--max-inflate-ratio", type=float, default=DEFAULT_MAX_INFLATE_RATIO,
+                        help="drop (as one bad record) the rest of a compressed input file, or a parquet column "
+                             "chunk, once it inflates past this many times its stored bytes (16 MiB always pass; "
+                             "default: %(default)g)")
     parser.add_argument("--strict", action="store_true", help="fail on the first bad record")
     parser.add_argument("--keep-parts", action="store_true", help="keep the per-chunk parts after merging")
     per_group = parser.add_argument_group("one output per group of input files, split across machines")
@@ -886,6 +902,8 @@ def parse_args(argv: Sequence[str] | None = None) -> PreprocessConfig | MergeCon
         parser.error("--chunk-mb must be positive")
     if args.max_document_bytes < 1:
         parser.error("--max-document-bytes must be at least 1")
+    if not args.max_inflate_ratio >= 1:  # NaN too
+        parser.error("--max-inflate-ratio must be a number >= 1")
     for flag in ("input_files_per_output", "max_tokens_per_file"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
@@ -908,6 +926,7 @@ def parse_args(argv: Sequence[str] | None = None) -> PreprocessConfig | MergeCon
         input_files_per_output=args.input_files_per_output,
         max_tokens_per_file=args.max_tokens_per_file,
         max_document_bytes=args.max_document_bytes,
+        max_inflate_ratio=args.max_inflate_ratio,
     )
 
 

@@ -134,8 +134,8 @@ class RunConfig(ConfigBlock):
     startup_timeout_s: float | None = setting(
         None, gt=0, flag="--startup-timeout-s",
         doc="with the hang watchdog on, the same for start-up and resume (building the model, the data index, "
-            "reading the checkpoint); default: 300 s plus 1 s per 10 MB of the data's .bin files "
-            "(trainer.data.startup_timeout_s)")
+            "reading the checkpoint); default: 300 s plus 0.1 s per prefix and 1 s per 10 MB of the data's .bin "
+            "files (trainer.data.startup_timeout_s)")
     exit_signal_handler: bool = setting(False, flag="--exit-signal-handler",
                                         doc="on SIGTERM finish the current step, save a checkpoint and exit 0 "
                                             "(needs --save)")

@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.gpt_dataset import GPTDataset
 
 from dataprep.blend import read_data_args, read_per_split_data_args
 from dataprep.dataset_meta import meta_path, read_dataset_meta
@@ -27,7 +26,9 @@ from tokenizer.interface import load_tokenizer, tokenizer_sha256
 from muloco.core.comm import barrier
 from trainer.config import BatchConfig, DataConfig
 from muloco.core.errors import ConfigError
-from trainer.indexed_files import read_indexed_files
+from trainer.data_splits import Blend, SplitBlends, SplitBlendsBuilder, SplitBlendsConfig, split_blends
+from trainer.indexed_files import read_indexed_files, regular_file_problem
+from trainer.open_files import MappedGPTDataset
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,8 @@ def tokenizer_info(data: DataConfig) -> TokenizerInfo:
     raise ValueError("give --tokenizer-model (or --vocab-size for pre-tokenized data without a tokenizer)")
 
 
-Blend = tuple[list[str], list[float] | None]  # Megatron's: prefixes, and their weights (None: one prefix)
 _BLEND_SHOWN = 8  # prefixes printed before "... and N more"
+_PREFIX_SHOWN = 300  # characters of a prefix printed in an error (one read from a file may be of any length)
 
 
 def data_blends(data: DataConfig) -> tuple[Blend, Blend | None]:
@@ -92,9 +93,14 @@ def _blend(items: list[str], source: str) -> Blend:
                           f"{' '.join(items[:6])}{' ...' if len(items) > 6 else ''}")
     for prefix in prefixes:
         for suffix in (".bin", ".idx"):
-            if not Path(prefix + suffix).is_file():
-                raise FileNotFoundError(f"dataset file {prefix + suffix} not found (from {source})")
+            if problem := regular_file_problem(prefix + suffix):  # missing, or a folder, FIFO, device, too long
+                raise (FileNotFoundError if problem == "not found" else ConfigError)(
+                    f"dataset file {_shown(prefix + suffix)} {problem} (from {source})")
     return prefixes, weights
+
+
+def _shown(name: str) -> str:
+    return name if len(name) <= _PREFIX_SHOWN else f"{name[:_PREFIX_SHOWN]}... ({len(name)} characters)"
 
 
 def _weight(item: str, source: str) -> float:
@@ -118,6 +124,12 @@ def describe_blend(blend: Blend, what: str) -> str:
     return "\n".join([f"data: {what}: blend of {len(prefixes)} prefixes (share of samples, prefix):", *lines, *more])
 
 
+def run_blends(data: DataConfig, seq_length: int) -> SplitBlends:
+    """The blends the run builds for training and validation, each without the prefixes whose share of it is
+    short of a sample (trainer/data_splits.py); a ConfigError when a split is left with none."""
+    return split_blends(*data_blends(data), data.split, seq_length)
+
+
 @dataclass
 class Datasets:
     train: GPTDataset
@@ -126,16 +138,19 @@ class Datasets:
 
 # The start-up watchdog's default limit: a floor for the model, the process groups and a checkpoint, plus
 # Megatron's sample indices, built in time proportional to the data (1 s per 10 MB of tokens allows about
-# ten times what a loaded core needs).
+# ten times what a loaded core needs) and to the prefixes (each checked, then its indices built for each
+# split: a blend of 10,000 tiny ones starts in 70-90 s on a loaded core, benchmarks/large_blend.py).
 STARTUP_FLOOR_S = 300.0
 STARTUP_BYTES_PER_S = 10e6
+STARTUP_S_PER_PREFIX = 0.1
 
 
 def startup_timeout_s(data: DataConfig) -> float:
     """The start-up limit for this data when --startup-timeout-s is not given."""
     train, valid = data_blends(data)
     prefixes = {*train[0], *(valid[0] if valid else ())}
-    return STARTUP_FLOOR_S + sum(Path(prefix + ".bin").stat().st_size for prefix in prefixes) / STARTUP_BYTES_PER_S
+    return (STARTUP_FLOOR_S + len(prefixes) * STARTUP_S_PER_PREFIX
+            + sum(Path(prefix + ".bin").stat().st_size for prefix in prefixes) / STARTUP_BYTES_PER_S)
 
 
 def index_cache_dir(run_dir: str | Path) -> Path:
@@ -179,6 +194,7 @@ def _check_token_ids_fit(data: DataConfig, prefixes: list[str]) -> None:
     # when a meta.json needs them (a blend may have thousands of files).
     accepted: tuple[str, str] | None = None
     flag = f"--tokenizer-model {data.tokenizer_model}" if tokenizer else "--vocab-size"
+    unchecked = []  # prefixes without a .meta.json: which tokenizer made them is unknown
     for prefix in prefixes:
         files = read_indexed_files(prefix)
         path = meta_path(prefix)
@@ -197,12 +213,17 @@ def _check_token_ids_fit(data: DataConfig, prefixes: list[str]) -> None:
             raise ConfigError(f"{prefix}.bin: the data holds token id {max_token_id}, but the vocabulary of {flag} "
                               f"has only {vocab_size} ids (0..{vocab_size - 1}): tokenize with this tokenizer, or use "
                               "the one the data was made with")
-        if tokenizer is not None and meta is not None:
+        if tokenizer is not None and meta is None:
+            unchecked.append(path)
+        elif tokenizer is not None:
             accepted = accepted or (tokenizer_identity(tokenizer), tokenizer_sha256(tokenizer))
             if meta.tokenizer_sha256 not in accepted:
                 raise ConfigError(f"{path}: the data was tokenized with a tokenizer whose SHA-256 is "
                                   f"{meta.tokenizer_sha256}, but {flag} has {accepted[0]}: use the "
                                   "tokenizer the data was made with")
+    if unchecked and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"warning: {len(unchecked)} of {len(prefixes)} dataset(s) have no .meta.json (e.g. {unchecked[0]}): "
+              f"that {flag} made them is not checked, only that their token ids fit its {vocab_size} ids", flush=True)
 
 
 def refuse_unsafe_index_cache(cache_dir: Path) -> None:
@@ -232,25 +253,26 @@ def build_datasets(data: DataConfig, tokenizer: TokenizerInfo, seq_length: int, 
     tokens' document ids (`collate`), from which attention builds its block-causal mask on the
     compute device; Megatron's per-sample [s, s] host mask is not made."""
     train_blend, valid_blend = data_blends(data)
+    blends = split_blends(train_blend, valid_blend, data.split, seq_length)
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(describe_blend(train_blend, "training" if valid_blend else "training and validation"), flush=True)
         if valid_blend:
             print(describe_blend(valid_blend, "validation"), flush=True)
+        for note in blends.notes:
+            print(note, flush=True)
     refuse_unsafe_index_cache(Path(cache_dir))
     if dist.is_initialized():
         # Megatron's rank 0 writes the cache while the others wait; none may start writing while a
         # slower rank is still scanning, or that rank would read a half-written file.
         barrier()
-    common = dict(random_seed=seed, sequence_length=seq_length, tokenizer=tokenizer,
-                  reset_position_ids=document_masking, reset_attention_mask=document_masking, eod_mask_loss=False,
-                  create_attention_mask=False, path_to_cache=cache_dir)
-    if valid_blend:
-        config = GPTDatasetConfig(blend_per_split=[train_blend, valid_blend, None], **common)
-    else:
-        config = GPTDatasetConfig(blend=train_blend, split=data.split, **common)
+    config = SplitBlendsConfig(
+        blend_per_split=[blends.train, blends.valid, None], prefix_split=blends.prefix_split, random_seed=seed,
+        sequence_length=seq_length, tokenizer=tokenizer, reset_position_ids=document_masking,
+        reset_attention_mask=document_masking, eod_mask_loss=False, create_attention_mask=False,
+        path_to_cache=cache_dir)
     # Test split size 0, not None: Megatron refuses a None size for a weighted blend.
-    train, valid, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [train_samples, valid_samples, 0], lambda: True, config).build()
+    train, valid, _ = SplitBlendsBuilder(
+        MappedGPTDataset, [train_samples, valid_samples, 0], lambda: True, config).build()
     return Datasets(train, valid)
 
 

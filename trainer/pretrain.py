@@ -14,14 +14,14 @@ import torch.distributed as dist
 
 from muloco.core import comm
 from trainer.config import RunConfig, build_parser, check_environment, resolve
-from trainer.data import check_data, check_model_vocabulary, index_cache_dir, refuse_unsafe_index_cache
-from trainer.data_splits import check_splits_hold_a_sample
+from trainer.data import check_data, check_model_vocabulary, index_cache_dir, refuse_unsafe_index_cache, run_blends
 from muloco.diloco.collectives import CollectiveError
 from trainer.checkpoint.format import checkpoint_args
 from muloco.core.durable import check_output_folders
 from muloco.core.errors import ConfigError, TopologyError
 from trainer.failures import stop_together
 from trainer.folder_lock import JobLocks
+from trainer.open_files import check_open_file_limit, raise_open_file_limit
 from trainer.parent_watch import ParentWatch, launched
 from trainer.threads import apply_thread_default
 
@@ -39,7 +39,8 @@ def checked_config(args, world_size: int) -> RunConfig:
     check_model_vocabulary(config.data, config.model_vocab_size)
     check_output_folders(config)
     refuse_unsafe_index_cache(index_cache_dir(config.run_dir))
-    check_splits_hold_a_sample(config.data, config.model.seq_length)
+    blends = run_blends(config.data, config.model.seq_length)  # a split no prefix can feed would loop in Megatron
+    check_open_file_limit(len({*blends.train[0], *(blends.valid[0] if blends.valid else ())}))
     return config
 
 
@@ -64,8 +65,11 @@ def main(argv: list[str] | None = None, trainer_class=None) -> dict:
 
 def _main(args, trainer_class) -> dict:
     threads = apply_thread_default()  # before any work: the ranks on a host share its cores
+    raised = raise_open_file_limit()  # a blend of thousands of prefixes reads more files than ulimit -n's 1024
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(threads.line, flush=True)
+        if raised:
+            print(raised, flush=True)
         if args.deepspeed:
             print("note: --deepspeed is ignored (this trainer always runs under DeepSpeed)", flush=True)
     if args.deterministic:  # cuBLAS reads this when it starts
