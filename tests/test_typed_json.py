@@ -6,6 +6,7 @@ from typing import Literal
 
 import pytest
 
+from muloco.core.errors import ConfigError
 from muloco.core.typed_json import ConfigBlock, ConfigProblems, Problem, field_default, load, set_path, setting
 
 
@@ -112,3 +113,23 @@ def test_set_path_makes_the_objects_on_the_way():
     block = {"a": None}
     set_path(block, "a.b.c", 1)
     assert block == {"a": {"b": {"c": 1}}}
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[" * 100_000 + "]" * 100_000, "nested deeper than"),
+    ('{"a": 1, "a": 2}', "key 'a' is given twice"),
+    ('{"a": ', "is not valid JSON"),
+    ("[1]", "must hold a JSON object"),
+])
+def test_a_config_file_that_is_not_one_is_one_line(tmp_path, content, message):
+    from muloco.core.typed_json import read_json_object
+    (tmp_path / "ds.json").write_text(content)
+    with pytest.raises(ConfigError, match=message):
+        read_json_object(tmp_path / "ds.json")
+
+
+def test_a_config_path_that_is_a_device_or_a_folder_is_not_read(tmp_path):
+    from muloco.core.typed_json import read_json_object
+    for path in ("/dev/zero", tmp_path):
+        with pytest.raises(ConfigError, match="is not a regular file"):
+            read_json_object(path)

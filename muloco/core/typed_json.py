@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from muloco.core.errors import ConfigError
+from muloco.core.small_files import FileTooLargeError, loads_json, read_capped
 
 Problem = tuple[str, str]  # (dotted path relative to the block checked, what is wrong)
 _INVALID = object()  # a value that could not be converted; its problem is already recorded
@@ -375,7 +376,7 @@ def describe(annotation: Any) -> str:
 MAX_CONFIG_BYTES = 16 << 20  # a ds_config is a few KB: a larger file (or a device that never ends) is refused
 
 
-class _RepeatedKey(ValueError):
+class _RepeatedKey(Exception):
     pass
 
 
@@ -388,28 +389,24 @@ def _refuse_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def read_json_object(path: str | Path, what: str = "ds_config") -> dict[str, Any]:
-    """The JSON object in the regular file `path` (at most MAX_CONFIG_BYTES), or one ConfigError naming
-    `what` and saying why it is not one."""
+    """The JSON object in the regular file `path` (capped, depth-safe: small_files.py), or one ConfigError
+    naming `what` and saying why it is not one."""
     path = Path(path)
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"{what} {path} is not a regular file")
     try:
-        if path.exists() and not path.is_file():
-            raise ConfigError(f"{what} {path} is not a regular file")
-        with open(path, "rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-        if len(data) > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{what} {path} is larger than {MAX_CONFIG_BYTES >> 20} MiB: not a config")
-        value = json.loads(data.decode(), object_pairs_hook=_refuse_repeated_keys)
+        value = loads_json(read_capped(path, MAX_CONFIG_BYTES).decode(), object_pairs_hook=_refuse_repeated_keys)
     except FileNotFoundError:
         raise ConfigError(f"{what} {path} not found") from None
     except OSError as err:
         raise ConfigError(f"cannot read {what} {path}: {err.strerror or err}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{what} {path} is not valid JSON: {err}") from None
-    except RecursionError:
-        raise ConfigError(f"{what} {path} nests its JSON too deeply") from None
     except _RepeatedKey as err:
         raise ConfigError(f"{what} {path}: key {err} is given twice in one object (JSON keeps only the last; "
                           "remove one)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{what} {path} is not valid JSON: {err}") from None
+    except (FileTooLargeError, ValueError) as err:  # too long, or nested too deep
+        raise ConfigError(f"{what} {path} is not a config: {err}") from None
     if not isinstance(value, dict):
         raise ConfigError(f"{what} {path} must hold a JSON object")
     return value
