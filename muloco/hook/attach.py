@@ -39,7 +39,7 @@ from muloco.diloco.auth import job_key, resolve_key_file
 from muloco.diloco.config import MuLoCoConfig
 from muloco.diloco.membership import StaticMembership
 from muloco.diloco.outer_loop import OuterLoop
-from muloco.hook.engine_shards import engine_tensors, plan_signature, refusal
+from muloco.hook.engine_shards import engine_tensors, plan_signature, refresh_model_weights, refusal
 from muloco.hook.workers import Workers
 
 ATTACHED = "_muloco_outer_loop"  # the engine attribute that marks an engine the outer loop is attached to
@@ -85,8 +85,7 @@ class EngineHost:
         return lrs
 
     def weights_written(self) -> None:
-        if hasattr(self.engine.optimizer, "update_lp_params"):  # the model's weights derive from the partitions
-            self.engine.optimizer.update_lp_params()
+        refresh_model_weights(self.engine)  # the model's weights derive from the partitions
 
 
 class MuLoCoHook:
@@ -182,8 +181,7 @@ def attach(engine, config: MuLoCoConfig | dict, workers: Workers, *, worker_id: 
     path = resolve_key_file(config.auth, Path(config_dir)) if config.talks and config.auth != "none" else None
     key = job_key(path, config.auth.job_id if path else "", config.talks, topology.is_logging_rank)
     data_parallel = sorted(dist.get_process_group_ranks(engine.data_parallel_group))
-    per_worker = topology.sizes.ranks_per_worker
-    worker = list(range(topology.rank // per_worker * per_worker, (topology.rank // per_worker + 1) * per_worker))
+    worker = workers.data_parallel_ranks  # this rank's shard in its worker
     if data_parallel != worker:
         raise ConfigError(f"DeepSpeed's data-parallel group is ranks {data_parallel}, not this worker's {worker}: "
                           f"pass mpu=workers.mpu to deepspeed.initialize so its all-reduce stays inside one worker")
