@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from muloco import attach, data_parallel_workers
+from muloco.core.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 ARGS = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
@@ -100,18 +101,43 @@ def megatron_case(case: str, tensor: int, pipeline: int, zero: int, muloco: dict
     mps.destroy_model_parallel()
 
 
+def pipeline_engine_case(case: str, workers: int) -> None:
+    """A user's PipelineModule (two stages) under deepspeed.initialize, the outer loop attached to
+    its engine: refused with one line on every rank (then the process ends cleanly)."""
+    if ONLY and case not in ONLY:
+        return
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    split = data_parallel_workers(workers)
+    layers = [LayerSpec(torch.nn.Linear, 8, 8), LayerSpec(torch.nn.ReLU), LayerSpec(torch.nn.Linear, 8, 8)]
+    model = PipelineModule(layers=layers, num_stages=2, loss_fn=torch.nn.MSELoss())
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10**9,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    try:
+        attach(engine, {**NONE, "workers": workers}, split)
+        message = None
+    except ConfigError as err:
+        message = str(err)
+    save(case, {"error": message})
+    engine.destroy()
+
+
 def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     OUT.mkdir(parents=True, exist_ok=True)
     # ZeRO-3 with the norms kept whole between steps and the matrices partitioned (the persistence
-    # threshold between them), and with both offloaded to the host.
+    # threshold between them), and with both offloaded to the host; ZeRO-1 with its optimizer there.
     zero3 = {"stage": 3, "stage3_param_persistence_threshold": 100}
     llama_case("zero3", zero3, NONE)
     llama_case("zero3_offload_4bit", {**zero3, "offload_optimizer": {"device": "cpu"},
                                       "offload_param": {"device": "cpu"}}, FOUR_BIT)
+    llama_case("zero1_offload_4bit", {"stage": 1, "offload_optimizer": {"device": "cpu"}}, FOUR_BIT)
     megatron_case("tensor2", 2, 1, 1, NONE)
     megatron_case("tensor2_4bit", 2, 1, 0, FOUR_BIT)
     megatron_case("pipeline2", 1, 2, 0, NONE)
+    pipeline_engine_case("pipeline_engine_k2", 2)
+    pipeline_engine_case("pipeline_engine_k1", 1)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 from argparse import Namespace
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -21,6 +22,9 @@ import pytest
 import torch
 from megatron_world import megatron_world_of_one
 from test_deepspeed_hook import cached_reference
+
+from muloco import data_parallel_workers
+from muloco.core.errors import ConfigError
 
 from tools.trainer_runs import REPO_ROOT, launch_ranks, shared_memory_files
 
@@ -100,6 +104,36 @@ def test_zero3_partitions_are_diloco_computed_by_hand(results):
 @pytest.mark.launch
 def test_zero3_with_offload_and_4bit_syncs_leaves_the_workers_bit_identical(results):
     assert_workers_agree([load(results, "zero3_offload_4bit", rank) for rank in range(4)])
+
+
+@pytest.mark.launch
+def test_zero1_with_optimizer_offload_and_4bit_syncs_leaves_the_workers_bit_identical(results):
+    assert_workers_agree([load(results, "zero1_offload_4bit", rank) for rank in range(4)])
+
+
+def llama_shard_params() -> list:
+    """The example's Llama as tools/plan.py describes a stage's parameters."""
+    from muloco.hook.engine_shards import _embedding_parameters
+    from test_deepspeed_hook import VOCAB, SEQ, _example
+    from tools.plan import ShardParam
+
+    model = _example().llama(VOCAB, SEQ)
+    embedding = _embedding_parameters(model)
+    return [ShardParam(name, tuple(p.shape), False, False, id(p) in embedding) for name, p in model.named_parameters()]
+
+
+@pytest.mark.parametrize("case, zero", [("zero1_offload_4bit", 1), ("zero3", 3)])
+@pytest.mark.launch
+def test_the_planners_hook_shard_is_what_each_rank_syncs(results, case, zero):
+    """tools/plan.py --hook-zero sizes memory and bytes from the pieces it expects a rank to sync:
+    the same names, offsets and wire shapes as the hook's on DeepSpeed's real partitions."""
+    from tools.plan import hook_synced
+
+    params = llama_shard_params()
+    for rank in range(4):
+        got = load(results, case, rank)["synced"]
+        planned = hook_synced(params, zero, data=2, replica=rank % 2)
+        assert [(p.name, p.wire_shape) for p in planned] == [(n, tuple(t.shape)) for n, t in got.items()], rank
 
 
 # -- Megatron-core tensor and pipeline parallelism -------------------------------------------------
@@ -182,3 +216,106 @@ def test_4bit_syncs_at_tensor_parallel_two_leave_the_shards_bit_identical_across
     for t in range(2):  # ranks t and 2 + t hold the same tensor shard
         first, second = runs[t]["parameters"], runs[2 + t]["parameters"]
         assert all(torch.equal(first[n][0], second[n][0]) for n in first)
+
+
+@pytest.mark.parametrize("case", ["pipeline_engine_k2", "pipeline_engine_k1"])
+@pytest.mark.launch
+def test_deepspeeds_pipeline_engine_is_refused_with_one_line_on_every_rank(results, case):
+    for rank in range(4):  # (and the launch ends cleanly: no outer loop was left running)
+        error = load(results, case, rank)["error"]
+        assert error is not None and "pipeline engine" in error and "examples/megatron_muloco.py" in error, error
+
+
+# -- the world and the user's model-parallel groups, in one process of a fake world ----------------
+
+@contextmanager
+def fake_world(rank: int, world: int):
+    """This process as `rank` of a `world`-rank job (torch's fake backend: groups, no traffic)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class LegacyMegatronMpu:
+    """A Megatron-DeepSpeed-style mpu (legacy Megatron's layout: the pipeline stage slowest)."""
+
+    def __init__(self, tensor: int, pipeline: int):
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.tensor, self.pipeline = tensor, pipeline
+        tensor_groups = [list(range(i, i + tensor)) for i in range(0, world, tensor)]
+        pipeline_groups = [list(range(i, world, world // pipeline)) for i in range(world // pipeline)]
+        self.groups = {}
+        for name, groups in (("tensor", tensor_groups), ("pipeline", pipeline_groups)):
+            for ranks in groups:
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    self.groups[name] = group
+
+    def get_tensor_model_parallel_world_size(self):
+        return self.tensor
+
+    def get_pipeline_model_parallel_world_size(self):
+        return self.pipeline
+
+    def get_tensor_model_parallel_group(self):
+        return self.groups["tensor"]
+
+    def get_pipeline_model_parallel_group(self):
+        return self.groups["pipeline"]
+
+    def get_model_parallel_group(self):
+        return None
+
+
+def test_megatron_core_groups_in_tp_pp_dp_order_make_the_workers():
+    from megatron.core import parallel_state as mps
+
+    with fake_world(rank=13, world=16):  # K=2 x D=2 x P=2 x T=2: rank 13 = worker 1, d=1, p=0, t=1
+        mps.initialize_model_parallel(2, 2, order="tp-pp-dp", create_gloo_process_groups=False)
+        try:
+            workers = data_parallel_workers(2, mps)
+            sizes, coords = workers.topology.sizes, workers.topology.coords
+            assert (sizes.workers, sizes.data, sizes.pipeline, sizes.tensor) == (2, 2, 2, 2)
+            assert (coords.worker, coords.data, coords.pipeline, coords.tensor) == (1, 1, 0, 1)
+            assert workers.data_parallel_ranks == [9, 13]  # its shard's replicas in worker 1 (ranks 8-15)
+            mpu = workers.mpu
+            assert mpu.get_data_parallel_world_size() == 2 and mpu.get_data_parallel_rank() == 1
+            assert mpu.get_tensor_model_parallel_group() is mps.get_tensor_model_parallel_group()
+            assert mpu.get_pipeline_model_parallel_group() is mps.get_pipeline_model_parallel_group()
+            assert mpu.get_model_parallel_world_size() == 4 and mpu.get_model_parallel_rank() == 1
+            with pytest.raises(ConfigError, match="tensor=4 but the mpu's is 2"):
+                data_parallel_workers(2, mps, tensor=4)
+        finally:
+            mps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("make_mpu, message", [
+    (lambda: LegacyMegatronMpu(2, 2), r"rank 5's pipeline group is ranks \[1, 5\], not \[5, 7\]: .*order=\"tp-pp-dp\""),
+    (None, "world size 8 is not divisible by workers x pipeline x tensor = 3 x 1 x 2"),
+])
+def test_groups_that_do_not_make_contiguous_workers_are_one_config_error(make_mpu, message):
+    with fake_world(rank=5, world=8):
+        with pytest.raises(ConfigError, match=message):
+            if make_mpu is None:
+                data_parallel_workers(3, tensor=2)
+            else:
+                data_parallel_workers(2, make_mpu())
+
+
+def test_groups_built_from_t_and_p_answer_deepspeeds_model_parallel_questions():
+    import torch.distributed as dist
+
+    with fake_world(rank=6, world=8):  # K=2 x D=1 x P=2 x T=2: rank 6 = worker 1, p=1, t=0
+        mpu = data_parallel_workers(2, tensor=2, pipeline=2).mpu
+        assert dist.get_process_group_ranks(mpu.get_tensor_model_parallel_group()) == [6, 7]
+        assert dist.get_process_group_ranks(mpu.get_pipeline_model_parallel_group()) == [4, 6]
+        assert dist.get_process_group_ranks(mpu.get_model_parallel_group()) == [4, 5, 6, 7]
+        assert dist.get_process_group_ranks(mpu.get_data_parallel_group()) == [6]
+        assert (mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank()) == (0, 1)

@@ -17,7 +17,8 @@ state for and syncs.
 A partition or a master partition is the shard: its global weights, momentum and error feedback live
 on this rank alone and it is synced with the same partition of the other workers. With optimizer or
 parameter offload to the host the partitions are host tensors and the same holds; NVMe offload,
-whose partitions are swapped out between steps, and fp16 are refused with the reason.
+whose partitions are swapped out between steps, fp16, and DeepSpeed's pipeline engine
+(`PIPELINE_ENGINE` says why) are refused with the reason.
 
 Parameters are described by shape and by the attributes model-parallel libraries set (plan.py):
 embedding and output-embedding modules (`torch.nn.Embedding`, a Hugging Face model's
@@ -54,8 +55,20 @@ def _offload_device(setting) -> str | None:
     return getattr(device, "value", device) if device not in (None, "none") else None
 
 
+PIPELINE_ENGINE = (
+    "DeepSpeed's pipeline engine (a PipelineModule) cannot run as K workers: its grid builds the model-parallel "
+    "group from the data-parallel index alone, so with the workers as an axis of its topology that group (every "
+    "step's gradient norm) spans the workers, and tied layers (TiedLayerSpec) hang while the module is built; "
+    "run the pipeline with Megatron-core's schedules under deepspeed.initialize(..., mpu=workers.mpu) instead "
+    "(examples/megatron_muloco.py)")
+
+
 def refusal(engine) -> str | None:
     """Why the outer loop cannot attach to this engine's optimizer, if it cannot."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    if isinstance(engine, PipelineEngine):  # its train_batch steps without the engine's `step`
+        return PIPELINE_ENGINE
     if engine.fp16_enabled():
         return "fp16 with loss scaling is not supported: a skipped step would part the workers' step counts; use bf16"
     devices = {_offload_device(engine.zero_offload_optimizer()), _offload_device(engine.zero_offload_param())}
