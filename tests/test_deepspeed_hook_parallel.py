@@ -287,6 +287,7 @@ def test_megatron_core_groups_in_tp_pp_dp_order_make_the_workers():
             assert workers.data_parallel_ranks == [9, 13]  # its shard's replicas in worker 1 (ranks 8-15)
             mpu = workers.mpu
             assert mpu.get_data_parallel_world_size() == 2 and mpu.get_data_parallel_rank() == 1
+            assert mpu.get_data_parallel_group_ranks() == [9, 13]
             assert mpu.get_tensor_model_parallel_group() is mps.get_tensor_model_parallel_group()
             assert mpu.get_pipeline_model_parallel_group() is mps.get_pipeline_model_parallel_group()
             assert mpu.get_model_parallel_world_size() == 4 and mpu.get_model_parallel_rank() == 1

@@ -32,7 +32,7 @@ compressed parameters, when on) + the fp32 pseudogradient 4 built at a sync.
 A DeepSpeed hook run (`--hook-zero N`: a team's own loop with muloco/hook/ attached) is the same
 model as DeepSpeed holds it (`zero_model_states`): the model's weights in bf16 with fp32 master weights
 in the optimizer (or all fp32), the master weights and optimizer state partitioned over D from ZeRO 1,
-the gradients from ZeRO 2, the weights from ZeRO 3 (plus the largest parameter gathered whole); the
+the gradients from ZeRO 2, the weights from ZeRO 3 (plus what it keeps gathered: up to 1e9); the
 synced shard and its host outer state are the rank's ZeRO partition (`hook_synced`).
 
 Bytes per outer sync per rank: the compression module's `Compressor.payload_nbytes` on each owned
@@ -329,20 +329,24 @@ def stage_memory(stage_index: int, stage: list[ShardParam], inputs: PlanInputs, 
 
 # -- a DeepSpeed hook run (muloco/hook/) ------------------------------------------------------------
 
+ZERO3_MAX_LIVE_PARAMETERS = 10**9  # DeepSpeed's default stage3_max_live_parameters
+
+
 def zero_model_states(params: list[ShardParam], zero: int, data: int, bf16: bool) -> dict[str, float]:
     """Bytes per rank of the model's weights, DeepSpeed's fp32 master weights and the gradients, as a
     DeepSpeed engine holds `params` under ZeRO `zero` with D = `data`: the weights in bf16 (with fp32
     master weights in its optimizer) or fp32; the master weights partitioned from ZeRO 1, the gradients
     (in the weights' dtype, plus the fp32 partition the optimizer steps with) from ZeRO 2, the weights
-    from ZeRO 3, which gathers a layer's weights and gradients whole around its forward and backward
-    (the largest parameter here, as DeepSpeed's own estimate counts its largest layer)."""
+    from ZeRO 3, which keeps the weights it gathers for the forward until the backward has used them
+    again, up to `stage3_max_live_parameters` (DeepSpeed's default, 1e9), and their gradients whole
+    until reduced."""
     n = sum(p.numel for p in params)
     size = 2 if bf16 else 4
 
     def share(stage: int) -> int:
         return data if zero >= stage else 1
 
-    gathered = max((p.numel for p in params), default=0) if zero >= 3 else 0
+    gathered = min(n, ZERO3_MAX_LIVE_PARAMETERS) if zero >= 3 else 0
     fp32_gradients = 4 * n / data if zero >= 1 else (4 * n if bf16 else 0)  # bf16 at stage 0: fp32 accumulation
     return {"weights": size * (n / share(3) + gathered), "bf16_weight_copies": 0.0,
             "master_weights": 4 * n / share(1) if zero >= 1 or bf16 else 0.0,

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from muloco.core import comm
-from muloco.core.errors import ConfigError, TopologyError
+from muloco.core.errors import ConfigError
 from muloco.core.topology import (ParallelSizes, RankCoordinates, Topology, build_topology,
                                   inner_data_parallel_ranks, rank_of)
 
@@ -55,6 +55,10 @@ def _mine(groups: list[list[int]], rank: int) -> list[int]:
     return next(ranks for ranks in groups if rank in ranks)
 
 
+def _data_parallel_ranks(topology: Topology) -> list[int]:
+    return _mine(inner_data_parallel_ranks(topology.sizes), topology.rank)
+
+
 def _build_model_parallel_groups(sizes: ParallelSizes, timeout: timedelta) -> ModelParallelGroups:
     """Each distinct split of the world made once (at T = 1 the tensor groups are single ranks, and
     the model groups are the pipeline groups)."""
@@ -79,12 +83,12 @@ def _layout_problem(mpu, sizes: ParallelSizes, rank: int) -> str | None:
     return None
 
 
-def _agree(problem: str | None, timeout_hint: str) -> None:
+def _agree(problem: str | None, hint: str) -> None:
     """Every rank raises when any rank found a problem (none goes on to a collective the others skip)."""
     flag = torch.tensor([0.0 if problem is None else 1.0], device=comm.group_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item():
-        raise ConfigError(problem or f"another rank's model-parallel groups do not match the layout: {timeout_hint}")
+        raise ConfigError(problem or f"another rank's model-parallel groups do not match the layout: {hint}")
 
 
 class WorkerMpu:
@@ -103,6 +107,9 @@ class WorkerMpu:
 
     def get_data_parallel_world_size(self) -> int:
         return self._topology.sizes.data
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return _data_parallel_ranks(self._topology)
 
     def get_tensor_model_parallel_group(self):
         return self._groups.tensor
@@ -144,7 +151,7 @@ class Workers:
     @property
     def data_parallel_ranks(self) -> list[int]:
         """The ranks DeepSpeed's data parallelism must span on this rank: its shard's D replicas in its worker."""
-        return _mine(inner_data_parallel_ranks(self.topology.sizes), self.topology.rank)
+        return _data_parallel_ranks(self.topology)
 
 
 def data_parallel_workers(workers: int, mpu=None, *, tensor: int | None = None, pipeline: int | None = None,
@@ -165,10 +172,7 @@ def data_parallel_workers(workers: int, mpu=None, *, tensor: int | None = None, 
         if clash:
             raise ConfigError(f"data_parallel_workers: {'; '.join(clash)} (give the mpu alone)")
         tensor, pipeline = (theirs for _, theirs in given.values())
-    try:
-        sizes = ParallelSizes.from_world(dist.get_world_size(), workers, pipeline or 1, tensor or 1)
-    except TopologyError as err:
-        raise ConfigError(f"data_parallel_workers: {err}") from None
+    sizes = ParallelSizes.from_world(dist.get_world_size(), workers, pipeline or 1, tensor or 1)  # a ConfigError
     if mpu is not None:
         _agree(_layout_problem(mpu, sizes, dist.get_rank()), MEGATRON_ORDER)
         groups = ModelParallelGroups(mpu.get_tensor_model_parallel_group(), mpu.get_pipeline_model_parallel_group(),
