@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tools.trainer_runs import launcher_command
+from tools.trainer_runs import launcher_command, shared_memory_files
 
 REPO = Path(__file__).resolve().parents[1]
 K = 2
@@ -167,6 +167,8 @@ def launch(args: argparse.Namespace, run: str, port: int, out: Path) -> list[dic
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     out.mkdir(parents=True)
     done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)
+    for path in shared_memory_files(port):  # DeepSpeed's CPU all-reduce buffers of this launch
+        path.unlink(missing_ok=True)
     if done.returncode != 0:
         sys.exit(f"the {run} launch failed (exit {done.returncode}):\n{done.stdout[-4000:]}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
