@@ -36,7 +36,7 @@ COMPRESSION = {"none": {"method": "none"},
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=2, help="K datacenters (the world splits into K x D ranks)")
-    p.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2))
+    p.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3))
     p.add_argument("--sync-interval", type=int, default=5, help="H inner steps between outer syncs")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--outer-lr", type=float, default=0.7)

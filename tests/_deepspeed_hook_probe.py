@@ -221,9 +221,9 @@ def main() -> None:
     refused("attached_twice", twice)
     guards(two, none)
     # Resumes with a sync in flight (saved after step 4: F=2 fragments, one launched at step 4 and applied at
-    # 5) under ZeRO 0, 1 and 2, against the run that was not stopped; K=4 x D=1 too (every worker's files
+    # 5) under ZeRO 0 to 3, against the run that was not stopped; K=4 x D=1 too (every worker's files
     # in its own folder: at D=1 they all have DeepSpeed's one name, mp_rank_00_*).
-    for zero in (0, 1, 2):
+    for zero in (0, 1, 2, 3):
         train(f"k2_uninterrupted_zero{zero}", two, zero, "adamw", streaming)
         resumed(f"k2_resumed_zero{zero}", two, zero, streaming, save_at=4)
     four = data_parallel_workers(4)

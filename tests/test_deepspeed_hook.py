@@ -182,7 +182,7 @@ def test_a_bad_setup_is_one_line_on_every_rank(results, case, message):
 
 
 @pytest.mark.parametrize("case, ranks", [("k2_resumed_zero0", 4), ("k2_resumed_zero1", 4), ("k2_resumed_zero2", 4),
-                                         ("k4_resumed_zero1", 4)])
+                                         ("k2_resumed_zero3", 4), ("k4_resumed_zero1", 4)])
 @pytest.mark.launch
 def test_a_run_saved_with_a_sync_in_flight_stopped_and_resumed_is_the_run_that_was_not_stopped(results, case, ranks):
     """outer.save_checkpoint after step 4 (4-bit + EF, F=2 fragments, tau=1: a sync in flight), a stop
@@ -246,8 +246,9 @@ def test_deepspeeds_own_dataloader_gives_every_rank_of_every_worker_its_own_samp
 
 # -- bad input that needs no second worker: stand-in engines, in process ---------------------------
 
-def stand_in_engine(stage: int = 1, offload: bool = False, fp16: bool = False) -> SimpleNamespace:
-    return SimpleNamespace(zero_optimization_stage=lambda: stage, zero_offload_optimizer=lambda: {} if offload else None,
+def stand_in_engine(stage: int = 1, offload: str | None = None, fp16: bool = False) -> SimpleNamespace:
+    offloaded = SimpleNamespace(device=offload) if offload else None
+    return SimpleNamespace(zero_optimization_stage=lambda: stage, zero_offload_optimizer=lambda: offloaded,
                            zero_offload_param=lambda: None, fp16_enabled=lambda: fp16)
 
 
@@ -257,8 +258,7 @@ def two_workers() -> Workers:
 
 
 @pytest.mark.parametrize("engine, block, message", [
-    (stand_in_engine(stage=3), {"workers": 2}, "ZeRO stage 3 is not supported"),
-    (stand_in_engine(offload=True), {"workers": 2}, "ZeRO offload is not supported"),
+    (stand_in_engine(stage=3, offload="nvme"), {"workers": 2}, "ZeRO offload to NVMe is not supported"),
     (stand_in_engine(fp16=True), {"workers": 2}, "fp16 with loss scaling is not supported"),
     (stand_in_engine(), {"workers": 2, "sync_interval": 0}, "sync_interval"),
     (stand_in_engine(), {"workers": 3}, "split into 2 workers"),

@@ -51,9 +51,9 @@ class Worker:
         self.loop = OuterLoop(config, tensors, topology, log=lambda record, step: self.records.append(record),
                               membership=membership, key=getattr(membership, "key", None), clock=clock)
         # The host the loop is attached to: this project's trainer, or a DeepSpeed engine (its counters and
-        # lr schedule; SGD has no master partitions to refresh).
+        # lr schedule; stage 0 with SGD has no master partitions to refresh).
         self.engine = SimpleNamespace(global_steps=0, lr_scheduler=engine.lr_scheduler, optimizer=optimizer,
-                                      train_batch_size=lambda: 4)
+                                      train_batch_size=lambda: 4, zero_optimization_stage=lambda: 0)
         self.loop.host = TrainerHost(self.trainer) if host == "trainer" else EngineHost(self.engine, None)
         self.records: list[dict] = []
 

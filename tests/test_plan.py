@@ -204,3 +204,28 @@ def test_the_planner_reads_every_config_as_the_trainer_does(path, tmp_path):
 
 def test_the_planner_refuses_a_config_made_for_another_model():
     assert planner.main(["--model", "3.1b", "--ds_config", "ds_configs/gpu_15b_muloco_k16.json"]) == 2
+
+
+def test_a_hook_run_partitions_what_zero_partitions_and_syncs_each_element_once():
+    flags = ("--model", "150m", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--data", "4",
+             "--workers", "2", "--global-batch-size", "64", "--ds_config", "ds_configs/gpu_150m_muloco_k1.json")
+    plans = {zero: planner.make_plan(replace(_inputs(*flags), hook_zero=zero)) for zero in (0, 1, 3)}
+    trainer = planner.make_plan(_inputs(*flags))
+    n = sum(p.numel for p in planner.build_stage_shards(PRESETS["150m"], planner.PAPER_VOCAB, 2, 2)[0])
+    for zero, plan in plans.items():
+        memory = plan.memory[1]  # AdamW: 8 bytes of moments per parameter, partitioned from ZeRO 1
+        assert memory.adamw_moments == pytest.approx(8 * n / (4 if zero else 1), rel=0.2)
+        assert memory.master_weights == pytest.approx(4 * n / (4 if zero else 1), rel=0.2)  # bf16 weights
+    assert plans[1].memory[0].device_total < plans[0].memory[0].device_total
+    # ZeRO-3 holds 1/D of the bf16 weights, and keeps those it gathers for the forward (all of a 150m
+    # stage: fewer than DeepSpeed's 1e9 live parameters) until the backward.
+    zero3 = plans[3].memory[1]
+    stage_numel = zero3.master_weights  # 4 bytes per parameter over D = 4
+    assert zero3.weights == pytest.approx(2 * (stage_numel / 4 + stage_numel))
+    # The same elements are synced, cut differently: a partition's pieces against whole tensors.
+    for zero in (1, 3):
+        assert plans[zero].sync.per_rank_mean == pytest.approx(trainer.sync.per_rank_mean, rel=0.02)
+    stage = planner.build_stage_shards(PRESETS["150m"], planner.PAPER_VOCAB, 1, 1)[0]
+    for zero in (1, 3):
+        pieces = [planner.hook_synced(stage, zero, 4, d) for d in range(4)]
+        assert sum(p.numel for replica in pieces for p in replica) == sum(p.numel for p in stage)

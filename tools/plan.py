@@ -4,7 +4,7 @@ an idealised wall-clock for a token budget against data-parallel AdamW and Muon.
     python tools/plan.py --model 15b --tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 --data 4 \
         --workers 16 --sync-interval 30 --compression statistical:4 --error-feedback --seq-length 2048 \
         --global-batch-size 1024 --bandwidth-gbit 10 --tokens 1e11 \
-        [--ds_config ds_configs/gpu_15b_muloco_k16.json] [--json]
+        [--ds_config ds_configs/gpu_15b_muloco_k16.json] [--hook-zero {0,1,2,3}] [--json]
 
 Shapes come from the real Megatron GPTModel: every pipeline stage of one tensor-parallel rank is
 built on the meta device (no memory) in a single process that joins a *fake* T x P world
@@ -28,6 +28,12 @@ runs bf16 as Megatron autocast over them):
 Host memory (outer state, per rank): each of the D inner-DP replicas owns ~1/D of its shard (the
 outer loop's own owner assignment): fp32 global weights 4 + outer momentum 4 + error feedback 4 (the
 compressed parameters, when on) + the fp32 pseudogradient 4 built at a sync.
+
+A DeepSpeed hook run (`--hook-zero N`: a team's own loop with muloco/hook/ attached) is the same
+model as DeepSpeed holds it (`zero_model_states`): the model's weights in bf16 with fp32 master weights
+in the optimizer (or all fp32), the master weights and optimizer state partitioned over D from ZeRO 1,
+the gradients from ZeRO 2, the weights from ZeRO 3 (plus what it keeps gathered: up to 1e9); the
+synced shard and its host outer state are the rank's ZeRO partition (`hook_synced`).
 
 Bytes per outer sync per rank: the compression module's `Compressor.payload_nbytes` on each owned
 tensor as the outer loop sends it (row-parallel weights transposed; embeddings/head and 1-D tensors
@@ -75,6 +81,7 @@ from muloco.diloco.auth import TAG_BYTES
 from muloco.diloco.collectives import CLAIM_BYTES
 from muloco.diloco.compression import Compressor, compression_group, rows_shape
 from muloco.diloco.config import CompressionConfig, MuLoCoConfig
+from muloco.diloco.plan import TensorSpec, synced_tensors
 from muloco.diloco.vote import BALLOT_BYTES
 from muloco.core.typed_json import read_json_object
 from trainer.ds_config import LayoutConfig, load_ds_config
@@ -94,6 +101,18 @@ GIB = 1024 ** 3
 
 
 @dataclass(frozen=True)
+class WirePiece:
+    """A flat piece of a parameter that a DeepSpeed hook rank syncs (a row block of its ZeRO partition)."""
+    name: str
+    wire_shape: tuple[int, int]
+    group: str
+
+    @property
+    def numel(self) -> int:
+        return self.wire_shape[0] * self.wire_shape[1]
+
+
+@dataclass(frozen=True)
 class ShardParam:
     """One parameter as one TP rank of one pipeline stage holds it."""
     name: str
@@ -105,6 +124,15 @@ class ShardParam:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def group(self) -> str:
+        return compression_group(self.shape, self.embedding_or_output)
+
+    @property
+    def wire_shape(self) -> tuple[int, int]:
+        """(rows, columns) as compressed: row-parallel weights by columns."""
+        return rows_shape((self.shape[1], self.shape[0]) if self.transposed_on_wire else self.shape)
 
     @property
     def muon(self) -> bool:
@@ -170,6 +198,7 @@ class PlanInputs:
     vocab_size: int
     gpu_memory_gib: float
     codec: CodecThroughput | None = None  # None: the codec's time is not modelled
+    hook_zero: int | None = None  # a DeepSpeed hook run (muloco/hook/) under this ZeRO stage; None: this trainer's run
 
     @property
     def compression(self) -> CompressionConfig:
@@ -254,11 +283,12 @@ class Memory:
     host_outer_state: float  # host memory, per rank
     muon_bytes_per_step: int = 0  # sent per rank per inner step by Muon's exchange (busiest rank)
     grad_allreduce_bytes_per_step: int = 0  # DeepSpeed's inner-DP fp32 gradient all-reduce, per rank
+    master_weights: float = 0.0  # DeepSpeed's fp32 master copy (a hook run: its ZeRO partition or bf16 optimizer)
 
     @property
     def device_total(self) -> float:
-        return (self.weights + self.bf16_weight_copies + self.gradients + self.muon_momentum + self.adamw_moments
-                + self.muon_workspace + self.activations + self.logits)
+        return (self.weights + self.bf16_weight_copies + self.master_weights + self.gradients + self.muon_momentum
+                + self.adamw_moments + self.muon_workspace + self.activations + self.logits)
 
 
 def stage_memory(stage_index: int, stage: list[ShardParam], inputs: PlanInputs, muon_inner: bool) -> Memory:
@@ -298,18 +328,83 @@ def stage_memory(stage_index: int, stage: list[ShardParam], inputs: PlanInputs, 
     )
 
 
+# -- a DeepSpeed hook run (muloco/hook/) ------------------------------------------------------------
+
+ZERO3_MAX_LIVE_PARAMETERS = 10**9  # DeepSpeed's default stage3_max_live_parameters
+
+
+def zero_model_states(params: list[ShardParam], zero: int, data: int, bf16: bool) -> dict[str, float]:
+    """Bytes per rank of the model's weights, DeepSpeed's fp32 master weights and the gradients, as a
+    DeepSpeed engine holds `params` under ZeRO `zero` with D = `data`: the weights in bf16 (with fp32
+    master weights in its optimizer) or fp32; the master weights partitioned from ZeRO 1, the gradients
+    (in the weights' dtype, plus the fp32 partition the optimizer steps with) from ZeRO 2, the weights
+    from ZeRO 3, which keeps the weights it gathers for the forward until the backward has used them
+    again, up to `stage3_max_live_parameters` (DeepSpeed's default, 1e9), and their gradients whole
+    until reduced."""
+    n = sum(p.numel for p in params)
+    size = 2 if bf16 else 4
+
+    def share(stage: int) -> int:
+        return data if zero >= stage else 1
+
+    gathered = min(n, ZERO3_MAX_LIVE_PARAMETERS) if zero >= 3 else 0
+    fp32_gradients = 4 * n / data if zero >= 1 else (4 * n if bf16 else 0)  # bf16 at stage 0: fp32 accumulation
+    return {"weights": size * (n / share(3) + gathered), "bf16_weight_copies": 0.0,
+            "master_weights": 4 * n / share(1) if zero >= 1 or bf16 else 0.0,
+            "gradients": size * (n / share(2) + gathered) + fp32_gradients}
+
+
+def hook_synced(stage: list[ShardParam], zero: int, data: int, replica: int) -> list[ShardParam | WirePiece]:
+    """What inner-DP replica `replica` syncs in a hook run (muloco/hook/engine_shards.py): at ZeRO 0 the
+    whole parameters it owns (as this trainer's ranks), at ZeRO 3 its partition of every parameter
+    (each cut into D equal parts, the last one padded), at ZeRO 1/2 its slice of the flat partition
+    (the parameters end to end, cut into D equal parts; DeepSpeed's few elements of alignment padding
+    left out); a piece of a parameter synced as plan.synced_tensors cuts it into row blocks."""
+    if zero == 0:
+        return _owned(stage, data, replica)
+    pieces = []  # (parameter, first element, elements)
+    if zero >= 3:
+        for p in stage:
+            size = -(-p.numel // data)
+            count = min(size, p.numel - replica * size)
+            if count > 0:
+                pieces.append((p, replica * size, count))
+    else:
+        size = -(-sum(p.numel for p in stage) // data)
+        low, high, offset = replica * size, (replica + 1) * size, 0
+        for p in stage:
+            start, end = max(low, offset), min(high, offset + p.numel)
+            if start < end:
+                pieces.append((p, start - offset, end - start))
+            offset += p.numel
+    specs = [TensorSpec(name=p.name, shape=p.shape, offset=first, embedding_or_head=p.embedding_or_output)
+             for p, first, _ in pieces]
+    synced = synced_tensors([torch.empty(count, device="meta") for _, _, count in pieces], specs, 1)
+    return [WirePiece(t.name, t.wire_shape, t.group) for t in synced]
+
+
+def hook_memory(stage_index: int, stage: list[ShardParam], inputs: PlanInputs, muon_inner: bool) -> Memory:
+    """stage_memory's run as a DeepSpeed engine holds it under ZeRO `inputs.hook_zero`: the model
+    states of zero_model_states, the optimizer state partitioned from ZeRO 1, activations and logits
+    as the trainer's, DeepSpeed's own Muon workspace not modelled; host outer state of what the
+    busiest replica syncs."""
+    zero, data = inputs.hook_zero, inputs.sizes.data
+    base = stage_memory(stage_index, stage, inputs, muon_inner)
+    share = data if zero >= 1 else 1
+    host = max(outer_state_bytes(hook_synced(stage, zero, data, d), inputs.compression) for d in range(data))
+    return replace(base, **zero_model_states(stage, zero, data, inputs.bf16), muon_momentum=base.muon_momentum / share,
+                   adamw_moments=base.adamw_moments / share, muon_workspace=0, muon_bytes_per_step=0,
+                   host_outer_state=host)
+
+
 def _owned(stage: list[ShardParam], data: int, replica: int) -> list[ShardParam]:
     """The parameters inner-DP replica `replica` syncs (muloco.diloco.plan.owned_by's assignment)."""
     owners = assign_owners([p.numel for p in stage], data)
     return [p for p, owner in zip(stage, owners) if owner == replica]
 
 
-def _sent_uncompressed(p: ShardParam, compression: CompressionConfig) -> bool:
-    return _group_config(p, compression).method == "none"
-
-
-def _group_config(p: ShardParam, compression: CompressionConfig) -> CompressionConfig:
-    return _config_of_group(compression, compression_group(p.shape, p.embedding_or_output))
+def _sent_uncompressed(p: ShardParam | WirePiece, compression: CompressionConfig) -> bool:
+    return _config_of_group(compression, p.group).method == "none"
 
 
 @functools.cache  # a 15B plan asks once per tensor per rank: hundreds of thousands of times
@@ -317,20 +412,22 @@ def _config_of_group(compression: CompressionConfig, group: str) -> CompressionC
     return compression.for_group(group)
 
 
+def outer_state_bytes(synced: list[ShardParam | WirePiece], compression: CompressionConfig) -> float:
+    """Host bytes of the outer state of what one rank syncs: fp32 global weights 4, outer momentum 4,
+    the pseudogradient built at a sync 4, and error feedback 4 where compressed with it."""
+    ef = compression.error_feedback
+    return sum(p.numel * (12 + (4 if ef and not _sent_uncompressed(p, compression) else 0)) for p in synced)
+
+
 def host_outer_state(stage: list[ShardParam], inputs: PlanInputs) -> float:
-    ef = inputs.compression.error_feedback
-    return max(sum(p.numel * (12 + (4 if ef and not _sent_uncompressed(p, inputs.compression) else 0))
-                   for p in _owned(stage, inputs.sizes.data, d)) for d in range(inputs.sizes.data))
+    return max(outer_state_bytes(_owned(stage, inputs.sizes.data, d), inputs.compression)
+               for d in range(inputs.sizes.data))
 
 
 # -- bytes ----------------------------------------------------------------------------------------
 
-def _wire_shape(p: ShardParam) -> tuple[int, ...]:
-    return (p.shape[1], p.shape[0]) if p.transposed_on_wire else p.shape
-
-
-def sync_bytes_sent(params: list[ShardParam], compression: CompressionConfig, collective: str, workers: int,
-                    outer_rank: int, authenticated: bool = True) -> int:
+def sync_bytes_sent(params: list[ShardParam | WirePiece], compression: CompressionConfig, collective: str,
+                    workers: int, outer_rank: int, authenticated: bool = True) -> int:
     """Bytes one rank sends in one outer sync of `params` (collectives.py's accounting), the header
     (norm claim and skip-vote ballot: every rank sends it to the K-1 others, with or without params)
     and, when authenticated, the tags included."""
@@ -339,17 +436,17 @@ def sync_bytes_sent(params: list[ShardParam], compression: CompressionConfig, co
     headers = (workers - 1) * (CLAIM_BYTES + BALLOT_BYTES)
     tags = (workers - 1) * TAG_BYTES if authenticated else 0
 
-    def nbytes(p: ShardParam, shape) -> int:
-        size = Compressor(_group_config(p, compression)).payload_nbytes(shape)
+    def nbytes(p: ShardParam | WirePiece, shape) -> int:
+        size = Compressor(_config_of_group(compression, p.group)).payload_nbytes(shape)
         if size is None:
             raise ConfigError("zstd payload sizes depend on the data; plan without zstd")
         return size
 
     if collective == "all_gather":
-        return (workers - 1) * sum(nbytes(p, _wire_shape(p)) for p in params) + headers + tags
+        return (workers - 1) * sum(nbytes(p, p.wire_shape) for p in params) + headers + tags
     chunk = [0] * workers  # S_j: bytes of row chunk j over all tensors
     for p in params:
-        rows, cols = rows_shape(_wire_shape(p))
+        rows, cols = p.wire_shape
         for j, count in enumerate(row_split(rows, workers)):
             chunk[j] += nbytes(p, (count, cols))
     verdicts = workers + CLAIM_BYTES  # ahead of each owner's re-quantized chunk
@@ -366,12 +463,14 @@ class SyncBytes:
 
 
 def outer_sync_bytes(stages: list[list[ShardParam]], inputs: PlanInputs) -> SyncBytes:
+    K, D = inputs.sizes.workers, inputs.sizes.data
+    synced = [[_owned(stage, D, d) if inputs.hook_zero is None else hook_synced(stage, inputs.hook_zero, D, d)
+               for d in range(D)] for stage in stages]
+
     def per_rank(compression: CompressionConfig) -> list[int]:
         # TP ranks of a stage hold identically shaped shards, so stage 0's TP rank 0 stands for all T.
-        K, D = inputs.sizes.workers, inputs.sizes.data
-        return [sync_bytes_sent(_owned(stage, D, d), compression, inputs.muloco.collective, K, k,
-                                inputs.authenticated)
-                for k in range(K) for stage in stages for d in range(D)]
+        return [sync_bytes_sent(params, compression, inputs.muloco.collective, K, k, inputs.authenticated)
+                for k in range(K) for stage in synced for params in stage]
 
     sent = per_rank(inputs.compression)
     raw = per_rank(CompressionConfig("none"))
@@ -432,11 +531,16 @@ class Plan:
     fits: bool
 
 
+def _memory_model(inputs: PlanInputs):
+    return stage_memory if inputs.hook_zero is None else hook_memory
+
+
 def make_plan(inputs: PlanInputs) -> Plan:
     shape = PRESETS[inputs.model].with_overrides(seq_length=inputs.seq_length)
     stages = build_stage_shards(shape, inputs.vocab_size, inputs.sizes.tensor, inputs.sizes.pipeline)
     params = parameter_count(stages, inputs.sizes.tensor)
-    memory = [max((stage_memory(i, stage, inputs, muon_inner) for i, stage in enumerate(stages)),
+    memory_of = _memory_model(inputs)
+    memory = [max((memory_of(i, stage, inputs, muon_inner) for i, stage in enumerate(stages)),
                   key=lambda m: m.device_total) for muon_inner in (inputs.muon is not None, False)]
     sync = outer_sync_bytes(stages, inputs)
     fits = memory[0].device_total * 1.1 <= inputs.gpu_memory_gib * GIB
@@ -450,24 +554,26 @@ def _gib(x: float) -> str:
 def render(plan: Plan) -> str:
     i = plan.inputs
     z = i.sizes
-    lines = [f"# plan: {i.model}, K={z.workers} x D={z.data} x P={z.pipeline} x T={z.tensor} = {z.world} GPUs",
+    run = "this trainer" if i.hook_zero is None else f"a DeepSpeed hook run (muloco/hook/) at ZeRO {i.hook_zero}"
+    lines = [f"# plan: {i.model}, K={z.workers} x D={z.data} x P={z.pipeline} x T={z.tensor} = {z.world} GPUs, {run}",
              f"parameters: {plan.parameters:,} (vocab {i.vocab_size}, seq {i.seq_length})",
              f"pipeline stages: {' + '.join(map(str, stage_layers(PRESETS[i.model].num_layers, z.pipeline)))} layers",
              f"batch: B={i.global_batch} sequences/step = {i.global_batch // z.workers} per worker = "
              f"micro {i.micro_batch} x accumulation {i.micro_batches} x D {z.data}",
-             "", f"## memory per rank (worst pipeline stage; {'bf16 autocast' if i.bf16 else 'fp32'})",
+             "", f"## memory per rank (worst pipeline stage; {_precision(i)})",
              f"| | {i.optimizer.type} inner (stage {plan.memory[0].stage}) | adamw (stage {plan.memory[1].stage}) |",
              "|---|---|---|"]
-    for key in ("weights", "bf16_weight_copies", "gradients", "muon_momentum", "adamw_moments", "muon_workspace",
-                "activations", "logits"):
+    for key in ("weights", "bf16_weight_copies", "master_weights", "gradients", "muon_momentum", "adamw_moments",
+                "muon_workspace", "activations", "logits"):
         lines.append(f"| {key} | {_gib(getattr(plan.memory[0], key))} | {_gib(getattr(plan.memory[1], key))} |")
     lines += [f"| **device total** | **{_gib(plan.memory[0].device_total)}** | {_gib(plan.memory[1].device_total)} |",
               f"| host outer state | {_gib(plan.memory[0].host_outer_state)} | |",
-              f"fits a {i.gpu_memory_gib:g} GiB GPU with 10% headroom: {'yes' if plan.fits else 'NO'}",
-              f"Muon exchange per inner step ({i.muon.ns_dtype if i.muon else '-'}, intra-worker): "
-              f"{plan.memory[0].muon_bytes_per_step:,} B per rank vs the fp32 gradient all-reduce's "
-              f"{plan.memory[0].grad_allreduce_bytes_per_step:,} B",
-              "", f"## bytes per outer sync ({i.compression.method}"
+              f"fits a {i.gpu_memory_gib:g} GiB GPU with 10% headroom: {'yes' if plan.fits else 'NO'}"]
+    if i.hook_zero is None:  # DistributedMuon's exchange (DeepSpeed's own Muon is not modelled)
+        lines.append(f"Muon exchange per inner step ({i.muon.ns_dtype if i.muon else '-'}, intra-worker): "
+                     f"{plan.memory[0].muon_bytes_per_step:,} B per rank vs the fp32 gradient all-reduce's "
+                     f"{plan.memory[0].grad_allreduce_bytes_per_step:,} B")
+    lines += ["", f"## bytes per outer sync ({i.compression.method}"
               f"{'' if i.compression.method == 'none' else ':' + str(i.compression.bits)}"
               f"{'+EF' if i.compression.error_feedback else ''}, {i.muloco.collective})",
               f"per rank: {plan.sync.per_rank_max:,} B (max), {plan.sync.per_rank_mean:,.0f} B (mean); "
@@ -485,6 +591,12 @@ def render(plan: Plan) -> str:
         lines.append(f"| {t.method} | {t.steps:,} | {t.compute_s_per_step:.3f} | {t.communication_s_per_step:.3f} | "
                      f"{t.total_hours:,.1f} | {t.total_hours / fastest:.2f}x | {t.cross_dc_bytes_per_rank:.3g} |")
     return "\n".join(lines)
+
+
+def _precision(inputs: PlanInputs) -> str:
+    if inputs.hook_zero is None:
+        return "bf16 autocast" if inputs.bf16 else "fp32"
+    return "bf16 weights, fp32 master weights" if inputs.bf16 else "fp32"
 
 
 def _trainer_flag(field: str) -> Flag:
@@ -534,7 +646,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         bandwidth_gbit=args.bandwidth_gbit, bandwidth_scope=args.bandwidth_scope, tokens=args.tokens,
         gpu_tflops=args.gpu_tflops, mfu=args.mfu, dp_grad_bytes=args.dp_grad_bytes,
         vocab_size=PAPER_VOCAB if args.vocab_size is None else args.vocab_size,
-        gpu_memory_gib=args.gpu_memory_gib, codec=codec)
+        gpu_memory_gib=args.gpu_memory_gib, codec=codec, hook_zero=args.hook_zero)
 
 
 # -- which layouts fit a node ---------------------------------------------------------------------
@@ -563,7 +675,7 @@ def layouts_that_fit(inputs: PlanInputs, max_pipeline: int = 8) -> list[LayoutFi
                 continue
             candidate = replace(inputs, sizes=replace(inputs.sizes, tensor=tensor, pipeline=pipeline))
             stages = build_stage_shards(shape, inputs.vocab_size, tensor, pipeline)
-            worst = max(stage_memory(i, stage, candidate, inputs.muon is not None).device_total
+            worst = max(_memory_model(inputs)(i, stage, candidate, inputs.muon is not None).device_total
                         for i, stage in enumerate(stages))
             fits.append(LayoutFit(tensor, pipeline, worst / GIB, worst * 1.1 <= inputs.gpu_memory_gib * GIB))
     return fits
@@ -604,6 +716,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "from it, as the trainer reads them (without one: the trainer's defaults, AdamW in fp32)")
     p.add_argument("--codec-json", type=Path, default=None,
                    help="benchmarks/codec_throughput.py's output on the target device: the sync's codec time")
+    p.add_argument("--hook-zero", type=int, choices=(0, 1, 2, 3), default=None,
+                   help="plan a DeepSpeed hook run (muloco/hook/: a team's own loop) under this ZeRO stage instead of "
+                        "this trainer's run: DeepSpeed's weights, master weights and gradients, the ZeRO partition "
+                        "as the synced shard")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of markdown")
     p.add_argument("--list-layouts", action="store_true",
                    help=f"also list every T x P that fits {NODE_GPUS}-GPU nodes of --gpu-memory-gib")

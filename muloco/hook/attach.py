@@ -270,8 +270,7 @@ def attach(engine, config: MuLoCoConfig | dict | str | Path, workers: Workers, *
         raise ConfigError(why_not)
     key_file = _key_file(config, folder)
     data_parallel = sorted(dist.get_process_group_ranks(engine.data_parallel_group))
-    per_worker = topology.sizes.ranks_per_worker
-    worker = list(range(topology.rank // per_worker * per_worker, (topology.rank // per_worker + 1) * per_worker))
+    worker = workers.data_parallel_ranks  # this rank's shard in its worker
     if data_parallel != worker:
         raise ConfigError(f"DeepSpeed's data-parallel group is ranks {data_parallel}, not this worker's {worker}: "
                           f"pass mpu=workers.mpu to deepspeed.initialize so its all-reduce stays inside one worker")

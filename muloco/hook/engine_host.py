@@ -4,6 +4,8 @@ under ZeRO 1/2 (or the bf16 optimizer) the model's weights derive from the fp32 
 outer loop writes."""
 from __future__ import annotations
 
+from muloco.hook.engine_shards import refresh_model_weights
+
 
 class EngineHost:
     def __init__(self, engine, last_step: int | None):
@@ -43,5 +45,4 @@ class EngineHost:
         return lrs
 
     def weights_written(self) -> None:
-        if hasattr(self.engine.optimizer, "update_lp_params"):  # the model's weights derive from the partitions
-            self.engine.optimizer.update_lp_params()
+        refresh_model_weights(self.engine)  # the model's weights derive from the partitions
