@@ -120,8 +120,9 @@ class MuLoCoHook:
         return self.loop.state.outer_step
 
     def global_weights_sha256(self) -> str:
-        """sha256 over the worker's global weights (every rank's checksum of its own, in rank order):
-        equal on two workers iff they hold bit-identical global weights. Every rank of the worker calls it."""
+        """sha256 over the global weights of this rank's (p, t) shard in its worker (the D data-parallel
+        ranks' checksums of their own, in rank order; at T = P = 1 the worker's whole model): equal on two
+        workers iff they hold that shard bit-identical. Every rank of the worker calls it."""
         mine = torch.frombuffer(bytearray(bytes.fromhex(self.loop.state.checksum())), dtype=torch.uint8)
         group = self.loop.topology.inner_dp_group
         worker = torch.empty(mine.numel() * self.loop.topology.sizes.data, dtype=torch.uint8,
