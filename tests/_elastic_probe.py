@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-import trainer.run
+import muloco.assembly
 from tools.trainer_runs import init_distributed, run_trainer
 from muloco.core.comm import close_distributed
 from muloco.diloco.outer_loop import OuterLoop
@@ -73,7 +73,7 @@ class ProbeLoop(OuterLoop):
 
 
 if __name__ == "__main__":
-    trainer.run.OuterLoop = ProbeLoop  # trainer.run looks the class up when it builds the loop
+    muloco.assembly.OuterLoop = ProbeLoop  # the assembly looks the class up when it builds the loop
     init_distributed()
     run_trainer(ARGS[1:])
     close_distributed()

@@ -116,7 +116,7 @@ def test_muloco_k2_streaming_2bit_error_feedback_preempted_by_sigterm_resumes_ex
     assert stopped is not None and 2 <= stopped < TRAIN_ITERS, preempted.output[-3000:]
     assert f"preempted: SIGTERM received by 1 rank(s): stopping after step {stopped}" in preempted.output
     saved = CheckpointReader(ckpt).rank_state(0)
-    in_flight = [e["apply_at"] for e in saved["extra"]["muloco"]["pending"]]
+    in_flight = [e["apply_at"] for e in saved["extra"]["muloco"]["in_flight"]]
     assert in_flight == [stopped + 1], "the preemption's checkpoint should hold the sync still in flight"
     momentum = [s["momentum_buffer"] for s in saved["optimizer"]["state"].values() if "momentum_buffer" in s]
     assert momentum and all(m.dtype == torch.bfloat16 for m in momentum)
@@ -138,7 +138,7 @@ def test_a_run_ends_with_its_final_sync_so_its_last_checkpoint_is_one_model(mulo
     for name, weights in states[0]["model"].items():
         assert torch.equal(weights, states[1]["model"][name]), name
         assert torch.equal(weights, states[0]["extra"]["muloco"]["global_weights"][name]), name
-    assert states[0]["extra"]["muloco"]["pending"] == []
+    assert states[0]["extra"]["muloco"]["in_flight"] == []
     # The sync launched at the last step (fragment 1's; fragment 0's landed then) was applied, not left
     # to land after the run: one sync per step, each applied; none more was needed.
     records = [json.loads(line) for line in (full / "run" / "metrics.jsonl").read_text().splitlines()]

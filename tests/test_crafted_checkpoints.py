@@ -25,6 +25,7 @@ from _ckpt_runs import reference_checkpoint
 from trainer.checkpoint import CheckpointError, CheckpointReader
 from trainer.checkpoint.format import rank_file, sha256_of
 from muloco.core.rank_file import read_rank_file, to_plain, write_rank_file
+from muloco.diloco.snapshot import CHECKPOINT, Form, Identity, Snapshot, SnapshotError
 from trainer.checkpoint.schema import checked_rank_state
 
 pytestmark = [pytest.mark.launch, pytest.mark.timeout(900)]  # every test here starts processes
@@ -269,19 +270,38 @@ def test_a_crafted_rank_file_with_a_matching_sha_is_refused_in_one_line(good, tm
     _assert_one_line(raised.value, rf"rank file {re.escape(str(rank_file(root / good.name, RANK)))}:? {message}")
 
 
+class _OuterLoopForm:
+    """The outer loop's check of its checkpointed state (muloco/diloco/snapshot.py), for a run whose
+    outer loop owns the (128, 128) QKV weight alone."""
+    FORM = Form({QKV: (torch.float32, (128, 128))}, {}, [[128 * 128]], None)
+
+    def state_problems(self, tree) -> list[str]:
+        try:
+            Snapshot.from_tree(tree, self.FORM, "the outer loop's state")
+        except SnapshotError as err:
+            return [str(err)]
+        return []
+
+
+def _snapshot_tree(weights: torch.Tensor) -> dict:
+    identity = Identity("", "", 0, RANK, (1, 1, 1, 1), "0" * 64)
+    return Snapshot(CHECKPOINT, identity, 2, 2, 0, {QKV: weights}, {QKV: torch.zeros_like(weights)}, {}, [], {},
+                    None).to_tree()
+
+
 def test_an_extra_component_of_another_form_is_refused(good, tmp_path):
-    """The outer loop's state has the form of this run's outer loop (names, shapes)."""
+    """The outer loop's state has the form of this run's outer loop (names, shapes), checked by it."""
     root = _copy(good, tmp_path)
     expected = to_plain(read_rank_file(rank_file(good, RANK)))
     own = _own_form(expected)
-    own["extra"] = {"muloco": {"outer_step": 0, "global_weights": {QKV: torch.zeros(128, 128)}, "pending": []}}
-    _state(_set("extra/muloco", {"outer_step": 2, "global_weights": {QKV: torch.zeros(128)}, "pending": []}))(
-        rank_file(root / good.name, RANK))
+    own["extra"] = {"muloco": _OuterLoopForm()}
+    assert _OuterLoopForm().state_problems(_snapshot_tree(torch.zeros(128, 128))) == []
+    _state(_set("extra/muloco", _snapshot_tree(torch.zeros(128))))(rank_file(root / good.name, RANK))
     _reseal(root)
     with pytest.raises(CheckpointError) as raised:
         checked_rank_state(CheckpointReader(root), RANK, expected["model"], own)
-    _assert_one_line(raised.value, rf".*: extra\.muloco\.global_weights\.{QKV} must be a float32 tensor of shape "
-                                   r"\(128, 128\), got a float32 tensor of shape \(128,\)")
+    _assert_one_line(raised.value, rf".*: extra\.muloco: the outer loop's state is not an outer-loop snapshot of this "
+                                   rf"run: global_weights\[{QKV}\] is not a torch.float32 tensor of shape \(128, 128\)")
 
 
 def test_the_good_rank_file_passes_and_nothing_else_moved(good, tmp_path):

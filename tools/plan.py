@@ -82,7 +82,7 @@ from muloco.diloco.collectives import CLAIM_BYTES
 from muloco.diloco.compression import Compressor, compression_group, rows_shape
 from muloco.diloco.config import CompressionConfig, MuLoCoConfig
 from muloco.diloco.plan import TensorSpec, synced_tensors
-from muloco.diloco.vote import BALLOT_BYTES
+from muloco.diloco.membership import STATIC_HEADER_BYTES
 from muloco.core.typed_json import read_json_object
 from trainer.ds_config import LayoutConfig, load_ds_config
 from muloco.core.errors import ConfigError, TopologyError
@@ -429,11 +429,11 @@ def host_outer_state(stage: list[ShardParam], inputs: PlanInputs) -> float:
 def sync_bytes_sent(params: list[ShardParam | WirePiece], compression: CompressionConfig, collective: str,
                     workers: int, outer_rank: int, authenticated: bool = True) -> int:
     """Bytes one rank sends in one outer sync of `params` (collectives.py's accounting), the header
-    (norm claim and skip-vote ballot: every rank sends it to the K-1 others, with or without params)
-    and, when authenticated, the tags included."""
+    (norm claim, skip-vote ballot, the worker's steps and weights digest: every rank sends it to the K-1
+    others, with or without params) and, when authenticated, the tags included."""
     if workers == 1:
         return 0
-    headers = (workers - 1) * (CLAIM_BYTES + BALLOT_BYTES)
+    headers = (workers - 1) * (CLAIM_BYTES + STATIC_HEADER_BYTES)
     tags = (workers - 1) * TAG_BYTES if authenticated else 0
 
     def nbytes(p: ShardParam | WirePiece, shape) -> int:

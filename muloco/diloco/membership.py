@@ -105,6 +105,7 @@ _NOT_THIS_SYNC = (" (a message that is not this sync's: a process without the jo
 # A rank's header in the single-world mode, float64: its worker's ballot (vote.py), then where it stands
 # (outer step, inner step) and the digest of its global weights of the fragment synced, taken at launch.
 POSITION_VALUES = 3
+STATIC_HEADER_BYTES = vote.BALLOT_BYTES + 8 * POSITION_VALUES
 
 
 class _StaticSession:
@@ -179,6 +180,7 @@ class StaticMembership:
         wire = self._session.metrics_wire
         wire.begin(outer_step=OUTSIDE_SYNCS, fragment=0)
         parts = wire.all_gather(torch.frombuffer(bytearray(data), dtype=torch.uint8), context)
+        wire.take_stats()  # not a sync's: its bytes and round trip are no sync's record
         return [None if part is None else part.cpu().numpy().tobytes() for part in parts]
 
     def from_worker_zero(self, flat: torch.Tensor, context: str) -> torch.Tensor:
@@ -190,6 +192,7 @@ class StaticMembership:
         blocks = [mine if wire.rank == 0 and receiver != 0 else mine[:0] for receiver in range(wire.size)]
         received = wire.all_to_all(blocks, [mine.numel() if wire.rank != 0 and src == 0 else 0
                                             for src in range(wire.size)], context)[0]
+        wire.take_stats()  # not a sync's
         if received is None:
             raise DisagreementError(f"{context}: worker 0's weights failed their tag")
         return flat if wire.rank == 0 else received.to(flat.device)
