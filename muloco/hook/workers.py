@@ -153,6 +153,22 @@ class Workers:
         """The ranks DeepSpeed's data parallelism must span on this rank: its shard's D replicas in its worker."""
         return _data_parallel_ranks(self.topology)
 
+    @property
+    def worker(self) -> int:
+        """This rank's worker (its datacenter), 0..K-1."""
+        return self.topology.coords.worker
+
+    @property
+    def data_size(self) -> int:
+        """How many ranks read different data: K workers x D replicas (a sampler's `num_replicas`)."""
+        return self.topology.sizes.workers * self.topology.sizes.data
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's reader among them (a sampler's `rank`): replica d of worker k reads k*D + d (the P x T
+        ranks of one replica read alike)."""
+        return self.topology.coords.worker * self.topology.sizes.data + self.topology.coords.data
+
 
 def data_parallel_workers(workers: int, mpu=None, *, tensor: int | None = None, pipeline: int | None = None,
                           timeout: timedelta = comm.COLLECTIVE_TIMEOUT) -> Workers:
@@ -162,6 +178,7 @@ def data_parallel_workers(workers: int, mpu=None, *, tensor: int | None = None, 
     deepspeed.initialize. Without an mpu the tensor and pipeline sizes (default 1) are given here and
     `Workers.mpu` holds groups built for them. One ConfigError line, on every rank, when the world
     does not split into K workers or the mpu's groups are not laid out as above."""
+    report_uncaught_in_one_line()
     if not dist.is_initialized():
         raise ConfigError("data_parallel_workers needs torch.distributed initialized first (deepspeed.init_distributed())")
     if mpu is not None:
