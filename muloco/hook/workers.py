@@ -22,6 +22,7 @@ from muloco.core import comm
 from muloco.core.errors import ConfigError
 from muloco.core.topology import (ParallelSizes, RankCoordinates, Topology, build_topology,
                                   inner_data_parallel_ranks, rank_of)
+from muloco.hook.reports import report_uncaught_in_one_line
 
 MEGATRON_ORDER = ("the workers must be contiguous blocks of ranks with the tensor rank fastest, then the pipeline "
                   "stage, then the data-parallel replica (Megatron-core: initialize_model_parallel(..., "
