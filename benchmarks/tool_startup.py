@@ -1,7 +1,7 @@
 """Tool start-up: each command's `--help` against `python -c "import torch"` and `python -c pass`, and the whole
 preprocessing command with 2 processes against 1 on one JSONL file.
 
-python benchmarks/tool_startup.py [--repeats 5] [--mb 40 160] [--scaling-repeats 3] [--checkout DIR]
+python benchmarks/tool_startup.py [--repeats 5] [--mb 40 160] [--scaling-repeats 3] [--checkouts DIR ...]
     [--skip-help] [--skip-scaling]
 
 --help: every command the README names, run as it writes it, wall clock of the whole process; the commands and the
@@ -15,8 +15,9 @@ means the split adds no work, so on two free cores the ratio is what the start-u
 is printed with every number: on a shared machine a wall clock depends on what else got the cores. The 2-process
 output is checked byte-for-byte against the 1-process output.
 
---checkout DIR runs another checkout's commands (e.g. before a change) with the same baselines and corpus.
-The last line printed is a JSON object.
+--checkouts DIR ... runs these checkouts' commands instead of this one's (e.g. this one and a clone from before a
+change), taking turns with each other as well, with the same baselines and corpus. The last line printed is a JSON
+object.
 """
 from __future__ import annotations
 
@@ -71,39 +72,51 @@ def timed(args: list[str], checkout: Path) -> tuple[float, float]:
     return wall, children_cpu_seconds() - cpu
 
 
-def help_times(checkout: Path, repeats: int) -> list[dict]:
-    runs = {name: [] for name in [*COMMANDS, *BASELINES]}
+def help_times(checkouts: list[Path], repeats: int) -> list[dict]:
+    """Per checkout and command, the median --help, by wall clock and by CPU time (which another process's load
+    changes less); the baselines run in the same turns."""
+    runs: dict[tuple[str, str], list[tuple[float, float]]] = {}
     loads = []
     for _ in range(repeats):
         loads.append(os.getloadavg()[0])
-        for name, args in [*COMMANDS.items(), *BASELINES.items()]:
-            runs[name].append(timed(args + (["--help"] if name in COMMANDS else []), checkout)[0])
-    torch, bare = (statistics.median(runs[name]) for name in BASELINES)
-    return [{"command": name, "median_s": round(statistics.median(times), 3),
-             "vs_import_torch": round(statistics.median(times) / torch, 3),
-             "vs_python_pass": round(statistics.median(times) / bare, 1),
-             "load_1min": f"{min(loads):.1f}-{max(loads):.1f}"} for name, times in runs.items()]
+        for name, args in COMMANDS.items():
+            for checkout in checkouts:
+                runs.setdefault((str(checkout), name), []).append(timed([*args, "--help"], checkout))
+        for name, args in BASELINES.items():
+            runs.setdefault(("baseline", name), []).append(timed(args, checkouts[0]))
+    median = {key: [statistics.median(run[i] for run in times) for i in (0, 1)] for key, times in runs.items()}
+    torch, bare = (median[("baseline", name)] for name in BASELINES)
+    return [{"checkout": checkout, "command": name, "median_s": round(wall, 3), "median_cpu_s": round(cpu, 3),
+             "vs_import_torch": round(wall / torch[0], 3), "cpu_vs_import_torch": round(cpu / torch[1], 3),
+             "vs_python_pass": round(wall / bare[0], 1), "cpu_vs_python_pass": round(cpu / bare[1], 1),
+             "load_1min": f"{min(loads):.1f}-{max(loads):.1f}"} for (checkout, name), (wall, cpu) in median.items()]
 
 
-def scaling(checkout: Path, corpus: Path, model: Path, work_dir: Path, repeats: int) -> dict:
-    runs: dict[int, list[dict]] = {1: [], 2: []}
-    outputs = {}
-    for repeat in range(repeats):
-        for processes in (1, 2):
-            prefix = work_dir / f"{corpus.stem}_p{processes}"
+def scaling(checkouts: list[Path], corpus: Path, model: Path, work_dir: Path, repeats: int) -> list[dict]:
+    """Per checkout, the whole command with 1 and 2 processes, every run taking its turn; whether every run wrote the
+    same .bin/.idx as the first."""
+    runs: dict[tuple[Path, int], list[dict]] = {(checkout, p): [] for checkout in checkouts for p in (1, 2)}
+    reference, same = str(work_dir / "reference_text_document"), True
+    for _ in range(repeats):
+        for (checkout, processes), measured in runs.items():
+            prefix = work_dir / "run"
             load = os.getloadavg()[0]
             wall, cpu = timed(["tools/preprocess_data.py", "--input", str(corpus), "--output-prefix", str(prefix),
                                "--tokenizer-model", str(model), "--processes", str(processes)], checkout)
-            runs[processes].append({"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "load_1min": round(load, 2)})
-            outputs[processes] = f"{prefix}_text_document"
-    same = identical(outputs[1], outputs[2])
-    for output in outputs.values():
-        for suffix in (".bin", ".idx", ".meta.json"):
-            Path(output + suffix).unlink()
-    one, two = ({key: statistics.median(run[key] for run in runs[p]) for key in ("wall_s", "cpu_s")} for p in (1, 2))
-    return {"megabytes": round(corpus.stat().st_size / 1e6, 1), "runs_1_process": runs[1], "runs_2_processes": runs[2],
-            "ratio_2_over_1": round(one["wall_s"] / two["wall_s"], 3),
-            "cpu_2_over_1": round(two["cpu_s"] / one["cpu_s"], 3), "identical_output": same}
+            measured.append({"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "load_1min": round(load, 2)})
+            output = f"{prefix}_text_document"
+            same = same and (not Path(reference + ".bin").exists() or identical(reference, output))
+            for suffix in (".bin", ".idx", ".meta.json"):
+                Path(output + suffix).replace(reference + suffix)
+    cases = []
+    for checkout in checkouts:
+        one, two = ({key: statistics.median(run[key] for run in runs[(checkout, p)]) for key in ("wall_s", "cpu_s")}
+                    for p in (1, 2))
+        cases.append({"checkout": str(checkout), "megabytes": round(corpus.stat().st_size / 1e6, 1),
+                      "runs_1_process": runs[(checkout, 1)], "runs_2_processes": runs[(checkout, 2)],
+                      "ratio_2_over_1": round(one["wall_s"] / two["wall_s"], 3),
+                      "cpu_2_over_1": round(two["cpu_s"] / one["cpu_s"], 3), "identical_output": same})
+    return cases
 
 
 def main() -> int:
@@ -112,18 +125,21 @@ def main() -> int:
     parser.add_argument("--mb", type=float, nargs="*", default=[40.0, 160.0],
                         help="JSONL sizes in MB for the scaling runs (default %(default)s)")
     parser.add_argument("--scaling-repeats", type=int, default=3, help="runs per process count (default %(default)s)")
-    parser.add_argument("--checkout", type=Path, default=ROOT, help="whose commands to run (default: this one)")
+    parser.add_argument("--checkouts", type=Path, nargs="+", default=[ROOT],
+                        help="whose commands to run, taking turns (default: this checkout)")
     parser.add_argument("--skip-help", action="store_true")
     parser.add_argument("--skip-scaling", action="store_true")
     args = parser.parse_args()
-    checkout = args.checkout.resolve()
-    result: dict = {"benchmark": "tool_startup", "checkout": str(checkout), "cpu_count": os.cpu_count()}
+    checkouts = [checkout.resolve() for checkout in args.checkouts]
+    result: dict = {"benchmark": "tool_startup", "cpu_count": os.cpu_count()}
     if not args.skip_help:
-        result["help"] = help_times(checkout, args.repeats)
-        print(f"--help, median of {args.repeats} (checkout {checkout}):")
+        result["help"] = help_times(checkouts, args.repeats)
+        print(f"--help, medians of {args.repeats}: wall clock against import torch and python -c pass; CPU time the same")
         for row in result["help"]:
-            print(f"  {row['command']:>46}: {row['median_s']:6.3f} s = {row['vs_import_torch']:5.2f}x import torch, "
-                  f"{row['vs_python_pass']:6.1f}x python -c pass (load {row['load_1min']})")
+            print(f"  {row['command']:>46} {row['checkout']}: {row['median_s']:6.3f} s = "
+                  f"{row['vs_import_torch']:5.2f}x import torch, {row['vs_python_pass']:6.1f}x python -c pass; "
+                  f"CPU {row['median_cpu_s']:6.3f} s = {row['cpu_vs_import_torch']:5.2f}x, "
+                  f"{row['cpu_vs_python_pass']:6.1f}x (load {row['load_1min']})")
     if not args.skip_scaling:
         result["scaling"] = []
         with tempfile.TemporaryDirectory() as scratch:
@@ -132,15 +148,17 @@ def main() -> int:
             for megabytes in args.mb:
                 corpus = work_dir / f"corpus_{megabytes:g}mb.jsonl"
                 corpus.write_bytes(b"".join(corpus_lines(megabytes)))
-                case = scaling(checkout, corpus, model, work_dir, args.scaling_repeats)
+                cases = scaling(checkouts, corpus, model, work_dir, args.scaling_repeats)
                 corpus.unlink()
-                result["scaling"].append(case)
-                print(f"preprocessing {case['megabytes']} MB of JSONL, whole command, medians of "
-                      f"{args.scaling_repeats}: 2 processes / 1 process = {case['ratio_2_over_1']:.2f}x faster, "
-                      f"{case['cpu_2_over_1']:.2f}x the CPU seconds; identical .bin/.idx: {case['identical_output']}")
-                for processes, key in ((1, "runs_1_process"), (2, "runs_2_processes")):
-                    print(f"  processes={processes}: " + ", ".join(
-                        f"{run['wall_s']} s ({run['cpu_s']} CPU s, load {run['load_1min']})" for run in case[key]))
+                result["scaling"] += cases
+                for case in cases:
+                    print(f"preprocessing {case['megabytes']} MB of JSONL, whole command, {case['checkout']}, medians "
+                          f"of {args.scaling_repeats}: 2 processes / 1 process = {case['ratio_2_over_1']:.2f}x faster, "
+                          f"{case['cpu_2_over_1']:.2f}x the CPU seconds; every run's .bin/.idx identical: "
+                          f"{case['identical_output']}")
+                    for processes, key in ((1, "runs_1_process"), (2, "runs_2_processes")):
+                        print(f"  processes={processes}: " + ", ".join(
+                            f"{run['wall_s']} s ({run['cpu_s']} CPU s, load {run['load_1min']})" for run in case[key]))
     print(json.dumps(result))
     return 0
 
