@@ -4,16 +4,19 @@ preprocessing command with 2 processes against 1 on one JSONL file.
 python benchmarks/tool_startup.py [--repeats 5] [--mb 40 160] [--scaling-repeats 3] [--checkouts DIR ...]
     [--skip-help] [--skip-scaling]
 
---help: every command the README names, run as it writes it, wall clock of the whole process; the commands and the
-two baselines take turns --repeats times (so a burst of load hits them alike) and each ratio is of the medians.
+--help: every command the README names, run as it writes it, wall clock and CPU time (steadier on a shared machine)
+of the whole process; the commands and the two baselines take turns --repeats times (so a burst of load hits them
+alike) and each ratio is of the medians.
 
 Scaling: the whole `python tools/preprocess_data.py ... --processes 1` and `--processes 2` command (start-up,
 tokenizing, merge), taking turns --scaling-repeats times, on one uncompressed JSONL file of each --mb size made from
 the sample corpus as benchmarks/preprocess_throughput.py makes its corpus, with the 4096-piece SentencePiece model
 it trains; ratio of the medians. Next to it, the CPU seconds of all the run's processes: equal for 1 and 2 processes
 means the split adds no work, so on two free cores the ratio is what the start-up leaves. The 1-minute load average
-is printed with every number: on a shared machine a wall clock depends on what else got the cores. The 2-process
-output is checked byte-for-byte against the 1-process output.
+and the share of the cores other processes used during the run are printed with every number: on a shared machine
+a wall clock depends on what else got the cores; the ratio is also given over the quiet runs alone (others at most
+QUIET_SHARE of the cores) when both process counts have one. Every run's .bin/.idx is checked byte-for-byte against
+the first run's.
 
 --checkouts DIR ... runs these checkouts' commands instead of this one's (e.g. this one and a clone from before a
 change), taking turns with each other as well, with the same baselines and corpus. The last line printed is a JSON
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import statistics
@@ -50,6 +54,7 @@ COMMANDS = {
     "muloco.elastic.lighthouse (muloco-lighthouse)": ["-m", "muloco.elastic.lighthouse"],
 }
 BASELINES = {"import torch": ["-c", "import torch"], "pass": ["-c", "pass"]}
+QUIET_SHARE = 0.1  # a run during which other processes used at most this share of the cores counts as quiet
 
 
 def environment(checkout: Path) -> dict[str, str]:
@@ -61,15 +66,26 @@ def children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def timed(args: list[str], checkout: Path) -> tuple[float, float]:
-    """Wall and CPU seconds (with its own children) of `python ARGS` run in `checkout`."""
-    cpu, start = children_cpu_seconds(), time.perf_counter()
+def machine_busy_seconds() -> float:
+    """CPU seconds every process of the machine has run so far (Linux's /proc/stat; NaN elsewhere)."""
+    try:
+        ticks = [int(field) for field in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except OSError:
+        return math.nan
+    user, nice, system, idle, iowait, irq, softirq, steal = ticks
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def timed(args: list[str], checkout: Path) -> tuple[float, float, float]:
+    """Wall and CPU seconds (with its own children) of `python ARGS` run in `checkout`, and the share of the machine's
+    cores that other processes used meanwhile (what makes a wall clock on a shared machine slower)."""
+    cpu, busy, start = children_cpu_seconds(), machine_busy_seconds(), time.perf_counter()
     result = subprocess.run([sys.executable, *args], cwd=checkout, env=environment(checkout), capture_output=True,
                             text=True)
-    wall = time.perf_counter() - start
+    wall, cpu, busy = time.perf_counter() - start, children_cpu_seconds() - cpu, machine_busy_seconds() - busy
     if result.returncode != 0:
         raise SystemExit(f"python {' '.join(args)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    return wall, children_cpu_seconds() - cpu
+    return wall, cpu, max(0.0, busy - cpu) / (wall * (os.cpu_count() or 1))
 
 
 def help_times(checkouts: list[Path], repeats: int) -> list[dict]:
@@ -81,9 +97,9 @@ def help_times(checkouts: list[Path], repeats: int) -> list[dict]:
         loads.append(os.getloadavg()[0])
         for name, args in COMMANDS.items():
             for checkout in checkouts:
-                runs.setdefault((str(checkout), name), []).append(timed([*args, "--help"], checkout))
+                runs.setdefault((str(checkout), name), []).append(timed([*args, "--help"], checkout)[:2])
         for name, args in BASELINES.items():
-            runs.setdefault(("baseline", name), []).append(timed(args, checkouts[0]))
+            runs.setdefault(("baseline", name), []).append(timed(args, checkouts[0])[:2])
     median = {key: [statistics.median(run[i] for run in times) for i in (0, 1)] for key, times in runs.items()}
     torch, bare = (median[("baseline", name)] for name in BASELINES)
     return [{"checkout": checkout, "command": name, "median_s": round(wall, 3), "median_cpu_s": round(cpu, 3),
@@ -96,25 +112,32 @@ def scaling(checkouts: list[Path], corpus: Path, model: Path, work_dir: Path, re
     """Per checkout, the whole command with 1 and 2 processes, every run taking its turn; whether every run wrote the
     same .bin/.idx as the first."""
     runs: dict[tuple[Path, int], list[dict]] = {(checkout, p): [] for checkout in checkouts for p in (1, 2)}
-    reference, same = str(work_dir / "reference_text_document"), True
+    reference, same = str(work_dir / f"{corpus.stem}_reference_text_document"), True
     for _ in range(repeats):
         for (checkout, processes), measured in runs.items():
             prefix = work_dir / "run"
             load = os.getloadavg()[0]
-            wall, cpu = timed(["tools/preprocess_data.py", "--input", str(corpus), "--output-prefix", str(prefix),
-                               "--tokenizer-model", str(model), "--processes", str(processes)], checkout)
-            measured.append({"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "load_1min": round(load, 2)})
+            wall, cpu, others = timed(["tools/preprocess_data.py", "--input", str(corpus), "--output-prefix",
+                                       str(prefix), "--tokenizer-model", str(model), "--processes", str(processes)],
+                                      checkout)
+            measured.append({"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "others_share": round(others, 3),
+                             "load_1min": round(load, 2)})
             output = f"{prefix}_text_document"
             same = same and (not Path(reference + ".bin").exists() or identical(reference, output))
             for suffix in (".bin", ".idx", ".meta.json"):
                 Path(output + suffix).replace(reference + suffix)
+    for suffix in (".bin", ".idx", ".meta.json"):
+        Path(reference + suffix).unlink()
     cases = []
     for checkout in checkouts:
         one, two = ({key: statistics.median(run[key] for run in runs[(checkout, p)]) for key in ("wall_s", "cpu_s")}
                     for p in (1, 2))
+        quiet = [[run["wall_s"] for run in runs[(checkout, p)] if run["others_share"] <= QUIET_SHARE] for p in (1, 2)]
         cases.append({"checkout": str(checkout), "megabytes": round(corpus.stat().st_size / 1e6, 1),
                       "runs_1_process": runs[(checkout, 1)], "runs_2_processes": runs[(checkout, 2)],
                       "ratio_2_over_1": round(one["wall_s"] / two["wall_s"], 3),
+                      "quiet_ratio_2_over_1": round(statistics.median(quiet[0]) / statistics.median(quiet[1]), 3)
+                      if all(quiet) else None,
                       "cpu_2_over_1": round(two["cpu_s"] / one["cpu_s"], 3), "identical_output": same})
     return cases
 
@@ -153,12 +176,14 @@ def main() -> int:
                 result["scaling"] += cases
                 for case in cases:
                     print(f"preprocessing {case['megabytes']} MB of JSONL, whole command, {case['checkout']}, medians "
-                          f"of {args.scaling_repeats}: 2 processes / 1 process = {case['ratio_2_over_1']:.2f}x faster, "
+                          f"of {args.scaling_repeats}: 2 processes / 1 process = {case['ratio_2_over_1']:.2f}x faster "
+                          f"(runs with others at most {QUIET_SHARE:.0%} of the cores: {case['quiet_ratio_2_over_1']}), "
                           f"{case['cpu_2_over_1']:.2f}x the CPU seconds; every run's .bin/.idx identical: "
                           f"{case['identical_output']}")
                     for processes, key in ((1, "runs_1_process"), (2, "runs_2_processes")):
                         print(f"  processes={processes}: " + ", ".join(
-                            f"{run['wall_s']} s ({run['cpu_s']} CPU s, load {run['load_1min']})" for run in case[key]))
+                            f"{run['wall_s']} s ({run['cpu_s']} CPU s, others {run['others_share']:.0%} of the cores, "
+                            f"load {run['load_1min']})" for run in case[key]))
     print(json.dumps(result))
     return 0
 
