@@ -91,12 +91,17 @@ def build_corpus(work_dir: Path, chosen: list[bytes]) -> dict[str, str]:
             "many_files": str(many), "megabytes": round(len(text) / 1e6, 1)}
 
 
-def train_tokenizers(work_dir: Path, sentencepiece_model: Path | None) -> dict[str, Path]:
+def sentencepiece_model(work_dir: Path) -> Path:
+    """A VOCAB_SIZE-piece SentencePiece BPE trained on the sample corpus (benchmarks/tool_startup.py uses it too)."""
+    return train_tokenizer(TokenizerTrainingConfig(
+        inputs=(str(SAMPLE_CORPUS / "train"),), output_prefix=work_dir / "tokenizer", vocab_size=VOCAB_SIZE,
+        max_chars=1_000_000)).model_path
+
+
+def train_tokenizers(work_dir: Path, sentencepiece_model_: Path | None) -> dict[str, Path]:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    models_ = {"sentencepiece": sentencepiece_model or train_tokenizer(TokenizerTrainingConfig(
-        inputs=(str(SAMPLE_CORPUS / "train"),), output_prefix=work_dir / "tokenizer", vocab_size=VOCAB_SIZE,
-        max_chars=1_000_000)).model_path}
+    models_ = {"sentencepiece": sentencepiece_model_ or sentencepiece_model(work_dir)}
     hf = Tokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()

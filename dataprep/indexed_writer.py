@@ -3,21 +3,30 @@ documents of a run of parts into output files of at most a given number of token
 
 Every document here is one sequence (what Megatron's preprocessing writes for a document that is
 not split into sentences), so sequence and document counts agree.
+
+The .idx is written and read by Megatron's own code, imported where an index is written or read (`write_index`,
+`document_lengths`): its import brings torch and megatron.core (~2.5 s), which a process that only fills a .bin
+(preprocessing's tokenizing processes) never pays.
 """
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Sequence
+from types import ModuleType
 
 import numpy as np
-from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 
-class DocumentWriter(IndexedDatasetBuilder):
-    """Megatron's builder (so its .bin format and its .idx writer) fed whole batches of documents, each
-    batch written straight from its array, not copied per document as `add_document` does."""
+class DocumentWriter:
+    """A .bin in Megatron's format (the tokens end to end) fed whole batches of documents, each batch written straight
+    from its array, not copied per document as Megatron's builder's `add_document` does; its .idx by Megatron's
+    builder (`finalize`)."""
 
     def __init__(self, bin_path: str, dtype: type[np.number]):
-        super().__init__(bin_path, dtype=dtype)
+        self.dtype = dtype
+        self._bin = open(bin_path, "wb")
+        self.sequence_lengths: list[int] = []
         self.tokens = 0
         self.max_token_id = -1
 
@@ -29,10 +38,8 @@ class DocumentWriter(IndexedDatasetBuilder):
         """Documents laid end to end in `tokens` (of this writer's dtype), `lengths[i]` tokens each."""
         if tokens.dtype != self.dtype:
             raise TypeError(f"tokens are {tokens.dtype}, this dataset holds {np.dtype(self.dtype)}")
-        first = len(self.sequence_lengths)
-        self.data_file.write(memoryview(np.ascontiguousarray(tokens)))
+        self._bin.write(memoryview(np.ascontiguousarray(tokens)))
         self.sequence_lengths.extend(lengths)
-        self.document_indices.extend(range(first + 1, first + 1 + len(lengths)))
         if tokens.size:
             self.max_token_id = max(self.max_token_id, int(tokens.max()))
         self.tokens += tokens.size
@@ -46,10 +53,36 @@ class DocumentWriter(IndexedDatasetBuilder):
                             shape=(count,)) if count else np.empty(0, self.dtype))
         self.add_documents(tokens, lengths[start:stop].tolist())
 
+    def close(self) -> list[int]:
+        """Finish the .bin (its .idx is yet to be written: `write_index`); the documents' lengths."""
+        self._bin.close()
+        return self.sequence_lengths
+
+    def finalize(self, idx_path: str) -> None:
+        """Finish the .bin and write its .idx."""
+        write_index(idx_path, self.dtype, self.close())
+
+
+def write_index(idx_path: str, dtype: type[np.number], lengths: Sequence[int]) -> None:
+    """The .idx of a .bin of documents `lengths` tokens long, written by Megatron's builder."""
+    builder = load_index_code().IndexedDatasetBuilder(os.devnull, dtype=dtype)  # the .bin is written: its own is empty
+    builder.sequence_lengths.extend(lengths)
+    builder.document_indices.extend(range(1, len(lengths) + 1))
+    builder.finalize(idx_path)
+
+
+def load_index_code() -> ModuleType:
+    """Megatron's indexed_dataset module (its .idx writer and reader), imported on first use; a process with a core
+    to spare can call this ahead of `write_index` and `document_lengths` while others work."""
+    with warnings.catch_warnings():  # megatron.core warns about GPU kernels that .bin/.idx files never use
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets import indexed_dataset
+    return indexed_dataset
+
 
 def document_lengths(prefix: str) -> np.ndarray:
     """Tokens per document of the dataset at `prefix` (read from its .idx by Megatron's reader)."""
-    dataset = IndexedDataset(prefix)  # kept alive until the lengths are copied out: deleting it unmaps them
+    dataset = load_index_code().IndexedDataset(prefix)  # kept alive until the lengths are copied out: deleting it unmaps them
     lengths = np.array(dataset.index.sequence_lengths, dtype=np.int64)
     del dataset
     return lengths

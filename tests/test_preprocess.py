@@ -135,7 +135,7 @@ def test_strict_fails_on_first_bad_record(messy_corpus: Path, sentencepiece_mode
     assert not Path(f"{prefix}_text_document.bin").exists()
 
 
-def _strict_chunk_failing_late_when_first(chunk, payload, fingerprint, prefix):
+def _strict_chunk_failing_late_when_first(chunk, payload, prefix):
     """A pool task (forked, so it can live here) for which every chunk holds a bad record on its first
     line, and the first chunk is the slowest to find it."""
     if chunk.index == 0:
@@ -154,7 +154,8 @@ def test_strict_reports_the_first_bad_record_in_input_order_when_chunks_finish_o
     chunks = [Chunk(0, i, Path("a.jsonl"), i, i + 1, i) for i in range(3)]
     progress = ProgressLine("test", 1, 3, stream=io.StringIO())
     with pytest.raises(preprocess_data.StrictModeError, match=r"a.jsonl:1: kind"):
-        with preprocess_data._ChunkDispatcher(SimpleNamespace(processes=3), lambda c, s: None, progress) as chunks_out:
+        with preprocess_data._ChunkDispatcher(SimpleNamespace(processes=3), np.uint16, lambda c, s: None,
+                                              progress) as chunks_out:
             for chunk in chunks:
                 chunks_out.submit(chunk, None, "fingerprint", "prefix")
             if planner_fails:
@@ -304,6 +305,51 @@ def test_resume_after_kill_redoes_only_unfinished_chunks(
     assert code == 0, err
     assert f"resuming: reused {first_file_chunks + 2} finished chunks" in err
     assert mtimes == {path: os.stat(path).st_mtime_ns for path in mtimes}
+    assert same_files(f"{prefix}_text_document", one_chunk_per_file)
+
+
+# The tool in a fresh interpreter (this one holds Megatron, which forked processes would inherit), each tokenizing
+# process recording what it has imported once its chunk is tokenized.
+RECORDING_IMPORTS = """
+import json, os, sys
+from pathlib import Path
+from tools import preprocess_data
+
+tokenize = preprocess_data._tokenize_chunk
+
+def tokenize_and_record(chunk, payload, prefix):
+    result = tokenize(chunk, payload, prefix)
+    imported = {name.split(".")[0] for name in sys.modules} & {"megatron", "torch", "transformers", "deepspeed"}
+    Path(os.environ["IMPORTS_DIR"], f"{chunk.file_index}-{chunk.index}.json").write_text(json.dumps(sorted(imported)))
+    return result
+
+preprocess_data._tokenize_chunk = tokenize_and_record
+sys.exit(preprocess_data.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.launch
+def test_tokenizing_processes_import_no_megatron_and_a_fresh_killed_run_keeps_its_finished_chunks(
+    mixed_corpus: Path, one_chunk_per_file: str, sentencepiece_model: Path, tmp_path: Path, capsys  # noqa: F811
+):
+    """Megatron's .idx code is the parent's, imported beside the first chunks; the chunks that finish meanwhile are
+    published all the same when a process dies, and the rerun reuses them."""
+    prefix, imports = tmp_path / "fresh", tmp_path / "imports"
+    imports.mkdir()
+    args = ["--input", mixed_corpus, "--output-prefix", prefix, "--tokenizer-model", sentencepiece_model,
+            "--processes", "1", "--chunk-mb", "0.2"]
+    env = {**os.environ, "PYTHONPATH": str(Path(preprocess_data.__file__).parents[1]), "IMPORTS_DIR": str(imports),
+           preprocess_data.KILL_HOOK_ENV: "1:2:10"}  # die in the third chunk of the second input file
+    result = subprocess.run([sys.executable, "-c", RECORDING_IMPORTS, *map(str, args)], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 1 and "tokenizing process died" in result.stderr, result.stderr[-3000:]
+    recorded = {path.stem: json.loads(path.read_text()) for path in imports.glob("*.json")}
+    assert {"0-0", "1-0", "1-1"} <= set(recorded) and "1-2" not in recorded
+    assert all(imported == [] for imported in recorded.values()), recorded
+
+    code, _, err = run_main(args, capsys)
+    assert code == 0, err
+    assert f"resuming: reused {len(recorded)} finished chunks" in err
     assert same_files(f"{prefix}_text_document", one_chunk_per_file)
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 
 def generate(model_dir: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.8, top_k: int = 50,
              seed: int = 0) -> str:
+    import torch  # here, not above: --help and a bad flag answer without torch and transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]

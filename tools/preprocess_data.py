@@ -14,7 +14,9 @@ SentencePiece .model, a Hugging Face tokenizer.json, or a folder holding one.
 Each input file is cut into chunks (dataprep.chunks) so that N processes share even one big file: uncompressed
 JSONL by byte ranges, compressed JSONL decompressed once here and handed out in blocks of lines, parquet by
 row groups. Each chunk's result is published atomically as a part file pair in a .parts/ folder with a
-manifest; the parts are merged in order, so the output is byte-identical for any number of processes. A rerun
+manifest; the parts are merged in order, so the output is byte-identical for any number of processes. The
+processes only tokenize (into each part's .bin); this one writes the .idx files with Megatron's own writer, whose
+import (torch and megatron.core, seconds) it makes while the first chunks are tokenized. A rerun
 with the same arguments reuses the finished chunks, so an interrupted run resumes; the final files appear
 only once complete, their .meta.json (dataprep.dataset_meta) last.
 
@@ -44,21 +46,16 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Self
 
 import numpy as np
-
-
-with warnings.catch_warnings():  # megatron warns about GPU kernels that preprocessing never uses
-    warnings.simplefilter("ignore")
-    from dataprep.indexed_writer import DocumentWriter, document_lengths, plan_files
 
 from dataprep.blend import BlendEntry, parse_subset_weights, subset_multipliers, write_data_args
 from dataprep.chunks import (
@@ -71,6 +68,7 @@ from dataprep.chunks import (
     records_before,
 )
 from dataprep.dataset_meta import DatasetMeta, meta_path, write_dataset_meta
+from dataprep.indexed_writer import DocumentWriter, document_lengths, load_index_code, plan_files, write_index
 from dataprep.listing import Listing
 from dataprep.input_files import DEFAULT_MAX_DOCUMENT_BYTES, BadRecord, NoInputMatchedError, resolve_inputs
 from dataprep.input_files import DEFAULT_MAX_INFLATE_RATIO, is_parquet
@@ -261,12 +259,13 @@ def _init_process(config: PreprocessConfig, progress_queue) -> None:
     )
 
 
-def _tokenize_chunk(chunk: Chunk, payload: bytes | None, fingerprint: str, prefix: str) -> ChunkStats:
+def _tokenize_chunk(chunk: Chunk, payload: bytes | None, prefix: str) -> tuple[ChunkStats, list[int]]:
+    """The chunk's tokens in `prefix`.bin.tmp; its stats and the lengths of its documents (the parent writes the
+    part's .idx and publishes it: `_publish_part`)."""
     config: PreprocessConfig = _process["config"]
     tokenizer = _process["tokenizer"]
-    manifest_path_ = Path(f"{prefix}.json")
     # A manifest left from different arguments must not vouch for the files about to be replaced.
-    manifest_path_.unlink(missing_ok=True)
+    Path(f"{prefix}.json").unlink(missing_ok=True)
     stats = ChunkStats()
 
     def on_bad(record: BadRecord) -> None:
@@ -275,7 +274,7 @@ def _tokenize_chunk(chunk: Chunk, payload: bytes | None, fingerprint: str, prefi
             raise StrictModeError(f"bad record (--strict): {BadRecord(record.path, line, record.kind, record.detail)}")
         stats.record_bad(record)
 
-    bin_tmp, idx_tmp = f"{prefix}.bin.tmp", f"{prefix}.idx.tmp"
+    bin_tmp = f"{prefix}.bin.tmp"
     writer = DocumentWriter(bin_tmp, _process["dtype"])
     reported = ChunkStats()
     data = load_chunk(chunk, payload, config.max_document_bytes, on_bad)
@@ -314,21 +313,27 @@ def _tokenize_chunk(chunk: Chunk, payload: bytes | None, fingerprint: str, prefi
             batch, batch_bytes = [], 0
     if batch:
         add(batch)
-    writer.finalize(idx_tmp)
+    lengths = writer.close()
     _report_progress(stats, reported)
-
-    for tmp in (bin_tmp, idx_tmp):
-        _fsync_file(tmp)
-    os.replace(bin_tmp, f"{prefix}.bin")
-    os.replace(idx_tmp, f"{prefix}.idx")
-    manifest = {"fingerprint": fingerprint, "part_sizes": _part_sizes(prefix), "stats": asdict(stats)}
-    write_text_durably(manifest_path_, json.dumps(manifest))  # last: it marks the part complete
-    return stats
+    _fsync_file(bin_tmp)
+    return stats, lengths
 
 
 def _report_progress(stats: ChunkStats, reported: ChunkStats) -> None:
     _process["progress"].put(stats.tokens - reported.tokens)
     reported.tokens = stats.tokens
+
+
+def _publish_part(prefix: str, dtype: type[np.number], lengths: list[int], stats: ChunkStats, fingerprint: str) -> None:
+    """A tokenized chunk's .idx (Megatron's writer, which the tokenizing processes never import), then its files
+    under their names; the manifest last: it marks the part complete."""
+    idx_tmp = f"{prefix}.idx.tmp"
+    write_index(idx_tmp, dtype, lengths)
+    _fsync_file(idx_tmp)
+    os.replace(f"{prefix}.bin.tmp", f"{prefix}.bin")
+    os.replace(idx_tmp, f"{prefix}.idx")
+    manifest = {"fingerprint": fingerprint, "part_sizes": _part_sizes(prefix), "stats": asdict(stats)}
+    write_text_durably(Path(f"{prefix}.json"), json.dumps(manifest))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,18 +385,35 @@ def _input_order(chunk: Chunk) -> tuple[int, int]:
     return chunk.file_index, chunk.index
 
 
-class _ChunkDispatcher:
-    """Hands chunks to the process pool, a bounded number at a time, and reports each finished one."""
+@dataclass(frozen=True)
+class _Part:
+    """Where a chunk handed out goes, and once tokenized, what its .idx needs."""
 
-    def __init__(self, config: PreprocessConfig, on_done: Callable[[Chunk, ChunkStats], None],
+    chunk: Chunk
+    prefix: str
+    fingerprint: str
+    stats: ChunkStats | None = None
+    lengths: list[int] | None = None
+
+
+class _ChunkDispatcher:
+    """Hands chunks to the process pool, a bounded number at a time, publishes each finished one's part (its .idx
+    written here, by Megatron's code) and reports it."""
+
+    def __init__(self, config: PreprocessConfig, dtype: type[np.number], on_done: Callable[[Chunk, ChunkStats], None],
                  progress: ProgressLine):
-        # fork: the processes inherit the already-imported megatron and tokenizer modules for free.
+        # fork: the processes inherit the already-imported tokenizer modules for free.
         context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
         self._progress_queue = context.Queue()
         self._pool = ProcessPoolExecutor(max_workers=config.processes, mp_context=context,
                                          initializer=_init_process, initargs=(config, self._progress_queue))
+        self._dtype = dtype
         self._max_in_flight = CHUNKS_IN_FLIGHT_PER_PROCESS * config.processes
-        self._in_flight: dict[Future, Chunk] = {}
+        self._in_flight: dict[Future, _Part] = {}
+        # Megatron's .idx code (torch and megatron.core, ~2.5 s) is imported by a thread while the first chunks are
+        # tokenized, on a core the processes leave (or beside them); their parts wait for it in _unpublished.
+        self._index_code: threading.Thread | None = None
+        self._unpublished: list[_Part] = []
         self._on_done = on_done
         self._progress = progress
         self.new_stats: list[ChunkStats] = []
@@ -404,34 +426,51 @@ class _ChunkDispatcher:
             self._collect()
         if self.first_submit is None:
             self.first_submit = time.monotonic()
-        self._in_flight[self._pool.submit(_tokenize_chunk, chunk, payload, fingerprint, prefix)] = chunk
+        self._in_flight[self._pool.submit(_tokenize_chunk, chunk, payload, prefix)] = _Part(chunk, prefix, fingerprint)
+        if self._index_code is None:  # after the first submit: the pool's processes are forked, none mid-import
+            self._index_code = threading.Thread(target=load_index_code, name="load-index-code", daemon=True)
+            self._index_code.start()
 
     def finish(self) -> None:
         while self._in_flight:
             self._collect()
+        self._publish()
 
     def _collect(self) -> None:
         done, _ = wait(self._in_flight, timeout=0.2, return_when=FIRST_COMPLETED)
         while not self._progress_queue.empty():
             self._progress.add_tokens(self._progress_queue.get())
-        for future in sorted(done, key=lambda f: _input_order(self._in_flight[f])):
-            chunk = self._in_flight.pop(future)
+        for future in sorted(done, key=lambda f: _input_order(self._in_flight[f].chunk)):
+            part = self._in_flight.pop(future)
             try:
-                stats = future.result()
+                stats, lengths = future.result()
             except StrictModeError as error:
-                self._reported = self.first_bad_record(error, _input_order(chunk))
+                self._reported = self.first_bad_record(error, _input_order(part.chunk))
                 raise self._reported from None
-            self.new_stats.append(stats)
+            self._unpublished.append(replace(part, stats=stats, lengths=lengths))
             self.last_done = time.monotonic()
-            self._on_done(chunk, stats)
+        if not self._index_code.is_alive():
+            self._publish()
         self._progress.maybe_print()
+
+    def _publish(self, report: bool = True) -> None:
+        """Publish the parts tokenized so far (once Megatron's .idx code is imported); `report` them to on_done."""
+        if self._index_code is not None:
+            self._index_code.join()
+        parts, self._unpublished = self._unpublished, []
+        for part in parts:
+            _publish_part(part.prefix, self._dtype, part.lengths, part.stats, part.fingerprint)
+            if report:
+                self.new_stats.append(part.stats)
+                self._on_done(part.chunk, part.stats)
 
     def first_bad_record(self, error: StrictModeError, order: tuple[int, int] | None = None) -> StrictModeError:
         """--strict stops at the first bad record in input order, but the chunks finish in any order: the
         earliest strict error among the chunks in flight before `order` (None: all of them; chunks are
         handed out in input order, so no chunk before it is still to come), else `error`."""
-        earlier = sorted((f for f, chunk in self._in_flight.items() if order is None or _input_order(chunk) < order),
-                         key=lambda f: _input_order(self._in_flight[f]))
+        earlier = sorted((f for f, part in self._in_flight.items()
+                          if order is None or _input_order(part.chunk) < order),
+                         key=lambda f: _input_order(self._in_flight[f].chunk))
         wait(earlier)
         return next((f.exception() for f in earlier if isinstance(f.exception(), StrictModeError)), error)
 
@@ -446,6 +485,12 @@ class _ChunkDispatcher:
                     raise first from None
         finally:
             self._pool.shutdown(wait=True, cancel_futures=True)
+            if exc is not None:  # the chunks that finished, published all the same: the rerun reuses them
+                for future, part in self._in_flight.items():
+                    if future.done() and not future.cancelled() and future.exception() is None:
+                        stats, lengths = future.result()
+                        self._unpublished.append(replace(part, stats=stats, lengths=lengths))
+                self._publish(report=False)
 
 
 @dataclass
@@ -504,7 +549,7 @@ class _Preprocess:
         Path(self.config.output_prefix).parent.mkdir(parents=True, exist_ok=True)
         if self.config.output_per_group:
             self._open_manifest()
-        with _ChunkDispatcher(self.config, self._chunk_done, self.progress) as dispatcher:
+        with _ChunkDispatcher(self.config, self.dtype, self._chunk_done, self.progress) as dispatcher:
             for group in self.groups:
                 if group.index in self.records:
                     continue

@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from muloco.core import comm
 from trainer.config import RunConfig, build_parser, check_environment, resolve
-from trainer.data import check_data, check_model_vocabulary, index_cache_dir, refuse_unsafe_index_cache, run_blends
 from muloco.diloco.collectives import CollectiveError
 from trainer.checkpoint.format import checkpoint_args
 from muloco.core.durable import check_output_folders
@@ -33,6 +32,8 @@ def checked_config(args, world_size: int) -> RunConfig:
     """The run's config with everything checked that can be before any collective: values and sizes,
     what they ask of this machine, the data and tokenizer, the output folders. Every rank checks the
     same things, so every rank stops here together."""
+    from trainer.data import check_data, check_model_vocabulary, index_cache_dir, refuse_unsafe_index_cache, run_blends
+
     config = resolve(args, world_size, checkpoint_args(args.load) if args.use_checkpoint_args else None)
     check_environment(config, comm.compute_device().type)
     check_data(config.data)

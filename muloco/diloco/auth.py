@@ -36,11 +36,13 @@ import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from muloco.core.errors import ConfigError
 from muloco.core.typed_json import ConfigBlock, Problem, setting
+
+if TYPE_CHECKING:
+    import torch
 
 KEY_FILE_ENV = "MULOCO_AUTH_KEY_FILE"  # the key file when the ds_config names none
 TAG_BYTES = 32
@@ -108,6 +110,8 @@ def _host_bytes(data: torch.Tensor | bytes) -> memoryview | bytes:
     """The bytes of a uint8 tensor (copied to the host only when it lives on an accelerator)."""
     if isinstance(data, (bytes, bytearray, memoryview)):
         return data
+    import torch  # here, not above: `python -m muloco.diloco.auth new-key` needs no torch
+
     host = data.detach().reshape(-1).view(torch.uint8).cpu()
     return memoryview(host.contiguous().numpy()) if host.numel() else b""
 

@@ -29,8 +29,6 @@ import sys
 import threading
 from pathlib import Path
 
-from torchft.coordination import LighthouseServer
-
 from muloco.diloco.auth import KEY_FILE_ENV, AuthConfig, read_private_job_key
 from muloco.elastic.private_network import enter_private_network
 from muloco.elastic.tunnel import Gateway, host_port
@@ -58,6 +56,8 @@ def main(argv: list[str] | None = None) -> None:
         key = None if args.no_auth else read_private_job_key(Path(args.key_file), args.job_id)
     except (ValueError, ConfigError) as err:
         sys.exit(f"configuration error: {err}")
+    from torchft.coordination import LighthouseServer  # torch and torchft: not for --help or a bad flag
+
     timeouts = dict(min_replicas=args.min_workers, join_timeout_ms=int(args.join_timeout_s * 1000),
                     heartbeat_timeout_ms=int(args.heartbeat_timeout_s * 1000))
     if key is None:

@@ -17,3 +17,5 @@ python -m tools.convert_checkpoint --from-hf HF_DIR --save CKPT --tensor-model-p
   recorded logits against transformers', and its round trip back to Hugging Face tensors.
 (The package imports nothing itself: the importer's shard writers import only what they use.)
 """
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 2 ** 30  # an export's safetensors files (here: the command's default needs no torch)

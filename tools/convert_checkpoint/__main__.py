@@ -6,14 +6,17 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
 
-from tools.convert_checkpoint.export import DEFAULT_MAX_SHARD_BYTES, export
-from tools.convert_checkpoint.hf_folder import HfFolderError
-from tools.convert_checkpoint.import_hf import import_hf
-from tools.convert_checkpoint.merge import WeightSource
-from tools.convert_checkpoint.verify import VerifyReport, verify, verify_import
-from trainer.checkpoint import CheckpointError, CheckpointReader
-from muloco.core.errors import ConfigError
+from muloco.core.errors import CheckpointError, ConfigError
+from tools.convert_checkpoint import DEFAULT_MAX_SHARD_BYTES
+from tools.convert_checkpoint.folder_files import HfFolderError
+
+if TYPE_CHECKING:
+    from tools.convert_checkpoint.verify import VerifyReport
+
+# Each direction imports what it runs, once the arguments are good: the export transformers (and Megatron to
+# verify), the import Megatron; --help and a mistyped flag answer at once.
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _export(args: argparse.Namespace) -> VerifyReport | None:
+    from tools.convert_checkpoint.export import export
+    from tools.convert_checkpoint.merge import WeightSource
+    from trainer.checkpoint import CheckpointReader
+
     reader = CheckpointReader(args.load, args.iteration, verify_checksums=args.verify_checksums)
     source = WeightSource.of(reader, args.worker)
     if not args.verify_only:
@@ -72,10 +79,16 @@ def _export(args: argparse.Namespace) -> VerifyReport | None:
               f"{result.out_dir}: {len(result.files)} safetensors file(s), {result.total_bytes / 2 ** 20:.1f} MiB"
               f"{', tokenizer' if result.tokenizer else ''} in {time.perf_counter() - start:.1f}s")
         print(f"weights: {source.describe()}")
-    return verify(reader, args.save, source) if args.verify or args.verify_only else None
+    if not (args.verify or args.verify_only):
+        return None
+    from tools.convert_checkpoint.verify import verify
+
+    return verify(reader, args.save, source)
 
 
 def _import(args: argparse.Namespace) -> VerifyReport | None:
+    from tools.convert_checkpoint.import_hf import import_hf
+
     start = time.perf_counter()
     result = import_hf(args.from_hf, args.save, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                        args.untie_embeddings)
@@ -85,6 +98,9 @@ def _import(args: argparse.Namespace) -> VerifyReport | None:
         print(f"  {note}")
     if not args.verify:
         return None
+    from tools.convert_checkpoint.verify import verify_import
+    from trainer.checkpoint import CheckpointReader
+
     return verify_import(CheckpointReader(args.save), args.from_hf, args.untie_embeddings)
 
 

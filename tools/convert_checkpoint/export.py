@@ -10,12 +10,11 @@ from transformers import GenerationConfig
 
 from tokenizer.hf_export import export_hf_tokenizer
 from tokenizer.interface import load_tokenizer
+from tools.convert_checkpoint import DEFAULT_MAX_SHARD_BYTES
 from tools.convert_checkpoint.hf_mapping import hf_config, hf_tensors
 from tools.convert_checkpoint.merge import WeightSource, full_weights
 from tools.convert_checkpoint.safetensors_writer import ShardedSafetensorsWriter
 from trainer.checkpoint import CheckpointReader
-
-DEFAULT_MAX_SHARD_BYTES = 5 * 2 ** 30
 
 
 @dataclass

@@ -17,8 +17,17 @@ its own lr, weight decay and schedule at that step, without the outer loop's sta
 run with an outer loop builds it after the load, so it starts at the loaded weights with zero
 momentum (K workers branching from a data-parallel state, as tools/compare/alignment.py needs).
 """
-from trainer.checkpoint.checkpointer import Checkpointer
 from muloco.core.errors import CheckpointError
 from trainer.checkpoint.format import CheckpointMeta, CheckpointReader, latest_iteration
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointMeta", "CheckpointReader", "latest_iteration"]
+
+
+def __getattr__(name: str):
+    # The checkpointer imports Megatron and DeepSpeed: the readers of checkpoints (the converter, the planner, a
+    # run's checks before it starts) import this package without paying for them.
+    if name != "Checkpointer":
+        raise AttributeError(f"module 'trainer.checkpoint' has no attribute {name!r}")
+    from trainer.checkpoint.checkpointer import Checkpointer
+
+    return Checkpointer
