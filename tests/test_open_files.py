@@ -20,8 +20,9 @@ from muloco.core.errors import ConfigError
 from trainer import open_files
 from trainer.config import DataConfig
 from trainer.data import TokenizerInfo, build_datasets, check_data, run_blends
-from trainer.open_files import (MIN_OPEN_DATA_FILES, RESERVED_FILES, OpenFiles, check_open_file_limit,
-                                data_file_capacity, raise_open_file_limit)
+from trainer.file_limit import (MIN_OPEN_DATA_FILES, RESERVED_FILES, check_open_file_limit, data_file_capacity,
+                                raise_open_file_limit)
+from trainer.open_files import OpenFiles
 
 PREFIXES = 200
 SOFT_LIMIT = 180  # Megatron holds 3 descriptors per prefix: 600 for the blend

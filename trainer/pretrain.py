@@ -20,7 +20,7 @@ from muloco.core.durable import check_output_folders
 from muloco.core.errors import ConfigError, TopologyError
 from trainer.failures import stop_together
 from trainer.folder_lock import JobLocks
-from trainer.open_files import check_open_file_limit, raise_open_file_limit
+from trainer.file_limit import check_open_file_limit, raise_open_file_limit
 from trainer.parent_watch import ParentWatch, launched
 from trainer.threads import apply_thread_default
 
