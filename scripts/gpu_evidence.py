@@ -24,7 +24,7 @@ B = 64 sequences of 2048 tokens (a K=8 worker's batch: 8 sequences, 16,384 token
 ds_configs/gpu_150m_dp_{adamw,muon}.json (their lrs, weight decay and schedule length; a warm-up of
 40 steps, not 500, so the branches run near the peak lr). --cpu: the same stages on gloo in fp32 with the tiny
 preset (paper architecture) on CPU, B = 16 sequences of 128, the tiny CPU configs, so the script cannot
-rot. The data are gpu_check's synthetic Markov tokens (the GPU machine has no network).
+rot. The data are the device runs' synthetic Markov tokens (device_runs.py) (the GPU machine has no network).
 """
 from __future__ import annotations
 
@@ -37,8 +37,9 @@ import sys
 import time
 from pathlib import Path
 
-import gpu_check  # the device runs' shared machinery (budget, processes, report), beside this script
-from gpu_check import REPO, ReportFiles, Stage
+from device_processes import launch
+from device_runner import REPO, ReportFiles, Stage, add_run_arguments, report_head, run_script, stage_lines
+from device_runs import PEAK_TFLOPS, data_parallel_ds_config, flops_per_token, write_markov_data
 
 WORKERS = 8  # K
 SYNC_INTERVAL = 30  # H
@@ -71,7 +72,7 @@ CPU = Mode(cpu=True, preset="tiny", vocab=1000, global_batch=16, micro=2, max_wa
 
 
 class Evidence:
-    """The stages (run by gpu_check.run_stages)."""
+    """The stages (run by device_runner.run_stages)."""
 
     def __init__(self, mode: Mode, work: Path):
         self.mode, self.work = mode, work
@@ -91,7 +92,7 @@ class Evidence:
             prefix.parent.mkdir(parents=True, exist_ok=True)
             m = self.mode
             samples = (m.max_warm_steps + SYNC_INTERVAL) * m.global_batch
-            gpu_check.write_markov_data(prefix, m.vocab, tokens=max(200_000, samples * (_seq_length(m.preset) + 1)))
+            write_markov_data(prefix, m.vocab, tokens=max(200_000, samples * (_seq_length(m.preset) + 1)))
         return str(prefix)
 
     def stage_a(self) -> dict:
@@ -114,7 +115,7 @@ class Evidence:
         from trainer.ds_config import load_ds_config
 
         m = self.mode
-        ds = gpu_check.data_parallel_ds_config(self.work / f"{optimizer}.json", m.configs[optimizer])
+        ds = data_parallel_ds_config(self.work / f"{optimizer}.json", m.configs[optimizer])
         schedule_steps = m.schedule_steps or load_ds_config(json.loads(ds.read_text())).scheduler.params.train_iters
         flags = ["--ds_config", str(ds), "--model", m.preset, "--arch", "paper", "--num-query-groups",
                  str(_heads(m.preset)), "--data-path", self.data(), "--vocab-size", str(m.vocab), "--run-dir", str(run),
@@ -124,7 +125,7 @@ class Evidence:
                  *(["--distributed-backend", "gloo"] if m.cpu else [])]
         spec = self.work / f"{optimizer}_spec.json"
         spec.write_text(json.dumps({"flags": flags, "plan": dataclasses.asdict(plan)}))
-        gpu_check.launch([str(Path(__file__).resolve()), "--branches", str(spec)], 1, self.work / f"{optimizer}.log",
+        launch([str(Path(__file__).resolve()), "--branches", str(spec)], 1, self.work / f"{optimizer}.log",
                          self.left(), self.threads)
         return json.loads((run / "summary.json").read_text())
 
@@ -141,7 +142,7 @@ class Evidence:
         summary = self.branches(optimizer, run, plan)
         warm = summary["warm_start"]
         tokens_per_s = warm["steps"] * m.global_batch * _seq_length(m.preset) / warm["seconds"]
-        tflops = tokens_per_s * gpu_check.flops_per_token(m.preset, m.vocab) / 1e12
+        tflops = tokens_per_s * flops_per_token(m.preset, m.vocab) / 1e12
         config = read_json_object(REPO / "ds_configs" / name)
         alignment = summary["alignment"]
         self.results[optimizer] = {
@@ -150,7 +151,7 @@ class Evidence:
                                                                                   "the tiny CPU config's"),
             "parameters": summary.get("parameters"), "max_memory_gib": summary.get("max_memory_gib"),
             "warm_start": {**warm, "tokens_per_s": round(tokens_per_s, 1), "model_tflops": round(tflops, 3),
-                           "mfu": "n/a (CPU)" if m.cpu else round(tflops / gpu_check.PEAK_TFLOPS, 4)},
+                           "mfu": "n/a (CPU)" if m.cpu else round(tflops / PEAK_TFLOPS, 4)},
             "branches": summary["branches"],
             "alignment": {"cosine": alignment["cosine"], "norm_ratio": alignment["norm_ratio"],
                           "hidden_matrix_mean_cosine": statistics.fmean(alignment["matrix_cosines"].values()),
@@ -190,9 +191,9 @@ def difference(muloco: dict, diloco: dict) -> dict:
 # Muon's step costs more than AdamW's: (b) gets more of the 6 minutes for a warm start as long as (a)'s.
 STAGES = [
     Stage("a", f"DiLoCo: DP AdamW warm start, then K=1 and K={WORKERS} branches of H={SYNC_INTERVAL} (AdamW inner): "
-               f"alignment cosines", "stage_a", {"gpu": 160, "cpu": 280}),
+               f"alignment cosines", Evidence.stage_a, {"gpu": 160, "cpu": 280}),
     Stage("b", f"MuLoCo: DP Muon warm start as long as (a)'s, then K=1 and K={WORKERS} branches of H={SYNC_INTERVAL} "
-               f"(Muon inner): alignment cosines, MuLoCo minus DiLoCo", "stage_b", {"gpu": 180, "cpu": 280}),
+               f"(Muon inner): alignment cosines, MuLoCo minus DiLoCo", Evidence.stage_b, {"gpu": 180, "cpu": 280}),
 ]
 
 
@@ -200,7 +201,7 @@ STAGES = [
 
 def render(report: dict) -> str:
     m = CPU if report["mode"] == "cpu" else GPU
-    lines = [*gpu_check.report_head("Evidence for claim (e): pseudogradient alignment at K=8", report),
+    lines = [*report_head("Evidence for claim (e): pseudogradient alignment at K=8", report),
              f"Model {m.preset} (paper architecture, vocabulary {m.vocab}), {'fp32' if m.cpu else 'bf16'}, global "
              f"batch B = {m.global_batch} sequences of {_seq_length(m.preset)} tokens; K = {WORKERS} workers of "
              f"B/K = {m.micro} sequences ({m.micro * _seq_length(m.preset):,} tokens) each, H = {SYNC_INTERVAL}. "
@@ -229,7 +230,7 @@ def render(report: dict) -> str:
     # The per-matrix numbers are in the table above and in the JSON report.
     brief = {**report, "stages": [{**s, "results": _without_matrices(s["results"])} if "results" in s else s
                                   for s in report["stages"]]}
-    return "\n".join([*lines, *gpu_check.stage_lines(brief)]) + "\n"
+    return "\n".join([*lines, *stage_lines(brief)]) + "\n"
 
 
 def _without_matrices(results: dict) -> dict:
@@ -257,14 +258,13 @@ def simulated_branches(spec_path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    gpu_check.add_run_arguments(parser, "gpu_evidence.sh", GPU, CPU)
+    add_run_arguments(parser, "gpu_evidence.sh", GPU, CPU)
     parser.add_argument("--branches", type=Path, default=None, help=argparse.SUPPRESS)  # a stage's trainer process
     args = parser.parse_args(argv)
     if args.branches:
         simulated_branches(args.branches)
         return 0
-    return gpu_check.run_script(args, argv, "gpu_evidence.sh", CPU if args.cpu else GPU, Evidence, STAGES,
-                                EVIDENCE_REPORT)
+    return run_script(args, argv, "gpu_evidence.sh", CPU if args.cpu else GPU, Evidence, STAGES, EVIDENCE_REPORT)
 
 
 if __name__ == "__main__":

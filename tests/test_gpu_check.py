@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 gpu_check = load_script("gpu_check")
+device_runner, device_runs = load_script("device_runner"), load_script("device_runs")
 
 
 def _check_env() -> dict:
@@ -70,15 +71,15 @@ def test_gpu_check_passes_on_cpu(tmp_path):
 
 def test_each_stage_gets_the_smaller_of_its_cap_and_what_is_left():
     now = [1000.0]
-    budget = gpu_check.Budget(total_s=360.0, started=1000.0, clock=lambda: now[0])
+    budget = device_runner.Budget(total_s=360.0, started=1000.0, clock=lambda: now[0])
     assert budget.stage_timeout(70) == 70
     now[0] = 1000.0 + 300  # 60 s left, 5 of them kept for the last report
-    assert budget.left() == 60 and budget.stage_timeout(70) == 60 - gpu_check.REPORT_RESERVE_S
+    assert budget.left() == 60 and budget.stage_timeout(70) == 60 - device_runner.REPORT_RESERVE_S
     now[0] = 1000.0 + 400
     assert budget.stage_timeout(70) == 0.0
     # The caps may add up past the budget (a stage that ends early leaves its time to the next): the
     # budget, 6 minutes on the GPU, bounds the whole check.
-    assert min(s.cap_s["gpu"] for s in gpu_check.STAGES) >= gpu_check.MIN_STAGE_S and gpu_check.GPU.budget_s == 360
+    assert min(s.cap_s["gpu"] for s in gpu_check.STAGES) >= device_runner.MIN_STAGE_S and gpu_check.GPU.budget_s == 360
 
 
 @pytest.mark.launch
@@ -158,10 +159,10 @@ def test_a_killed_check_leaves_no_process_behind(tmp_path, how):
 
 
 def test_memory_above_the_plan_by_more_than_15_percent_fails_the_stage():
-    assert gpu_check.memory_against_plan(11.4, 10.0)["memory_vs_plan"] == 1.14
-    with pytest.raises(gpu_check.StageFailed, match="underestimates"):
-        gpu_check.memory_against_plan(11.6, 10.0)
-    assert "n/a" in gpu_check.memory_against_plan(None, 10.0)["memory_vs_plan"]
+    assert device_runs.memory_against_plan(11.4, 10.0)["memory_vs_plan"] == 1.14
+    with pytest.raises(device_runner.StageFailed, match="underestimates"):
+        device_runs.memory_against_plan(11.6, 10.0)
+    assert "n/a" in device_runs.memory_against_plan(None, 10.0)["memory_vs_plan"]
 
 
 # -- stage c: the export's verify on a CUDA machine --------------------------------------------------

@@ -50,7 +50,6 @@ def test_one_simulated_worker_retraces_the_reference_exactly(tmp_path):
     """K=1: the one worker's branch starts from the restored start state (weights, optimizer state, lr
     schedule, RNG) on the reference's data, so its pseudogradient IS the reference's: a cosine of 1 on
     every hidden matrix, the same norm."""
-    load_script("gpu_check")  # what gpu_evidence.py imports from beside it
     gpu_evidence = load_script("gpu_evidence")
     mode = dataclasses.replace(gpu_evidence.CPU, global_batch=4, micro=2, max_warm_steps=2)
     evidence = gpu_evidence.Evidence(mode, tmp_path)
