@@ -68,7 +68,9 @@ def _peak_mib() -> float:
 def planned_mib(model, zero: int, data: int, compression) -> float:
     """tools/plan.py's bytes for a hook run of this rank's parameters (fp32 weights, AdamW)."""
     from muloco.hook.engine_shards import _embedding_parameters
-    from tools.plan import ShardParam, hook_synced, outer_state_bytes, zero_model_states
+    from tools.planning.memory import outer_state_bytes, zero_model_states
+    from tools.planning.shards import ShardParam
+    from tools.planning.synced import hook_synced
 
     embedding = _embedding_parameters(model)
     params = [ShardParam(name, tuple(getattr(p, "ds_shape", p.shape)), getattr(p, "tensor_model_parallel", False),

@@ -123,7 +123,7 @@ def measure_tiny(steps: int) -> dict:
 
 
 def evaluate(preset: str, tensor: int, pipeline: int, data: int, ds_config: str, vocab: int) -> dict:
-    from tools.plan import build_stage_shards
+    from tools.planning.shards import build_stage_shards
 
     muon = load_ds_config(REPO_ROOT / "ds_configs" / ds_config).optimizer.params  # as the trainer reads it
     element_size = comm_dtype(muon.ns_dtype).itemsize

@@ -61,13 +61,14 @@ def planned_bytes(preset: str, config: MuonConfig) -> int:
 def planned_whole_rank(preset: str, ds_config: str) -> dict[str, float]:
     """tools/plan.py's device bytes per rank (worst stage) of a shipped config, per momentum dtype."""
     from tools import plan as planner  # builds Megatron's model on meta: imported only here
+    from tools.planning.plan import make_plan
 
     inputs = planner.inputs_from_args(planner.build_parser().parse_args(["--model", preset, "--ds_config", ds_config]))
     params = inputs.optimizer.params
     totals = {}
     for dtype in DTYPES:
         with_dtype = replace(inputs, optimizer=replace(inputs.optimizer, params=replace(params, momentum_dtype=dtype)))
-        totals[dtype] = planner.make_plan(with_dtype).memory[0].device_total  # the worst stage, inner optimizer
+        totals[dtype] = make_plan(with_dtype).memory[0].device_total  # the worst stage, inner optimizer
     return totals
 
 

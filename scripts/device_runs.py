@@ -126,7 +126,8 @@ def flops_per_token(preset: str, vocab: int) -> float:
 
 def predicted_memory_gib(preset: str, ds_config: Path, mode: Mode, micro: int, global_batch: int) -> float:
     """tools/plan.py's device memory for this one-GPU run (T = P = D = 1)."""
-    from tools.plan import build_parser, inputs_from_args, make_plan
+    from tools.plan import build_parser, inputs_from_args
+    from tools.planning.plan import make_plan
     from trainer.model.presets import PRESETS
 
     args = build_parser().parse_args([

@@ -115,7 +115,7 @@ def llama_shard_params() -> list:
     """The example's Llama as tools/plan.py describes a stage's parameters."""
     from muloco.hook.engine_shards import _embedding_parameters
     from test_deepspeed_hook import VOCAB, SEQ, _example
-    from tools.plan import ShardParam
+    from tools.planning.shards import ShardParam
 
     model = _example().llama(VOCAB, SEQ)
     embedding = _embedding_parameters(model)
@@ -127,7 +127,7 @@ def llama_shard_params() -> list:
 def test_the_planners_hook_shard_is_what_each_rank_syncs(results, case, zero):
     """tools/plan.py --hook-zero sizes memory and bytes from the pieces it expects a rank to sync:
     the same names, offsets and wire shapes as the hook's on DeepSpeed's real partitions."""
-    from tools.plan import hook_synced
+    from tools.planning.synced import hook_synced
 
     params = llama_shard_params()
     for rank in range(4):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tools import plan as planner
+from tools.planning.plan import make_plan
 from _probe_common import load_rank_dumps, worker_weights
 from tools.synthetic_data import write_markov_dataset
 from tools.trainer_runs import PRETRAIN, LaunchResult, launch_ranks, read_metrics, shared_memory_files
@@ -345,7 +346,7 @@ def test_cli_k2_t2_four_bit_error_feedback_run_learns_and_logs_outer_syncs(workd
         assert r["bytes_sent_per_rank"] > 0 and 0 < r["compression_error"] < 0.5 and r["sync_seconds"] > 0
         assert (r["round_trips"], r["background_round_trips"]) == (1, 1)  # all-gather with the vote; metrics
     # tools/plan.py prices each sync by the bytes the trainer's collectives send (here an all-gather at T=2).
-    plan = planner.make_plan(planner.inputs_from_args(planner.build_parser().parse_args([
+    plan = make_plan(planner.inputs_from_args(planner.build_parser().parse_args([
         "--model", "tiny", "--seq-length", "128", "--vocab-size", str(VOCAB), "--tensor-model-parallel-size", "2",
         "--data", "1", "--global-batch-size", "8", "--micro-batch-size", "4", "--ds_config", str(MULOCO_CONFIG)])))
     assert {r["bytes_sent_per_rank"] for r in syncs} == {plan.sync.per_rank_mean}

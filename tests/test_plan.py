@@ -8,6 +8,13 @@ import pytest
 import torch
 
 from tools import plan as planner
+from muloco.core.errors import ConfigError
+from tools.planning.inputs import PlanInputs
+from tools.planning.memory import stage_memory
+from tools.planning.plan import GIB, layouts_that_fit, make_plan
+from tools.planning import shards
+from tools.planning.shards import build_stage_shards
+from tools.planning.synced import hook_synced
 from megatron_world import megatron_world_of_one
 from tools.trainer_runs import PRETRAIN, launch_ranks, read_metrics
 from tools.trainer_runs import TINY_VOCAB
@@ -18,7 +25,7 @@ PRESETS_UP_TO_1_76B = ["tiny", "150m", "416m", "914m", "1.76b"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _inputs(*flags: str) -> planner.PlanInputs:
+def _inputs(*flags: str) -> PlanInputs:
     return planner.inputs_from_args(planner.build_parser().parse_args(list(flags)))
 
 
@@ -47,9 +54,9 @@ def test_parameter_count_equals_the_built_model(preset):
     built = _built_parameter_count(preset, vocab)
     assert built == _paper_formula(preset, vocab) == parameter_count(PRESETS[preset], vocab)
     for tensor, pipeline in ((1, 1), (2, 2)):
-        stages = planner.build_stage_shards(PRESETS[preset], vocab, tensor, pipeline)
+        stages = build_stage_shards(PRESETS[preset], vocab, tensor, pipeline)
         assert len(stages) == pipeline
-        assert planner.parameter_count(stages, tensor) == built
+        assert shards.parameter_count(stages, tensor) == built
 
 
 def test_paper_presets_have_their_names_sizes():
@@ -61,7 +68,7 @@ def test_paper_presets_have_their_names_sizes():
 
 @pytest.mark.parametrize("ds_config", ["ds_configs/gpu_150m_muloco_k1.json", "ds_configs/gpu_150m_dp_adamw.json"])
 def test_memory_adds_up(ds_config):
-    plan = planner.make_plan(_inputs("--model", "150m", "--tensor-model-parallel-size", "2",
+    plan = make_plan(_inputs("--model", "150m", "--tensor-model-parallel-size", "2",
                                      "--pipeline-model-parallel-size", "2", "--data", "2", "--workers", "2",
                                      "--global-batch-size", "64", "--ds_config", ds_config))
     for memory in plan.memory:
@@ -88,9 +95,9 @@ def test_bf16_momentum_halves_muon_momentum_and_adds_one_fp32_sum_to_the_step():
                      "--data", "2", "--workers", "2", "--global-batch-size", "64", "--ds_config", "ds_configs/gpu_150m_muloco_k1.json")
     params = inputs.optimizer.params
     bf16 = replace(inputs, optimizer=replace(inputs.optimizer, params=replace(params, momentum_dtype="bfloat16")))
-    stages = planner.build_stage_shards(PRESETS["150m"], planner.PAPER_VOCAB, 2, 2)
+    stages = build_stage_shards(PRESETS["150m"], planner.PAPER_VOCAB, 2, 2)
     for i, stage in enumerate(stages):
-        fp32_memory, bf16_memory = (planner.stage_memory(i, stage, x, muon_inner=True) for x in (inputs, bf16))
+        fp32_memory, bf16_memory = (stage_memory(i, stage, x, muon_inner=True) for x in (inputs, bf16))
         assert bf16_memory.muon_momentum == fp32_memory.muon_momentum / 2 > 0
         # The step forms the sum of one parameter's momentum in fp32 while it packs the exchange.
         largest = max(p.numel for p in stage if p.muon)
@@ -103,23 +110,23 @@ def test_the_planner_takes_the_ds_config_by_the_trainers_flag_and_its_aliases():
 
 
 def test_15b_k16_config_fits_an_80gb_gpu_at_its_own_layout():
-    plan = planner.make_plan(_inputs("--model", "15b", "--ds_config", "ds_configs/gpu_15b_muloco_k16.json"))
+    plan = make_plan(_inputs("--model", "15b", "--ds_config", "ds_configs/gpu_15b_muloco_k16.json"))
     sizes = plan.inputs.sizes
     assert (sizes.workers, sizes.data, sizes.pipeline, sizes.tensor) == (16, 4, 2, 4)  # the config's layout block
     assert plan.inputs.micro_batch == 1 and plan.inputs.global_batch == 4096
     assert plan.fits
-    assert plan.memory[0].device_total < 70 * planner.GIB
+    assert plan.memory[0].device_total < 70 * GIB
 
 
 def test_uneven_15b_layouts_on_8_gpu_nodes():
     """36 heads and 54 layers: T=8 cannot split the heads, P=4 splits the layers 13 + 14 + 14 + 13."""
     inputs = _inputs("--model", "15b", "--ds_config", "ds_configs/gpu_15b_muloco_k16.json")
-    stages = planner.build_stage_shards(PRESETS["15b"], planner.PAPER_VOCAB, 2, 4)
+    stages = build_stage_shards(PRESETS["15b"], planner.PAPER_VOCAB, 2, 4)
     layers = [len({n.split(".")[2] for n in (p.name for p in stage) if n.startswith("decoder.layers.")})
               for stage in stages]
     assert layers == [13, 14, 14, 13]
-    assert planner.parameter_count(stages, 2) == parameter_count(PRESETS["15b"], planner.PAPER_VOCAB)
-    fits = {(f.tensor, f.pipeline): f.fits for f in planner.layouts_that_fit(inputs, max_pipeline=4)}
+    assert shards.parameter_count(stages, 2) == parameter_count(PRESETS["15b"], planner.PAPER_VOCAB)
+    fits = {(f.tensor, f.pipeline): f.fits for f in layouts_that_fit(inputs, max_pipeline=4)}
     assert not any(t == 8 for t, _ in fits)
     assert fits[(4, 2)] and fits[(2, 4)] and not fits[(1, 1)]
     # The CLI refuses a layout that does not fit.
@@ -143,7 +150,7 @@ def test_sync_bytes_equal_the_trainers_collectives(tmp_path, repo_root):
         timeout_s=900).check("K=2 MuLoCo run")  # 4 ranks start slowly on a shared 2-core machine
     (measured,) = [r["bytes_sent_per_rank"] for r in read_metrics(run_dir) if "outer_step" in r]
 
-    plan = planner.make_plan(_inputs(
+    plan = make_plan(_inputs(
         "--model", "tiny", "--seq-length", "128", "--vocab-size", str(TINY_VOCAB), "--tensor-model-parallel-size", "1",
         "--data", "2", "--global-batch-size", "8", "--micro-batch-size", "1", "--ds_config", str(tmp_path / "ds.json")))
     assert plan.sync.per_rank_mean == measured
@@ -159,14 +166,14 @@ def test_codec_time_from_the_codec_benchmark_adds_to_each_sync(tmp_path):
     codec.write_text("model 150m ...\n" + json.dumps({"rows": rows}) + "\n")
     flags = ["--model", "150m", "--workers", "4", "--data", "2", "--global-batch-size", "64", "--compression",
              "statistical:4", "--collective", "all_gather"]
-    plain, priced = planner.make_plan(_inputs(*flags)), planner.make_plan(_inputs(*flags, "--codec-json", str(codec)))
-    stages = planner.build_stage_shards(PRESETS["150m"], planner.PAPER_VOCAB, 1, 1)
+    plain, priced = make_plan(_inputs(*flags)), make_plan(_inputs(*flags, "--codec-json", str(codec)))
+    stages = build_stage_shards(PRESETS["150m"], planner.PAPER_VOCAB, 1, 1)
     owned = sum(p.numel for p in stages[0]) / 2  # one of D = 2 replicas' share
     codec_s = owned / 2e8 + 4 * owned / 5e8
     syncs = plain.times[-1].steps // 30
     assert priced.times[-1].total_hours - plain.times[-1].total_hours == pytest.approx(syncs * codec_s / 3600)
     assert priced.times[:2] == plain.times[:2]  # DP has no codec
-    with pytest.raises(planner.ConfigError, match="no row for statistical 2"):
+    with pytest.raises(ConfigError, match="no row for statistical 2"):
         _inputs(*flags[:-4], "--compression", "statistical:2", "--codec-json", str(codec))
 
 
@@ -209,9 +216,9 @@ def test_the_planner_refuses_a_config_made_for_another_model():
 def test_a_hook_run_partitions_what_zero_partitions_and_syncs_each_element_once():
     flags = ("--model", "150m", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--data", "4",
              "--workers", "2", "--global-batch-size", "64", "--ds_config", "ds_configs/gpu_150m_muloco_k1.json")
-    plans = {zero: planner.make_plan(replace(_inputs(*flags), hook_zero=zero)) for zero in (0, 1, 3)}
-    trainer = planner.make_plan(_inputs(*flags))
-    n = sum(p.numel for p in planner.build_stage_shards(PRESETS["150m"], planner.PAPER_VOCAB, 2, 2)[0])
+    plans = {zero: make_plan(replace(_inputs(*flags), hook_zero=zero)) for zero in (0, 1, 3)}
+    trainer = make_plan(_inputs(*flags))
+    n = sum(p.numel for p in build_stage_shards(PRESETS["150m"], planner.PAPER_VOCAB, 2, 2)[0])
     for zero, plan in plans.items():
         memory = plan.memory[1]  # AdamW: 8 bytes of moments per parameter, partitioned from ZeRO 1
         assert memory.adamw_moments == pytest.approx(8 * n / (4 if zero else 1), rel=0.2)
@@ -225,7 +232,7 @@ def test_a_hook_run_partitions_what_zero_partitions_and_syncs_each_element_once(
     # The same elements are synced, cut differently: a partition's pieces against whole tensors.
     for zero in (1, 3):
         assert plans[zero].sync.per_rank_mean == pytest.approx(trainer.sync.per_rank_mean, rel=0.02)
-    stage = planner.build_stage_shards(PRESETS["150m"], planner.PAPER_VOCAB, 1, 1)[0]
+    stage = build_stage_shards(PRESETS["150m"], planner.PAPER_VOCAB, 1, 1)[0]
     for zero in (1, 3):
-        pieces = [planner.hook_synced(stage, zero, 4, d) for d in range(4)]
+        pieces = [hook_synced(stage, zero, 4, d) for d in range(4)]
         assert sum(p.numel for replica in pieces for p in replica) == sum(p.numel for p in stage)

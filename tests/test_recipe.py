@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tools import plan as planner
+from tools.planning.plan import make_plan
 from trainer.config import CheckpointArgs, build_parser, resolve
 from muloco.core.errors import ConfigError
 from trainer.model.presets import PRESETS, parameter_count
@@ -64,7 +65,7 @@ def test_the_15b_config_is_the_papers_run():
 @pytest.mark.parametrize("config", GPU_CONFIGS, ids=[c.name for c in GPU_CONFIGS])
 def test_gpu_config_layout_fits_80gb_and_resolves(config):
     path = DS_CONFIGS / f"{config.name}.json"
-    plan = planner.make_plan(planner.inputs_from_args(planner.build_parser().parse_args(
+    plan = make_plan(planner.inputs_from_args(planner.build_parser().parse_args(
         ["--model", config.preset, "--ds_config", str(path)])))
     assert (plan.inputs.sizes.tensor, plan.inputs.sizes.pipeline, plan.inputs.sizes.data) == \
         (config.tensor, config.pipeline, config.data)
