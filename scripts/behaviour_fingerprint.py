@@ -77,13 +77,19 @@ def trainer_run(work: Path) -> list[str]:
 def hook_probe(work: Path) -> list[str]:
     out = work / "hook"
     launch_ranks(REPO_ROOT / "tests" / "_deepspeed_hook_probe.py", 4, [str(out)], timeout_s=900).check("the hook probe")
+    return probe_hashes(out)
+
+
+def probe_hashes(out: Path) -> list[str]:
+    """A line per case and rank that trained: its losses, final weights and worker's global weights (the cases
+    that only check a refusal write none of them)."""
     lines = []
     for path in sorted(out.glob("*.rank*.pt")):
         result = torch.load(path, weights_only=True)
-        parts = [f"weights={tensors_sha256(result['weights'])}"]
-        if "global_weights" in result:
-            parts.append(f"global={tensors_sha256(result['global_weights'])}")
-        lines.append(f"hook {path.name} {' '.join(parts)}")
+        parts = [f"{key}={tensors_sha256(result[key])}" for key in ("losses", "weights", "global_weights")
+                 if key in result]
+        if parts:
+            lines.append(f"hook {path.name} {' '.join(parts)}")
     return lines
 
 
