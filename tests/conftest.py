@@ -49,6 +49,20 @@ def job_secret(tmp_path_factory) -> Path:
         os.environ[KEY_FILE_ENV] = previous
 
 
+@pytest.fixture
+def process_group(tmp_path):
+    """A world of one process (gloo): Megatron's BlendedDataset asks torch.distributed for the rank when it
+    writes its cache."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT
