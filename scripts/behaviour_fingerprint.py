@@ -59,8 +59,9 @@ def trainer_run(work: Path) -> list[str]:
     config["muloco"].update(sync_interval=4, streaming={"fragments": 2, "overlap_steps": 1})
     ds_config = work / "ds_config.json"
     ds_config.write_text(json.dumps(config))
-    key = work / "job.key"
-    subprocess.run(["python", "-m", "muloco.diloco.auth", "new-key", str(key)], check=True, cwd=REPO_ROOT)
+    key = work / "job.key"  # a fixed secret: the rank files hold its digest
+    key.write_text(hashlib.sha256(b"behaviour fingerprint").hexdigest() + "\n")
+    key.chmod(0o600)
     save = work / "checkpoints"
     command = [*launcher_command("torchrun", 2, launch_port()), "trainer/pretrain.py", "--ds_config", str(ds_config),
                "--model", "tiny", "--data-path", data, "--vocab-size", "1000", "--train-iters", str(TRAIN_ITERS),
