@@ -184,7 +184,7 @@ class ZstdBomb(Compressor):
         return Encoded(torch.frombuffer(bytearray(frame), dtype=torch.uint8), honest.decoded)
 
 
-def test_a_zstd_bomb_is_refused_within_its_layouts_size():
+def test_a_zstd_bomb_is_refused_within_its_blocks_size():
     config = CompressionConfig(method="statistical", bits=4, zstd=True)
     bomb = ZstdBomb(config)
     frame = bomb.encode_bucket(delta(0, 1, BucketPacking(SHAPES, 1)), SHAPES).data
