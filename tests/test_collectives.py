@@ -11,7 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from muloco.diloco.collectives import Bucket, BucketPacking, GroupWire, average_buckets
+from muloco.diloco.averaging import Bucket, average_buckets
+
+from muloco.diloco.packing import BucketPacking
+
+from muloco.diloco.wire import GroupWire
 from muloco.diloco.compression import Compressor
 from muloco.diloco.config import CompressionConfig
 from muloco.diloco.link import SlowLink

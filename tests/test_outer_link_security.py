@@ -16,8 +16,9 @@ import zstandard
 
 from fake_wire import Board, FakeWire, run_ranks
 from muloco.diloco.auth import TAG_BYTES, JobKey
-from muloco.diloco.collectives import (AUTHENTICATION, CLAIM_MISMATCH, MALFORMED, NONFINITE, OUTLIER, Bucket,
-                                        BucketPacking, average_buckets)
+from muloco.diloco.averaging import Bucket, average_buckets
+from muloco.diloco.packing import BucketPacking
+from muloco.diloco.payload_checks import AUTHENTICATION, CLAIM_MISMATCH, MALFORMED, NONFINITE, OUTLIER
 from muloco.diloco.compression import Compressor, Encoded, PayloadError
 from muloco.diloco.config import CompressionConfig
 
@@ -248,7 +249,7 @@ def test_workers_that_disagree_on_a_rejection_stop_the_run():
     not, so their weights part. The metrics round compares the verdicts and every rank stops."""
     from dataclasses import astuple
 
-    from muloco.diloco.collectives import CollectiveError
+    from muloco.diloco.wire import CollectiveError
     from muloco.diloco.sync_metrics import LocalSums, sync_record, verdict_digest
 
     def gathered(verdicts: list[float]) -> list[list[float]]:  # every worker's row, as the metrics round gathers it

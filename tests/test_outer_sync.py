@@ -15,7 +15,7 @@ import torch
 
 from fake_wire import Board, FakeQuorum, FakeStatic, FakeWire, run_ranks
 from muloco.diloco.auth import JobKey
-from muloco.diloco.collectives import CollectiveError
+from muloco.diloco.wire import CollectiveError
 from muloco.diloco.config import CompressionConfig, MuLoCoConfig, StreamingConfig
 from muloco.hook.attach import EngineHost
 from muloco.diloco.outer_loop import OuterLoop
