@@ -11,7 +11,9 @@ import pytest
 
 from muloco.diloco.auth import KEY_FILE_ENV, write_new_key
 
-pytest_plugins = ["launch_tier"]  # the `launch` mark and its check (tests/launch_tier.py)
+# The `launch` mark and its check (tests/launch_tier.py); the Hugging Face models of the import tests,
+# built once per session for every module using them (tests/hf_models.py).
+pytest_plugins = ["launch_tier", "hf_models"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_CORPUS = REPO_ROOT / "corpus" / "shakespeare"
@@ -66,6 +68,13 @@ def process_group(tmp_path):
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def base(tmp_path_factory) -> Path:
+    """The session's temporary root: the launched runs' dataset and reference run (tests/_ckpt_runs.py)
+    are made there once and shared by every module."""
+    return tmp_path_factory.getbasetemp()
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fake_wire import Board, FakeStatic, run_ranks
-from test_outer_sync import KEY, Worker
+from job_keys import KEY
+from outer_workers import Worker
 from muloco.core.errors import DisagreementError
 from muloco.diloco.wire import CollectiveError
 from muloco.diloco.config import MuLoCoConfig

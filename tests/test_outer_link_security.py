@@ -15,6 +15,7 @@ import torch
 import zstandard
 
 from fake_wire import Board, FakeWire, run_ranks
+from job_keys import KEY
 from muloco.diloco.auth import TAG_BYTES, JobKey
 from muloco.diloco.averaging import Bucket, average_buckets
 from muloco.diloco.packing import BucketPacking
@@ -22,7 +23,6 @@ from muloco.diloco.payload_checks import AUTHENTICATION, CLAIM_MISMATCH, MALFORM
 from muloco.diloco.compression import Compressor, Encoded, PayloadError
 from muloco.diloco.config import CompressionConfig
 
-KEY = JobKey(b"k" * 32, "test-job")
 SHAPES = ((6, 40), (3, 17))
 STATISTICAL = CompressionConfig(method="statistical", bits=4)
 
@@ -185,7 +185,7 @@ class ZstdBomb(Compressor):
         return Encoded(torch.frombuffer(bytearray(frame), dtype=torch.uint8), honest.decoded)
 
 
-def test_a_zstd_bomb_is_refused_within_its_layouts_size():
+def test_a_zstd_bomb_is_refused_within_its_blocks_size():
     config = CompressionConfig(method="statistical", bits=4, zstd=True)
     bomb = ZstdBomb(config)
     frame = bomb.encode_bucket(delta(0, 1, BucketPacking(SHAPES, 1)), SHAPES).data
