@@ -38,7 +38,7 @@ synced shard and its host outer state are the rank's ZeRO partition (`hook_synce
 Bytes per outer sync per rank: the compression module's `Compressor.payload_nbytes` on each owned
 tensor as the outer loop sends it (row-parallel weights transposed; embeddings/head and 1-D tensors
 at `embedding_bits` / `vector_bits`, via `compression_group`), put through the formulas of
-muloco/diloco/collectives.py (all_gather: (K-1) * S; reduce_scatter: sum_{j != k} S_j + (K-1) * max_j S_j),
+muloco/diloco/averaging.py (all_gather: (K-1) * S; reduce_scatter: sum_{j != k} S_j + (K-1) * max_j S_j),
 plus (K-1) * (8 + 16) bytes of header in the first collective (the payload's norm claim and the
 skip-vote ballot), K + 8 bytes of verdicts and claim ahead of each re-quantized chunk
 (reduce_scatter), and with the job secret (on unless `"auth": "none"`) a 32-byte tag on every part

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 from muloco.core.errors import ConfigError
 from muloco.diloco.auth import TAG_BYTES
-from muloco.diloco.collectives import CLAIM_BYTES, row_split
 from muloco.diloco.compression import Compressor
 from muloco.diloco.config import CompressionConfig
 from muloco.diloco.membership import STATIC_HEADER_BYTES
+from muloco.diloco.packing import row_split
+from muloco.diloco.payload_checks import CLAIM_BYTES
 from tools.planning.inputs import PlanInputs
 from tools.planning.shards import ShardParam
 from tools.planning.synced import WirePiece, config_of_group, hook_synced, owned_by_replica
@@ -17,7 +18,7 @@ from tools.planning.synced import WirePiece, config_of_group, hook_synced, owned
 
 def sync_bytes_sent(params: list[ShardParam | WirePiece], compression: CompressionConfig, collective: str,
                     workers: int, outer_rank: int, authenticated: bool = True) -> int:
-    """Bytes one rank sends in one outer sync of `params` (collectives.py's accounting), the header
+    """Bytes one rank sends in one outer sync of `params` (averaging.py's accounting), the header
     (norm claim, skip-vote ballot, the worker's steps and weights digest: every rank sends it to the K-1
     others, with or without params) and, when authenticated, the tags included."""
     if workers == 1:
