@@ -29,7 +29,8 @@ from muloco.core.rank_file import RankFileError, state_from_bytes, state_to_byte
 from muloco.diloco.auth import JobKey
 from muloco.elastic.authentic_quorum import AuthenticatedQuorums, signed_replica_id
 from muloco.elastic.quorum import NoQuorum, QuorumGroup
-from muloco.elastic.tunnel import Gateway, Tunnel, TunnelError, _Direction, host_port
+from muloco.core.network import host_port
+from muloco.elastic.tunnel import Gateway, Tunnel, TunnelError, _Direction
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KEY = JobKey(b"k" * 32, "test-job")

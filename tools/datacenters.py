@@ -149,7 +149,7 @@ class Datacenters:
         burst = max(MIN_BURST_BYTES, int(rate_bits(rate) / 8 * BURST_SECONDS))
         _run(["ip", "netns", "exec", site.namespace, "tc", "qdisc", "replace", "dev", INTERFACE, "root", "tbf",
               "rate", rate, "burst", str(burst), "latency", TBF_LATENCY],
-             f"the kernel refused rate {rate!r} for {site.name}")
+             f"tc (the kernel's rate limiter) refused rate {rate!r} for {site.name}")
 
     def tear_down(self) -> None:
         """Kill every process started here and in these namespaces, then remove the namespaces (their

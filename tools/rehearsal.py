@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tools.datacenters import INTERFACE, Datacenters, NetworkError, Site, unavailable, wait_until
 from tools.synthetic_data import write_markov_dataset
-from tools.trainer_runs import EXTENSIONS_ENV, REPO_ROOT, TINY_VOCAB, free_port
+from tools.trainer_runs import EXTENSIONS_ENV, REPO_ROOT, TINY_VOCAB, launch_port, shared_memory_files
 
 LIGHTHOUSE_PORT = 29510
 AUTH_KEY_ENV = "MULOCO_AUTH_KEY_FILE"
@@ -74,6 +74,18 @@ class Rehearsal:
     plan: Plan
     work: Path
     runs: dict[str, tuple[int, subprocess.Popen]] = field(default_factory=dict)  # run name -> (worker, process)
+    ports: list[int] = field(default_factory=list)  # its launches' master ports
+
+    def __enter__(self) -> Rehearsal:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Kill what is still running and remove DeepSpeed's shared-memory files of its launches (a
+        rank killed before it unlinked its own leaves it; they are not per namespace)."""
+        self.dcs.tear_down()
+        for port in self.ports:
+            for path in shared_memory_files(port):
+                path.unlink(missing_ok=True)
 
     @property
     def lighthouse_url(self) -> str:
@@ -108,8 +120,10 @@ class Rehearsal:
         hostfile = self.work / f"{name}.hostfile"
         hostfile.write_text(f"localhost slots={self.plan.ranks_per_worker}\n")
         # A port unique on the machine: DeepSpeed names its shared-memory files (not per namespace) by it.
+        port = launch_port()
+        self.ports.append(port)
         argv = [str(Path(sys.executable).parent / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh",
-                "--node_rank", "0", "--master_addr", site.address, "--master_port", str(free_port()),
+                "--node_rank", "0", "--master_addr", site.address, "--master_port", str(port),
                 "trainer/pretrain.py", "--ds_config", str(self.work / "ds_config.json"), "--model", "tiny",
                 "--data-path", str(self.work / "markov"), "--vocab-size", str(TINY_VOCAB),
                 "--train-iters", str(self.plan.train_iters), "--log-interval", str(self.plan.sync_interval),
@@ -171,8 +185,7 @@ class Rehearsal:
 def run_default(plan: Plan, work: Path) -> bool:
     """K workers to the end; True when every worker's global weights agree after every sync and each
     datacenter talked to every other one and to the lighthouse on routable addresses."""
-    with Datacenters(list(plan.rates)) as dcs:
-        rehearsal = Rehearsal(dcs, plan, work)
+    with Datacenters(list(plan.rates)) as dcs, Rehearsal(dcs, plan, work) as rehearsal:
         rehearsal.prepare()
         print(f"[rehearsal] {plan.workers} datacenters ({', '.join(f'{s.name} {s.address} {s.rate}' for s in dcs.sites)})"
               f", lighthouse {rehearsal.lighthouse_url}; D={plan.ranks_per_worker} ranks each; logs in {work}",

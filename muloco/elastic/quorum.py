@@ -37,7 +37,8 @@ from muloco.diloco.auth import JobKey
 from muloco.diloco.collectives import Wire
 from muloco.diloco.link import SlowLink
 from muloco.elastic.authentic_quorum import AuthenticatedQuorums, signed_replica_id
-from muloco.elastic.tunnel import Tunnel, host_port
+from muloco.core.network import host_port
+from muloco.elastic.tunnel import Tunnel
 
 
 class QuorumWire(Wire):
