@@ -58,7 +58,7 @@ def ds_config(plan: Plan, lighthouse: str) -> dict:
     if plan.latency_ms:  # the real link limits the rate; only its latency is emulated
         muloco["link"] = {"bandwidth_gbit_s": 1e6, "latency_ms": plan.latency_ms}
     if plan.pace:
-        muloco["pace"] = {"enabled": True}
+        muloco["pace"] = {"mode": "wall_clock"}
     return {
         "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "muon", "params": {"lr": 0.02, "adamw_lr_factor": 0.15}},
