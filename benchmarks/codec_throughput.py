@@ -70,7 +70,7 @@ def main() -> None:
     shapes = layer_shapes(args.model, args.layers)
     tensors = [torch.randn(shape, device=args.device) for shape in shapes]
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    layout = tuple(shapes)
+    blocks = tuple(shapes)
     elements = flat.numel()
     print(f"model {args.model}, {args.layers} layer(s): {len(shapes)} matrices, {elements / 1e6:.1f}M elements, "
           f"device {args.device}, {torch.get_num_threads()} threads; median of {args.repeats}")
@@ -79,10 +79,10 @@ def main() -> None:
     rows = []
     for label, settings in SETTINGS.items():
         compressor = Compressor(CompressionConfig(**settings))
-        encoded = compressor.encode_bucket(flat, layout)
+        encoded = compressor.encode_bucket(flat, blocks)
         encode_s, one_by_one_s, decode_s = median_seconds(
-            [lambda c=compressor: c.encode_bucket(flat, layout), lambda c=compressor: [c.encode(t) for t in tensors],
-             lambda c=compressor, e=encoded: c.decode_bucket(e.data, layout)], args.repeats)
+            [lambda c=compressor: c.encode_bucket(flat, blocks), lambda c=compressor: [c.encode(t) for t in tensors],
+             lambda c=compressor, e=encoded: c.decode_bucket(e.data, blocks)], args.repeats)
         row = {"setting": label, **settings, "elements": elements,
                "encode_elements_per_s": elements / encode_s, "decode_elements_per_s": elements / decode_s,
                "per_tensor_encode_elements_per_s": elements / one_by_one_s,

@@ -7,7 +7,7 @@ of its own whose egress the kernel limits to RATE (tools/datacenters.py; needs r
 Every rank builds the preset's real model (gloo, its outer traffic on its namespace's address) and an
 OuterLoop over it with 4-bit statistical compression + error feedback, then takes SYNCS outer syncs of
 random pseudogradients per collective. Per sync and worker it prints the bytes its interface sent
-(the kernel's counter: payload, framing and TCP/IP headers), the sync's wall time, the time spent
+(the kernel's counter: payload, framing and TCP/IP headers), the sync's wall time (this rank's, with its metrics), the time spent
 inside the transport's collectives, and the link share: (bytes x 8 / rate) over the sync's wall
 time, and over the transport's. One launch per K and rate; the last line is JSON.
 """
@@ -52,7 +52,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
     import torch.distributed as dist
 
     from outer_worker import worker_model
-    from muloco.diloco import collectives
+    from muloco.diloco import wire as transport
     from muloco.diloco.config import CompressionConfig, MuLoCoConfig
     from muloco.diloco.membership import StaticMembership
     from muloco.diloco.outer_loop import OuterLoop
@@ -70,7 +70,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
             finally:
                 in_transport[0] += time.perf_counter() - start
         return run
-    wire = collectives.GroupWire
+    wire = transport.GroupWire
     wire._all_gather_into, wire._all_to_all_into = timed(wire._all_gather_into), timed(wire._all_to_all_into)
 
     model, topology, shape = worker_model(args.model, args.vocab_size)
@@ -90,16 +90,15 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 for p in model.parameters():
                     p.add_(torch.randn(p.shape, generator=generator), alpha=1e-3)
             dist.barrier()
-            in_transport[0], sent = 0.0, _tx_bytes()
-            outer.after_inner_step(sync * SYNC_INTERVAL)
+            in_transport[0], sent, start = 0.0, _tx_bytes(), time.perf_counter()
+            outer.after_inner_step(sync * SYNC_INTERVAL)  # the sync, blocking (no overlap)
             outer.flush_metrics()
-            sent = _tx_bytes() - sent
-            r = records[-1]
+            wall, sent = time.perf_counter() - start, _tx_bytes() - sent
             rows.append({"K": K, "rank": rank, "rate": args.rate, "collective": collective, "sync": sync,
-                         "payload_bytes": r["bytes_sent_per_rank"], "interface_bytes": sent,
-                         "sync_seconds": r["sync_seconds"], "transport_seconds": in_transport[0],
-                         "share_of_sync": sent * 8 / rate / r["sync_seconds"],
-                         "share_of_transport": sent * 8 / rate / in_transport[0]})
+                         # the record (the logging rank's): the mean over ranks of the payload bytes sent
+                         "payload_bytes": records[-1]["bytes_sent_per_rank"] if records else None,
+                         "interface_bytes": sent, "sync_seconds": wall, "transport_seconds": in_transport[0],
+                         "share_of_sync": sent * 8 / rate / wall, "share_of_transport": sent * 8 / rate / in_transport[0]})
         del outer
     dist.destroy_process_group()
     return rows
@@ -124,7 +123,7 @@ def launch(args: argparse.Namespace, workers: int, rate: str) -> list[dict]:
         wait_until(lambda: all(p.poll() is not None for p in procs), 3600, "the ranks to finish", poll_s=1.0)
         failed = [k for k, p in enumerate(procs) if p.returncode != 0]
         if failed:
-            sys.exit(f"rank {failed[0]} failed:\n{(Path(tmp) / f'rank{failed[0]}.log').read_text()[-4000:]}")
+            sys.exit("\n".join(f"rank {k} failed:\n{(Path(tmp) / f'rank{k}.log').read_text()[-3000:]}" for k in failed))
         return [row for k in range(workers) for row in json.loads((Path(tmp) / f"rank{k}.json").read_text())]
 
 

@@ -43,7 +43,9 @@ import zstandard
 
 from dataprep.input_files import resolve_inputs
 from tokenizer.train import TokenizerTrainingConfig, train_tokenizer
-from tools.preprocess_data import ENCODE_BATCH_DOCUMENTS, PreprocessConfig, run_preprocess
+from tools.preprocessing.config import PreprocessConfig
+from tools.preprocessing.run import run_preprocess
+from tools.preprocessing.tokenize_worker import ENCODE_BATCH_DOCUMENTS
 
 SAMPLE_CORPUS = Path(__file__).resolve().parents[1] / "corpus" / "shakespeare"
 MANY_FILES = 32

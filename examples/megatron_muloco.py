@@ -119,7 +119,7 @@ def full_shape(p: torch.nn.Parameter) -> tuple[int, ...]:
 
 
 def local_shard(full: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
-    """This tensor rank's contiguous slice of a full tensor (Megatron's layout: a fused QKV weight is
+    """This tensor rank's contiguous slice of a full tensor (Megatron's packing: a fused QKV weight is
     grouped by query group, so the query groups split across ranks)."""
     dim = _split_dim(p)
     if dim is None:

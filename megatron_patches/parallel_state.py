@@ -1,6 +1,6 @@
 """Megatron's process groups for the K x D x P x T topology.
 
-Megatron is initialized with order "tp-pp-dp", which matches our rank layout (tensor fastest, then
+Megatron is initialized with order "tp-pp-dp", which matches our rank order (tensor fastest, then
 pipeline, then the K*D replicas with the worker slowest), so its TP and PP groups are exactly ours.
 Its data-parallel groups would then span all K*D replicas, i.e. cross datacenters every step; we
 narrow every data-parallel view Megatron keeps to the inner DP group of one worker, so that nothing

@@ -11,7 +11,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-from muloco.diloco.collectives import CLAIM_BYTES, Bucket, BucketPacking, CollectiveError, GroupWire, average_buckets
+from muloco.diloco.averaging import Bucket, average_buckets
+
+from muloco.diloco.packing import BucketPacking
+
+from muloco.diloco.payload_checks import CLAIM_BYTES
+
+from muloco.diloco.wire import CollectiveError, GroupWire
 from muloco.diloco.compression import Compressor, ErrorFeedback, rows_shape
 from muloco.diloco.config import CompressionConfig
 from muloco.diloco import vote

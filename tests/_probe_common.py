@@ -39,7 +39,7 @@ def load_rank_dumps(folder: Path) -> list[dict]:
 
 
 def worker_weights(dumps: list[dict], worker: int, snapshot: str, data_rank: int = 0) -> dict[str, torch.Tensor]:
-    """Worker `worker`'s full (T=1 layout) weights at `snapshot`, from inner-DP replica `data_rank`."""
+    """Worker `worker`'s full (unsharded) weights at `snapshot`, from inner-DP replica `data_rank`."""
     from trainer.model.sharding import sharding_of, unshard
 
     shards: dict[str, dict[int, torch.Tensor]] = {}

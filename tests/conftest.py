@@ -11,7 +11,9 @@ import pytest
 
 from muloco.diloco.auth import KEY_FILE_ENV, write_new_key
 
-pytest_plugins = ["launch_tier"]  # the `launch` mark and its check (tests/launch_tier.py)
+# The `launch` mark and its check (tests/launch_tier.py); the Hugging Face models of the import tests,
+# built once per session for every module using them (tests/hf_models.py).
+pytest_plugins = ["launch_tier", "hf_models"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_CORPUS = REPO_ROOT / "corpus" / "shakespeare"
@@ -49,9 +51,30 @@ def job_secret(tmp_path_factory) -> Path:
         os.environ[KEY_FILE_ENV] = previous
 
 
+@pytest.fixture
+def process_group(tmp_path):
+    """A world of one process (gloo): Megatron's BlendedDataset asks torch.distributed for the rank when it
+    writes its cache."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def base(tmp_path_factory) -> Path:
+    """The session's temporary root: the launched runs' dataset and reference run (tests/_ckpt_runs.py)
+    are made there once and shared by every module."""
+    return tmp_path_factory.getbasetemp()
 
 
 @pytest.fixture(scope="session")

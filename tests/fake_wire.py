@@ -1,5 +1,5 @@
 """A fake outer link for in-process tests: K ranks as K threads of this process, meeting on a shared
-board, so the outer exchange (muloco/diloco/collectives.py) runs with its real code and no launch.
+board, so the outer exchange (muloco/diloco/averaging.py over a Wire) runs with its real code and no launch.
 
 `run_ranks(K, fn)` runs fn(rank) in K threads and returns their results in rank order (re-raising
 the first failure). A FakeWire's `tamper(op, sequence, data) -> data` sees every buffer its rank puts
@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from muloco.diloco.auth import JobKey
-from muloco.diloco.collectives import Wire
+from muloco.diloco.wire import Wire
 
 TIMEOUT_S = 30
 

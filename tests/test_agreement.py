@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from fake_wire import Board, FakeStatic, run_ranks
-from test_outer_sync import KEY, Worker
+from job_keys import KEY
+from outer_workers import Worker
 from muloco.core.errors import DisagreementError
-from muloco.diloco.collectives import CollectiveError
+from muloco.diloco.wire import CollectiveError
 from muloco.diloco.config import MuLoCoConfig
 from muloco.diloco.membership import disagreement
 
@@ -94,7 +95,8 @@ def test_the_check_rides_in_the_sync_header_without_a_round_trip_of_its_own():
 
 def test_a_tag_that_fails_in_the_single_world_is_said_to_be_another_syncs_message():
     from types import SimpleNamespace
-    from muloco.diloco.collectives import AUTHENTICATION, Exchanged
+    from muloco.diloco.averaging import Exchanged
+    from muloco.diloco.payload_checks import AUTHENTICATION
     from muloco.diloco.membership import _StaticSession
     session = _StaticSession(SimpleNamespace(size=2), None, 2, 10.0)
     decision = session.decide(Exchanged([], [None, None], {1: AUTHENTICATION}))

@@ -25,11 +25,6 @@ pytestmark = pytest.mark.timeout(1800)
 T2P2 = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return tmp_path_factory.getbasetemp()
-
-
 def copy_iteration(src_ckpt: Path, step: int, dst_ckpt: Path) -> Path:
     """A checkpoint folder holding only iteration `step` of another, as if a run had stopped there."""
     shutil.copytree(src_ckpt / f"iter_{step:07d}", dst_ckpt / f"iter_{step:07d}")

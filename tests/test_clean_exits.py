@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 from _ckpt_runs import REPO_ROOT, Launch, alive, check, dataset, launch
@@ -27,11 +26,6 @@ pytestmark = [pytest.mark.launch, pytest.mark.timeout(900)]  # every test here s
 TRAIN_ITERS = 10_000  # the first job would train for long after its launcher is killed: orphans would show
 SAVE_INTERVAL = 4
 ORPHAN_DEADLINE_S = 10
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return tmp_path_factory.getbasetemp()
 
 
 @pytest.fixture(scope="module")

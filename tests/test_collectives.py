@@ -11,7 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from muloco.diloco.collectives import Bucket, BucketPacking, GroupWire, average_buckets
+from muloco.diloco.averaging import Bucket, average_buckets
+
+from muloco.diloco.packing import BucketPacking
+
+from muloco.diloco.wire import GroupWire
 from muloco.diloco.compression import Compressor
 from muloco.diloco.config import CompressionConfig
 from muloco.diloco.link import SlowLink
@@ -78,7 +82,7 @@ def test_a_single_worker_averages_to_its_own_decoding_and_sends_nothing(config, 
     assert (stats.bytes_sent, stats.bytes_received, stats.round_trips) == (0, 0, 0)
 
 
-def test_bucket_layout_is_chunk_major_and_round_trips():
+def test_bucket_packing_is_chunk_major_and_round_trips():
     tensors = [torch.arange(12.0).view(4, 3), torch.arange(100.0, 102.0).view(1, 2)]
     packing = BucketPacking(((4, 3), (1, 2)), parts=2)
     flat = packing.flatten(tensors)

@@ -1,5 +1,5 @@
-"""The configuration reference (docs/configuration.md) cannot drift: its flag tables and its ds_config
-section are what tools/config_reference.py renders from the settings' declarations (the trainer's
+"""The configuration reference (docs/configuration.md) cannot drift: its `muloco` block, flag tables and
+ds_config sections are what tools/config_reference.py renders from the settings' declarations (the trainer's
 parser is generated from them too)."""
 import re
 
@@ -14,12 +14,27 @@ def test_the_reference_holds_the_rendered_ds_config_reference():
 
 
 def test_the_reference_names_every_key_with_its_default():
-    text = config_reference.render()
+    muloco = config_reference.render_muloco()
     for row in ("| `sync_interval` | `30` | an integer >= 1 | H inner steps between outer syncs |",
-                "| `bits` | `4` | one of 2, 4, 8 | bits per value of the hidden matrices (statistical, linear) |",
-                "| `ns_steps` | `5` | an integer >= 1 |"):
-        assert row in text
-    assert "**`optimizer.params`** (type `muon`, also every key of type adamw)" in text
+                "| `bits` | `4` | one of 2, 4, 8 | bits per value of the hidden matrices (statistical, linear) |"):
+        assert row in muloco
+    trainer = config_reference.render()
+    assert "| `ns_steps` | `5` | an integer >= 1 |" in trainer
+    assert "**`optimizer.params`** (type `muon`, also every key of type adamw)" in trainer
+
+
+def test_the_muloco_block_comes_first_and_apart_from_the_trainers_rules():
+    """A user of the DeepSpeed hook reads part 1 (the `muloco` block) without the trainer's refusals;
+    the trainer's ds_config (part 2) points at it instead of repeating it."""
+    muloco, trainer = config_reference.render_muloco(), config_reference.render()
+    blocks = ["muloco", *(f"muloco.{name}" for name in ("compression", "streaming", "link", "pace", "auth", "elastic"))]
+    assert re.findall(r"^\*\*`([a-z_.]+)`\*\*", muloco, re.M) == blocks
+    assert "Refused" not in muloco and "zero_optimization" not in muloco
+    assert "**`muloco" not in trainer and "Refused: `fp16`" in trainer
+    assert "| `muloco` | absent | an object | the outer loop (part 1: the `muloco` block);" in trainer
+    text = config_reference.REFERENCE.read_text()
+    assert text.index(config_reference.MULOCO[0]) < text.index(config_reference.FLAGS[0]) \
+        < text.index(config_reference.DS_CONFIG[0])
 
 
 def test_the_flag_reference_is_the_parsers_with_each_settings_path():

@@ -23,11 +23,6 @@ pytestmark = [pytest.mark.launch, pytest.mark.timeout(1800)]
 CONVERT_TIMEOUT_S = 300
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return tmp_path_factory.getbasetemp()
-
-
 def convert(ckpt: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tools.convert_checkpoint", "--load", str(ckpt), "--save", str(out),
                            *flags], cwd=REPO_ROOT, capture_output=True, text=True, timeout=CONVERT_TIMEOUT_S,

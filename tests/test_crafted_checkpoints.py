@@ -323,14 +323,14 @@ WEIGHTS_CASES = {
                    rf"model\.{EMBEDDING} holds NaN or infinite values"),
     # copy_ would broadcast it over the whole norm
     "a (1,) norm weight": (2, _scale("model/" + NORM, lambda t: t[:1].clone()),
-                           rf"model\.{NORM} must be a floating-point tensor of shape \(128,\) \(in the T=1 layout\), "
+                           rf"model\.{NORM} must be a floating-point tensor of shape \(128,\) \(unsharded\), "
                            r"got a float32 tensor of shape \(1,\)"),
     "one shard short a row": (RANK, _scale("model/" + EMBEDDING, lambda t: t[1:].clone()),
                               rf"model\.{EMBEDDING} must be a floating-point tensor of shape \(1024, 128\)"),
     "shards that do not fit": (RANK, _scale("model/" + EMBEDDING, lambda t: t[0].clone()),
                                rf"the shards of model\.{EMBEDDING} do not fit together"),
     "integer weights": (0, _scale("model/" + INPUT_NORM, lambda t: t.long()),
-                        rf"model\.{INPUT_NORM} must be a floating-point tensor of shape \(128,\) \(in the T=1 layout\), got a "
+                        rf"model\.{INPUT_NORM} must be a floating-point tensor of shape \(128,\) \(unsharded\), got a "
                         r"int64 tensor"),
 }
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from tools.synthetic_data import write_markov_dataset
@@ -59,17 +58,6 @@ def test_the_test_share_is_never_built_so_not_checked_and_a_bad_split_is_one_lin
                            ("0,100,0", r"^--split 0,100,0 gives the train split no share of the data")):
         with pytest.raises(ConfigError, match=message):
             run_blends(DataConfig(data_path=(twenty_documents,), split=split, vocab_size=VOCAB), SEQ)
-
-
-@pytest.fixture
-def process_group(tmp_path):
-    """Megatron's BlendedDataset asks torch.distributed for the rank when it writes its cache."""
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_a_prefix_too_small_for_a_split_is_left_out_of_that_split_only(tmp_path, twenty_documents, capsys,

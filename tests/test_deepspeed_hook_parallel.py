@@ -242,7 +242,7 @@ def fake_world(rank: int, world: int):
 
 
 class LegacyMegatronMpu:
-    """A Megatron-DeepSpeed-style mpu (legacy Megatron's layout: the pipeline stage slowest)."""
+    """A Megatron-DeepSpeed-style mpu (legacy Megatron's rank order: the pipeline stage slowest)."""
 
     def __init__(self, tensor: int, pipeline: int):
         import torch.distributed as dist

@@ -30,11 +30,6 @@ pytestmark = pytest.mark.timeout(900)
 HANG_TIMEOUT_S = 10
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return tmp_path_factory.getbasetemp()
-
-
 def _checkpoint_copy(base: Path, dst: Path, step: int = 6) -> Path:
     shutil.copytree(reference_checkpoint(base) / "ckpt" / f"iter_{step:07d}", dst / f"iter_{step:07d}")
     (dst / "latest").write_text(f"{step}\n")

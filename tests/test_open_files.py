@@ -11,7 +11,6 @@ import os
 import resource
 
 import pytest
-import torch.distributed as dist
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from tools.synthetic_data import write_numbered_datasets
@@ -31,26 +30,20 @@ SEQ = 8
 
 @pytest.fixture
 def soft_limit(monkeypatch):
-    """Lower the soft descriptor limit to `value` for the test (the hard one stays, so it can be restored)."""
+    """Lower the soft descriptor limit to `value` for the test (the hard one stays, so it can be restored).
+    The garbage collector waits until the limit is back: Megatron's half-built datasets raise in their
+    finalizers, and pytest's report of that opens files, which under the lowered limit fails the test."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     monkeypatch.setattr(open_files, "_open_files", None)  # sized anew from the lowered limit
 
     def lower(value: int) -> None:
+        gc.disable()
         resource.setrlimit(resource.RLIMIT_NOFILE, (value, hard))
 
     yield lower
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-
-@pytest.fixture
-def process_group(tmp_path):
-    """Megatron's BlendedDataset asks torch.distributed for the rank when it writes its cache."""
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    gc.enable()
+    gc.collect()  # Megatron's half-built datasets, and the descriptors they hold
 
 
 def _open_descriptors() -> int:
@@ -89,7 +82,6 @@ def test_a_blend_of_more_prefixes_than_the_limit_allows_open_builds_and_reads(tm
         chain.append(chain[-1].__cause__ or chain[-1].__context__)
     assert any(isinstance(error, OSError) and error.errno == errno.EMFILE for error in chain), chain
     del refused, chain
-    gc.collect()  # Megatron's half-built datasets, and the descriptors they hold
 
 
 def test_the_set_of_maps_keeps_the_most_recently_read_and_makes_room_when_the_process_runs_out():

@@ -15,13 +15,14 @@ import torch
 import zstandard
 
 from fake_wire import Board, FakeWire, run_ranks
+from job_keys import KEY
 from muloco.diloco.auth import TAG_BYTES, JobKey
-from muloco.diloco.collectives import (AUTHENTICATION, CLAIM_MISMATCH, MALFORMED, NONFINITE, OUTLIER, Bucket,
-                                        BucketPacking, average_buckets)
+from muloco.diloco.averaging import Bucket, average_buckets
+from muloco.diloco.packing import BucketPacking
+from muloco.diloco.payload_checks import AUTHENTICATION, CLAIM_MISMATCH, MALFORMED, NONFINITE, OUTLIER
 from muloco.diloco.compression import Compressor, Encoded, PayloadError
 from muloco.diloco.config import CompressionConfig
 
-KEY = JobKey(b"k" * 32, "test-job")
 SHAPES = ((6, 40), (3, 17))
 STATISTICAL = CompressionConfig(method="statistical", bits=4)
 
@@ -184,7 +185,7 @@ class ZstdBomb(Compressor):
         return Encoded(torch.frombuffer(bytearray(frame), dtype=torch.uint8), honest.decoded)
 
 
-def test_a_zstd_bomb_is_refused_within_its_layouts_size():
+def test_a_zstd_bomb_is_refused_within_its_blocks_size():
     config = CompressionConfig(method="statistical", bits=4, zstd=True)
     bomb = ZstdBomb(config)
     frame = bomb.encode_bucket(delta(0, 1, BucketPacking(SHAPES, 1)), SHAPES).data
@@ -248,7 +249,7 @@ def test_workers_that_disagree_on_a_rejection_stop_the_run():
     not, so their weights part. The metrics round compares the verdicts and every rank stops."""
     from dataclasses import astuple
 
-    from muloco.diloco.collectives import CollectiveError
+    from muloco.diloco.wire import CollectiveError
     from muloco.diloco.sync_metrics import LocalSums, sync_record, verdict_digest
 
     def gathered(verdicts: list[float]) -> list[list[float]]:  # every worker's row, as the metrics round gathers it

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from fake_wire import Board, FakeStatic, run_ranks
-from test_outer_sync import KEY, SHAPES, FakeClock, PairAt, Worker, checksums, global_by_name, quorum_membership
+from job_keys import KEY
+from outer_workers import SHAPES, FakeClock, PairAt, Worker, checksums, global_by_name, quorum_membership
 from muloco.diloco.snapshot import SnapshotError
 from muloco.diloco.config import MuLoCoConfig
 from muloco.diloco.elastic_config import ElasticConfig

@@ -28,6 +28,10 @@ from tokenizer.identity import tokenizer_identity
 from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
 from tools import preprocess_data
 from tools.build_demo_corpus import DemoCorpusConfig, build_demo_corpus, module_document
+from tools.preprocessing import dispatch
+from tools.preprocessing.config import PreprocessConfig
+from tools.preprocessing.run import run_preprocess
+from tools.preprocessing.tokenize_worker import KILL_HOOK_ENV, StrictModeError
 
 
 def jsonl(*texts: str) -> bytes:
@@ -140,7 +144,7 @@ def _strict_chunk_failing_late_when_first(chunk, payload, prefix):
     line, and the first chunk is the slowest to find it."""
     if chunk.index == 0:
         time.sleep(1.0)
-    raise preprocess_data.StrictModeError(f"bad record (--strict): {chunk.path}:{chunk.records_before + 1}: kind")
+    raise StrictModeError(f"bad record (--strict): {chunk.path}:{chunk.records_before + 1}: kind")
 
 
 @pytest.mark.parametrize("planner_fails", [False, True], ids=["in_a_chunk", "in_the_planner"])
@@ -149,18 +153,18 @@ def test_strict_reports_the_first_bad_record_in_input_order_when_chunks_finish_o
                                                                                           planner_fails):
     """Chunk 1's bad record is found first, chunk 0's a second later: the error is chunk 0's, also when
     the planner meets a bad record of its own (after every chunk handed out) meanwhile."""
-    monkeypatch.setattr(preprocess_data, "_init_process", lambda config, progress_queue: None)
-    monkeypatch.setattr(preprocess_data, "_tokenize_chunk", _strict_chunk_failing_late_when_first)
+    monkeypatch.setattr(dispatch, "init_process", lambda config, progress_queue: None)
+    monkeypatch.setattr(dispatch, "tokenize_chunk", _strict_chunk_failing_late_when_first)
     chunks = [Chunk(0, i, Path("a.jsonl"), i, i + 1, i) for i in range(3)]
     progress = ProgressLine("test", 1, 3, stream=io.StringIO())
-    with pytest.raises(preprocess_data.StrictModeError, match=r"a.jsonl:1: kind"):
-        with preprocess_data._ChunkDispatcher(SimpleNamespace(processes=3), np.uint16, lambda c, s: None,
-                                              progress) as chunks_out:
+    with pytest.raises(StrictModeError, match=r"a.jsonl:1: kind"):
+        with dispatch.ChunkDispatcher(SimpleNamespace(processes=3), np.uint16, lambda c, s: None,
+                                      progress) as chunks_out:
             for chunk in chunks:
                 chunks_out.submit(chunk, None, "fingerprint", "prefix")
             if planner_fails:
                 time.sleep(0.3)  # chunks 1 and 2 have failed by now
-                raise preprocess_data.StrictModeError("bad record (--strict): b.jsonl:0: empty_file")
+                raise StrictModeError("bad record (--strict): b.jsonl:0: empty_file")
             chunks_out.finish()
 
 
@@ -244,9 +248,9 @@ def mixed_corpus(shakespeare: Path, tmp_path_factory) -> Path:
 def one_chunk_per_file(mixed_corpus: Path, sentencepiece_model: Path, tmp_path_factory) -> str:  # noqa: F811
     """The reference: one process, each input file read in one pass."""
     prefix = tmp_path_factory.mktemp("reference") / "ref"
-    config = preprocess_data.PreprocessConfig(inputs=(str(mixed_corpus),), output_prefix=str(prefix),
-                                              tokenizer_model=sentencepiece_model, chunk_bytes=10**12)
-    summary = preprocess_data.run_preprocess(config)
+    config = PreprocessConfig(inputs=(str(mixed_corpus),), output_prefix=str(prefix),
+                              tokenizer_model=sentencepiece_model, chunk_bytes=10**12)
+    summary = run_preprocess(config)
     assert summary.chunks == summary.input_files == 3
     return config.dataset_prefix
 
@@ -285,7 +289,7 @@ def test_resume_after_kill_redoes_only_unfinished_chunks(
     parts = Path(f"{prefix}_text_document.parts")
 
     # The inputs sort as big.jsonl (0), big.jsonl.zst (1), rows.parquet (2): die in the third chunk of the zstd file.
-    monkeypatch.setenv(preprocess_data.KILL_HOOK_ENV, "1:2:10")
+    monkeypatch.setenv(KILL_HOOK_ENV, "1:2:10")
     code, _, err = run_main(args, capsys)
     assert code != 0 and "tokenizing process died" in err
     for suffix in (".bin", ".idx", ".meta.json"):
@@ -300,7 +304,7 @@ def test_resume_after_kill_redoes_only_unfinished_chunks(
     for path in parts.glob("input-00000*"):
         path.rename(parts / path.name.replace("input-", "shard-"))
 
-    monkeypatch.delenv(preprocess_data.KILL_HOOK_ENV)
+    monkeypatch.delenv(KILL_HOOK_ENV)
     code, _, err = run_main(args, capsys)
     assert code == 0, err
     assert f"resuming: reused {first_file_chunks + 2} finished chunks" in err
@@ -314,8 +318,9 @@ RECORDING_IMPORTS = """
 import json, os, sys
 from pathlib import Path
 from tools import preprocess_data
+from tools.preprocessing import dispatch
 
-tokenize = preprocess_data._tokenize_chunk
+tokenize = dispatch.tokenize_chunk
 
 def tokenize_and_record(chunk, payload, prefix):
     result = tokenize(chunk, payload, prefix)
@@ -323,7 +328,7 @@ def tokenize_and_record(chunk, payload, prefix):
     Path(os.environ["IMPORTS_DIR"], f"{chunk.file_index}-{chunk.index}.json").write_text(json.dumps(sorted(imported)))
     return result
 
-preprocess_data._tokenize_chunk = tokenize_and_record
+dispatch.tokenize_chunk = tokenize_and_record
 sys.exit(preprocess_data.main(sys.argv[1:]))
 """
 
@@ -339,7 +344,7 @@ def test_tokenizing_processes_import_no_megatron_and_a_fresh_killed_run_keeps_it
     args = ["--input", mixed_corpus, "--output-prefix", prefix, "--tokenizer-model", sentencepiece_model,
             "--processes", "1", "--chunk-mb", "0.2"]
     env = {**os.environ, "PYTHONPATH": str(Path(preprocess_data.__file__).parents[1]), "IMPORTS_DIR": str(imports),
-           preprocess_data.KILL_HOOK_ENV: "1:2:10"}  # die in the third chunk of the second input file
+           KILL_HOOK_ENV: "1:2:10"}  # die in the third chunk of the second input file
     result = subprocess.run([sys.executable, "-c", RECORDING_IMPORTS, *map(str, args)], env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 1 and "tokenizing process died" in result.stderr, result.stderr[-3000:]

@@ -29,7 +29,7 @@ from dataprep.input_files import read_documents
 from dataprep.long_lines import LineLimit
 from dataprep.progress import ProgressLine
 from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
-from tools import preprocess_data
+from tools.preprocessing import run as preprocessing_run
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 1000  # --max-document-bytes in the corpus tests
@@ -223,7 +223,7 @@ def test_progress_shows_records_and_decompressed_bytes_while_a_file_inflates(
     path.parent.mkdir()
     _inflating_jsonl(path, 2 * FLOOR)
     every_chunk = functools.partial(ProgressLine, interval_s=0, stream=sys.stderr)  # stderr as captured now
-    monkeypatch.setattr(preprocess_data, "ProgressLine", every_chunk)
+    monkeypatch.setattr(preprocessing_run, "ProgressLine", every_chunk)
     code, out, err = run_main(["--input", path.parent, "--output-prefix", tmp_path / "out", "--tokenizer-model",
                                sentencepiece_model, "--chunk-mb", "0.25"], capsys)
     assert code == 0, err

@@ -27,6 +27,7 @@ from dataprep.input_files import read_documents, resolve_inputs
 from dataprep.manifest import FORMAT, FORMAT_1, read_manifest
 from tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
 from tools import preprocess_data
+from tools.preprocessing.tokenize_worker import KILL_HOOK_ENV
 
 DOCUMENTS_PER_FILE = 70
 OPTIONS = ["--input-files-per-output", "2", "--max-tokens-per-file", "12000"]
@@ -286,14 +287,14 @@ def test_a_killed_partition_resumes_its_unfinished_groups(one_partition: Path, s
     folder = tmp_path / "not_yet_made"
     args = tool_args(subset_corpus, folder / "cc", sentencepiece_model, "--chunk-mb", "0.01")
     # The input files sort as high (0-2), low (3-4), medium (5-6): die inside group 2 (files 3 and 4).
-    monkeypatch.setenv(preprocess_data.KILL_HOOK_ENV, "4:0:5")
+    monkeypatch.setenv(KILL_HOOK_ENV, "4:0:5")
     code, out = run_main(args, capsys)
     assert code == 1 and "tokenizing process died" in out
     manifest = read_manifest(folder / "cc_partition-00000-of-00001.json")
     assert not manifest.complete and [group.index for group in manifest.groups] == [0, 1]
     finished = {path: path.stat().st_mtime_ns for path in folder.glob("cc_00000[01]_*")}
 
-    monkeypatch.delenv(preprocess_data.KILL_HOOK_ENV)
+    monkeypatch.delenv(KILL_HOOK_ENV)
     code, out = run_main(args, capsys)
     assert code == 0, out
     assert "reuses 2 finished group(s) of 5" in out and "resuming: reused" in out  # and group 2's first chunks

@@ -35,7 +35,7 @@ TINY = [
     (r"--train-iters 10000", "--train-iters 2", "two steps per run"),
     (r"--vocab-size 32000", "--vocab-size 1024", "a vocabulary the sample corpus fills"),
     (r"--processes 16", "--processes 1", "one preprocessing process"),
-    (r"(?m)^python tools/compare_methods\.py .*$", "# (the method comparison: tests/test_compare_methods.py)",
+    (r"(?m)^python tools/compare_methods\.py .*$", "# (the method comparison: tests/test_compare_*.py)",
      "the comparison trains several runs: minutes"),
 ]
 # What the chain leaves behind, step by step (relative to the checkout).

@@ -82,7 +82,7 @@ def test_logical_matrices_inverse_and_shapes(name):
     assert torch.equal(from_logical_matrices(name, parts, SHAPE), full)
 
 
-def test_unknown_parameter_has_no_layout():
+def test_unknown_parameter_has_no_sharding_rule():
     with pytest.raises(KeyError, match="no tensor-parallel sharding rule"):
         sharding_of("decoder.layers.0.mlp.router.weight")
 

@@ -1,7 +1,7 @@
 """The outer loop's snapshot (muloco/diloco/snapshot.py): one form for checkpoints and for an elastic
 member's catch-up, every field of a crafted one checked before anything is loaded, and another job's,
 worker's, rank's, layout's, plan's or step's refused with one line. In process: the workers of
-tests/test_outer_sync.py on the fake outer link."""
+tests/outer_workers.py on the fake outer link."""
 from __future__ import annotations
 
 import re
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fake_wire import Board, FakeStatic, run_ranks
-from test_outer_sync import KEY, Worker
+from job_keys import KEY
+from outer_workers import Worker
 from muloco.core.errors import CheckpointError
 from muloco.core.rank_file import state_from_bytes, state_to_bytes
 from muloco.core.topology import ParallelSizes, RankCoordinates, Topology

@@ -39,7 +39,7 @@ def test_coordinates_round_trip(sizes):
     assert len(seen) == sizes.world
 
 
-def test_layout_is_worker_slowest_tensor_fastest():
+def test_rank_order_is_worker_slowest_tensor_fastest():
     assert coordinates(0, K2D2P2T2) == RankCoordinates(0, 0, 0, 0)
     assert coordinates(1, K2D2P2T2) == RankCoordinates(0, 0, 0, 1)
     assert coordinates(2, K2D2P2T2) == RankCoordinates(0, 0, 1, 0)

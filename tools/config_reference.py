@@ -1,7 +1,9 @@
-"""The references of docs/configuration.md, rendered from the settings' declarations: the trainer's
-flags (its parser, generated from the flags declared beside the settings: trainer/flags.py), and the
-ds_config (trainer/ds_config.py and the blocks it holds): every key with its default, what it accepts,
-its one-line doc and its flag, so neither reference can drift from what the code takes and checks.
+"""The references of docs/configuration.md, rendered from the settings' declarations: its first part,
+the `muloco` block (muloco/diloco/config.py: what the DeepSpeed hook and the trainer both take), then
+the trainer's own: its flags (its parser, generated from the flags declared beside the settings:
+trainer/flags.py) and the rest of its ds_config (trainer/ds_config.py and the blocks it holds). Every key
+with its default, what it accepts, its one-line doc and its flag, so no reference can drift from what
+the code takes and checks.
 
     python tools/config_reference.py          # print them
     python tools/config_reference.py --write  # rewrite them in docs/configuration.md, between their markers
@@ -17,11 +19,14 @@ import re
 import typing
 from pathlib import Path
 
+from muloco.core.typed_json import blocks_in, describe, spec_of
+from muloco.diloco.config import MuLoCoConfig
 from trainer.config import build_parser
 from trainer.ds_config import DsConfig
-from muloco.core.typed_json import blocks_in, describe, spec_of
 
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+MULOCO = ("<!-- muloco-reference:begin (python tools/config_reference.py --write rewrites this section) -->",
+          "<!-- muloco-reference:end -->")
 FLAGS = ("<!-- flag-reference:begin (python tools/config_reference.py --write rewrites this section) -->",
          "<!-- flag-reference:end -->")
 DS_CONFIG = ("<!-- config-reference:begin (python tools/config_reference.py --write rewrites this section) -->",
@@ -81,14 +86,17 @@ def _table(cls: type, path: str, skip: set[str] = frozenset()) -> list[str]:
     return lines
 
 
-def _sections(cls: type, path: str) -> list[list[str]]:
-    """`cls`'s table, then each block it holds, depth first in field order."""
+def _sections(cls: type, path: str, apart: frozenset[str] = frozenset()) -> list[list[str]]:
+    """`cls`'s table, then each block it holds, depth first in field order; the blocks of the fields
+    named in `apart` have their own part of the reference (their row stays)."""
     refused = getattr(cls, "REFUSED", {})
     sections = [[f"**`{path}`**" if path else "**top level**", "", *_table(cls, path)]]
     if refused:
         sections[0] += ["", "Refused: " + "; ".join(f"`{k}` ({why})" for k, why in refused.items()) + "."]
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if f.name in apart:
+            continue
         child = f"{path}.{f.name}" if path else f.name
         selected = spec_of(f).selected
         if selected is not None:
@@ -105,12 +113,18 @@ def _sections(cls: type, path: str) -> list[list[str]]:
     return sections
 
 
+def render_muloco() -> str:
+    """The `muloco` block and the blocks it holds."""
+    return "\n\n".join("\n".join(section) for section in _sections(MuLoCoConfig, "muloco"))
+
+
 def render() -> str:
-    return "\n\n".join("\n".join(section) for section in _sections(DsConfig, ""))
+    """The trainer's ds_config, but for the `muloco` block's keys (render_muloco)."""
+    return "\n\n".join("\n".join(section) for section in _sections(DsConfig, "", apart=frozenset({"muloco"})))
 
 
 def with_reference(text: str) -> str:
-    for (begin, end), rendered in ((FLAGS, render_flags()), (DS_CONFIG, render())):
+    for (begin, end), rendered in ((MULOCO, render_muloco()), (FLAGS, render_flags()), (DS_CONFIG, render())):
         before, found, rest = text.partition(begin)
         _, found_end, after = rest.partition(end)
         if not found or not found_end:
@@ -121,12 +135,12 @@ def with_reference(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--write", action="store_true", help="rewrite the section in docs/configuration.md")
+    p.add_argument("--write", action="store_true", help="rewrite the sections in docs/configuration.md")
     args = p.parse_args(argv)
     if args.write:
         REFERENCE.write_text(with_reference(REFERENCE.read_text()))
     else:
-        print(render_flags() + "\n\n" + render())
+        print("\n\n".join((render_muloco(), render_flags(), render())))
     return 0
 
 

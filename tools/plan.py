@@ -38,7 +38,7 @@ synced shard and its host outer state are the rank's ZeRO partition (`hook_synce
 Bytes per outer sync per rank: the compression module's `Compressor.payload_nbytes` on each owned
 tensor as the outer loop sends it (row-parallel weights transposed; embeddings/head and 1-D tensors
 at `embedding_bits` / `vector_bits`, via `compression_group`), put through the formulas of
-muloco/diloco/collectives.py (all_gather: (K-1) * S; reduce_scatter: sum_{j != k} S_j + (K-1) * max_j S_j),
+muloco/diloco/averaging.py (all_gather: (K-1) * S; reduce_scatter: sum_{j != k} S_j + (K-1) * max_j S_j),
 plus (K-1) * (8 + 16) bytes of header in the first collective (the payload's norm claim and the
 skip-vote ballot), K + 8 bytes of verdicts and claim ahead of each re-quantized chunk
 (reduce_scatter), and with the job secret (on unless `"auth": "none"`) a 32-byte tag on every part
@@ -76,9 +76,9 @@ import torch.distributed as dist
 from trainer.config import (DATA_FLAGS, DS_CONFIG_FLAGS, MODEL_FLAGS, RUN_FLAGS, add_ds_config_flag, add_global_batch_size,
                             check_model_shape)
 from trainer.flags import Flag, add_flags, field_flag
-from muloco.diloco.collectives import row_split
+from muloco.diloco.packing import row_split
 from muloco.diloco.auth import TAG_BYTES
-from muloco.diloco.collectives import CLAIM_BYTES
+from muloco.diloco.payload_checks import CLAIM_BYTES
 from muloco.diloco.compression import Compressor, compression_group, rows_shape
 from muloco.diloco.config import CompressionConfig, MuLoCoConfig
 from muloco.diloco.plan import TensorSpec, synced_tensors
@@ -428,7 +428,7 @@ def host_outer_state(stage: list[ShardParam], inputs: PlanInputs) -> float:
 
 def sync_bytes_sent(params: list[ShardParam | WirePiece], compression: CompressionConfig, collective: str,
                     workers: int, outer_rank: int, authenticated: bool = True) -> int:
-    """Bytes one rank sends in one outer sync of `params` (collectives.py's accounting), the header
+    """Bytes one rank sends in one outer sync of `params` (averaging.py's accounting), the header
     (norm claim, skip-vote ballot, the worker's steps and weights digest: every rank sends it to the K-1
     others, with or without params) and, when authenticated, the tags included."""
     if workers == 1:

@@ -64,7 +64,7 @@ class DsConfig(ConfigBlock):
     gradient_clipping: float = setting(1.0, ge=0, flag="--clip-grad",
                                        doc="global-norm clip over all TP/PP shards, done by the trainer (0: off)")
     bf16: Bf16Config = setting(factory=Bf16Config, doc="`{\"enabled\": true}`: bf16 autocast (below)")
-    muloco: MuLoCoConfig | None = setting(None, doc="the outer loop (below); absent: the data-parallel baseline")
+    muloco: MuLoCoConfig | None = setting(None, doc="the outer loop (part 1: the `muloco` block); absent: the data-parallel baseline")
     layout: LayoutConfig | None = setting(None, doc="the layout the batch and memory were planned for (below)")
     recipe: RecipeNotes | None = setting(None, doc="provenance notes of a generated config (below)")
     # DeepSpeed's own keys, handed to it as they are (logging and diagnostics; it checks them).

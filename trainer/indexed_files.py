@@ -1,7 +1,7 @@
 """A Megatron indexed dataset's files (PREFIX.idx, PREFIX.bin) checked against each other at start-up.
 
 Megatron trusts them: a truncated .bin fails deep inside a worker ("offset must be non-negative"), a
-truncated .idx as a numpy error. Layout of the .idx (Megatron's _IndexReader): a 9-byte magic, version <Q (1),
+truncated .idx as a numpy error. Byte format of the .idx (Megatron's _IndexReader): a 9-byte magic, version <Q (1),
 dtype code <B, sequence count S <Q, boundary count N <Q, then int32 lengths[S], int64 byte pointers[S],
 int64 document boundaries[N] (sequence indices, 0 first).
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from muloco.core import comm
 from trainer.config import RunConfig, build_parser, check_environment, resolve
-from muloco.diloco.collectives import CollectiveError
+from muloco.diloco.wire import CollectiveError
 from trainer.checkpoint.format import checkpoint_args
 from muloco.core.durable import check_output_folders
 from muloco.core.errors import ConfigError, TopologyError

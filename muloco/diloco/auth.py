@@ -19,7 +19,7 @@ the message belongs, each field length-prefixed so no two messages can be read a
 A message whose tag does not verify is dropped and its sender left out of that sync, as a worker
 with a non-finite pseudogradient is. What this does not give: secrecy (nothing is encrypted; the
 traffic is readable on the wire) and protection from a member that holds the secret (its payloads
-are checked by content instead, muloco/diloco/collectives.py).
+are checked by content instead, muloco/diloco/payload_checks.py).
 
 The secret is a file of hex digits (at least 16 bytes of key), made once per job and copied to
 every worker: `python -m muloco.diloco.auth new-key FILE`.

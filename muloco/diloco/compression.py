@@ -141,7 +141,7 @@ def _to_bit_stream(values: torch.Tensor, width: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Layouts, runs and byte sections.
+# Row shapes, runs and byte sections.
 
 def rows_shape(shape: Sequence[int]) -> tuple[int, int]:
     if len(shape) == 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from muloco.diloco.collectives import Averaged
+from muloco.diloco.averaging import Averaged
 from muloco.diloco.plan import plan_signature
 from muloco.diloco.snapshot import (CATCH_UP, CHECKPOINT, Form, Identity, InFlight, Joins, Snapshot, SnapshotError,
                                     identity_problems)

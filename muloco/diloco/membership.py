@@ -28,7 +28,9 @@ import torch
 from muloco.core import comm
 from muloco.diloco import vote
 from muloco.diloco.auth import JobKey
-from muloco.diloco.collectives import AUTHENTICATION, Exchanged, GroupWire, Wire, everyone
+from muloco.diloco.averaging import Exchanged, everyone
+from muloco.diloco.payload_checks import AUTHENTICATION
+from muloco.diloco.wire import GroupWire, Wire
 from muloco.diloco.config import MuLoCoConfig
 from muloco.core.errors import ConfigError, DisagreementError
 from muloco.core.topology import Topology, outer_ranks, worker_ranks

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from muloco.diloco.collectives import BucketPacking
+from muloco.diloco.packing import BucketPacking
 from muloco.diloco.compression import Compressor, ErrorFeedback, compression_group, rows_shape
 from muloco.diloco.config import MuLoCoConfig
 from muloco.core.errors import ConfigError

@@ -4,7 +4,7 @@
    into one buffer per bucket (plan.py);
 2. this rank's ballot (non-finite count, squared norm), summed over its worker's ranks (inside the
    datacenter);
-3. compressed average of each bucket over the outer group (collectives.py: all-gather, or
+3. compressed average of each bucket over the outer group (averaging.py: all-gather, or
    reduce-scatter + re-quantize + all-gather), bit-identical on every worker, the membership's header
    (the ballot; in the elastic mode the member's whole row) riding in its first collective: the
    membership (membership.py) decides from the headers who contributes and whether the sync is
@@ -33,7 +33,9 @@ import torch
 
 from muloco.core import comm
 from muloco.diloco import vote
-from muloco.diloco.collectives import Averaged, Bucket, BucketPacking, average_buckets, squared_norm
+from muloco.diloco.averaging import Averaged, Bucket, average_buckets
+from muloco.diloco.packing import BucketPacking
+from muloco.diloco.payload_checks import squared_norm
 from muloco.diloco.config import MuLoCoConfig
 from muloco.diloco.membership import Decision, Membership, Session
 from muloco.diloco.pace import CONTRIBUTION_BYTES, NO_CONTRIBUTION, Contribution, merge_weights, momentum_exponent

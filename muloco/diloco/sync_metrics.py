@@ -18,7 +18,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from muloco.diloco.collectives import CollectiveError
+from muloco.diloco.wire import CollectiveError
 
 
 @dataclass

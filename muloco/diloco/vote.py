@@ -4,7 +4,7 @@ Any non-finite pseudogradient anywhere, or a worker whose pseudogradient norm is
 `max_norm_ratio` times its peers' median, skips the sync for everyone: the workers restart from the
 unchanged global weights. Each rank's ballot is its worker's totals (non-finite count, squared norm)
 summed over the worker's ranks inside the datacenter; it rides in the header of the exchange's first
-collective (muloco.diloco.collectives), so every rank of every outer group sees all K ballots and
+collective (muloco.diloco.averaging), so every rank of every outer group sees all K ballots and
 the vote costs no cross-datacenter round trip. A skipped sync has spent its bytes; its average is
 dropped.
 """

@@ -55,7 +55,8 @@ import torch
 from muloco.core import comm
 from muloco.core.rank_file import RankFileError, state_from_bytes, state_to_bytes
 from muloco.diloco.auth import JobKey
-from muloco.diloco.collectives import CollectiveError, Exchanged, Wire
+from muloco.diloco.averaging import Exchanged
+from muloco.diloco.wire import CollectiveError, Wire
 from muloco.diloco.config import MuLoCoConfig
 from muloco.diloco.membership import Decision
 from muloco.diloco.snapshot import CATCH_UP

@@ -34,7 +34,7 @@ from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
 from muloco.core import comm
 from muloco.diloco.auth import JobKey
-from muloco.diloco.collectives import Wire
+from muloco.diloco.wire import Wire
 from muloco.diloco.link import SlowLink
 from muloco.elastic.authentic_quorum import AuthenticatedQuorums, signed_replica_id
 from muloco.core.network import host_port
@@ -42,7 +42,7 @@ from muloco.elastic.tunnel import Tunnel
 
 
 class QuorumWire(Wire):
-    """The outer exchange (muloco.diloco.collectives.Wire) on the current quorum's group: the rank is
+    """The outer exchange (muloco.diloco.wire.Wire) on the current quorum's group: the rank is
     this worker's place in the quorum, the size the quorum's size. Valid for one quorum."""
 
     def __init__(self, group, rank: int, size: int, device: torch.device, link: SlowLink | None, key: JobKey | None):

@@ -86,8 +86,7 @@ def _layout_problem(mpu, sizes: ParallelSizes, rank: int) -> str | None:
 
 def _agree(problem: str | None, hint: str) -> None:
     """Every rank raises when any rank found a problem (none goes on to a collective the others skip)."""
-    flag = torch.tensor([0.0 if problem is None else 1.0], device=comm.group_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    flag = comm.all_reduce(torch.tensor([0.0 if problem is None else 1.0]), op=dist.ReduceOp.MAX)
     if flag.item():
         raise ConfigError(problem or f"another rank's model-parallel groups do not match the layout: {hint}")
 

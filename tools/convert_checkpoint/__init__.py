@@ -5,7 +5,7 @@ python -m tools.convert_checkpoint --from-hf HF_DIR --save CKPT --tensor-model-p
     --pipeline-model-parallel-size P [--verify]                                                (import)
 
 - `merge`: worker 0 / DP rank 0's shards, one pipeline stage at a time, merged over TP with the
-  shared layout mapping (trainer.model.sharding), un-padded vocabulary;
+  shared sharding rules (trainer.model.sharding), un-padded vocabulary;
 - `hf_mapping`: Megatron names and fused QKV / gate-up <-> Qwen3 (QK-norm), Llama (no QK-norm) or
   Gemma3 (the paper's blocks), in both directions;
 - `safetensors_writer`: sharded model-*.safetensors written tensor by tensor, with the index;

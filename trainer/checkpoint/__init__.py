@@ -6,10 +6,10 @@ trainer/checkpoint/format.py, and the rank file itself in muloco/core/rank_file.
 
 Loading (`--load DIR`) resumes from `latest`. Same layout: every rank reads its own file and the
 run continues bit for bit. Different T, P or D (same K): model weights and the inner optimizer's
-state (elementwise, so laid out like its parameter) are merged and re-cut with the shared TP layout
-mapping; RNG states are then re-seeded. A different K, model shape or vocabulary, or a layout change
-with state that cannot be resharded (the MuLoCo outer loop's), stops with a message naming the
-difference.
+state (elementwise, so cut like its parameter) are merged and re-cut with the shared TP sharding
+rules (trainer/model/sharding.py); RNG states are then re-seeded. A different K, model shape or
+vocabulary, or a layout change with state that cannot be resharded (the MuLoCo outer loop's), stops
+with a message naming the difference.
 
 `--load DIR --load-worker W` is a start, not a resume: this run takes worker W's weights, inner
 optimizer state and step from a checkpoint written with any K (and layout, resharded as above), with

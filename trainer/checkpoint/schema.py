@@ -115,12 +115,12 @@ def _extra_problems(extra: Any, components: Mapping[str, Any]) -> list[str]:
 
 
 def check_weight(value: Any, name: str, shape: tuple[int, ...], source: str) -> torch.Tensor:
-    """One weight taken alone (--finetune, a weights-only start), in its full T=1 layout: a finite
+    """One weight taken alone (--finetune, a weights-only start), whole (unsharded, as at T=1): a finite
     floating-point tensor of the parameter's full shape (any float dtype: `copy_` converts it, but it
     would broadcast a smaller shape). Returns it, or raises CheckpointError naming `source` and `name`."""
     if not isinstance(value, torch.Tensor) or not value.is_floating_point() or tuple(value.shape) != shape:
         raise CheckpointError(f"{source}: model.{name} must be a floating-point tensor of shape {shape} "
-                              f"(in the T=1 layout), got {_typed_kind(value)}")
+                              f"(unsharded), got {_typed_kind(value)}")
     if not bool(torch.isfinite(value).all()):
         raise CheckpointError(f"{source}: model.{name} holds NaN or infinite values")
     return value

@@ -5,7 +5,7 @@
 pre-norms; the post-norms sit between each branch and its residual add, which in Megatron is the
 layer's bias-dropout-add, so the subclass wraps those two functions and leaves the rest of the
 layer (attention, MLP, tensor/pipeline parallelism) untouched. The new norms are 1-D, replicated
-across TP ranks and named `*layernorm.weight`, so the optimizer routing (AdamW), the TP layout
+across TP ranks and named `*layernorm.weight`, so the optimizer routing (AdamW), the TP sharding
 (replicated) and the outer loop treat them as they treat the other norms.
 """
 from __future__ import annotations

@@ -63,7 +63,7 @@ class ModelShape(ConfigBlock):
 
 
 PRESETS: dict[str, ModelShape] = {
-    # Seconds per step on a CPU core; GQA (2 query groups) so the fused-QKV layout is exercised.
+    # Seconds per step on a CPU core; GQA (2 query groups) so the fused QKV's query-group packing is exercised.
     # Qwen3-style by default so the checkpoint tests keep covering the stock-architecture exports;
     # `--arch paper` selects the paper's blocks (tests/test_paper_arch.py).
     "tiny": ModelShape(num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=352,

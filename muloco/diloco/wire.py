@@ -1,0 +1,188 @@
+"""The transport of the outer exchange: `Wire` is one cross-datacenter group as seen by one rank. It
+runs the raw collectives on the group's device (muloco.core.comm.group_device: the host for gloo, the
+accelerator for NCCL; only packed payloads and a few statistics ever cross), seals each rank's part
+with its tag under the job key (muloco/diloco/auth.py) and opens the parts it receives, counts bytes
+and round trips, emulates the slow link, and turns failures into CollectiveErrors that name the
+caller's context. What the bytes mean is the averaging protocol's (muloco/diloco/averaging.py).
+
+Byte accounting (CollectiveStats, per rank, what it puts on / takes off the wire; the same for a ring
+and for direct sends): an all-gather of n bytes per rank sends and receives (K-1)*n; an all-to-all
+sends the blocks addressed to the other K-1 ranks and receives theirs. With a job key every part
+sent adds a 32-byte tag.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from muloco.core import comm
+from muloco.diloco.auth import EVERY_RANK, TAG_BYTES, JobKey, Scope
+from muloco.diloco.link import SlowLink
+
+
+@dataclass
+class CollectiveStats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    round_trips: int = 0
+    link_seconds: float = 0.0  # held by the emulated slow link
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the outer sync failed or timed out; the message names the caller's context."""
+
+
+
+class Wire:
+    """A cross-datacenter group as seen by one rank. Not thread-safe: one caller at a time.
+
+    With a job key, `begin` names the sync the next messages belong to, and each rank's part of every
+    collective is sent with its tag; the collectives return None in place of a part whose tag fails.
+    Subclasses provide the two raw collectives on their kind of group (GroupWire: a torch.distributed
+    group; muloco/elastic's QuorumWire: torchft's reconfigurable group)."""
+
+    def __init__(self, rank: int, size: int, device: torch.device, link: SlowLink | None,
+                 key: JobKey | None = None, channel: str = "outer"):
+        self.rank, self.size, self.device = rank, size, device
+        self.link = link
+        self.stats = CollectiveStats()
+        self.key, self.channel = key, channel
+        self.begin(outer_step=0, fragment=0)
+
+    def _all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _all_to_all_into(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
+                         input_sizes: list[int]) -> None:
+        raise NotImplementedError
+
+    def take_stats(self) -> CollectiveStats:
+        """The counts since the last call (one sync's)."""
+        stats, self.stats = self.stats, CollectiveStats()
+        return stats
+
+    def begin(self, outer_step: int, fragment: int, epoch: int = 0) -> None:
+        """The next messages belong to this sync (every rank of the group calls it alike)."""
+        self._scope = Scope(self.channel, epoch, outer_step, fragment)
+        self._sequence = 0
+
+    @property
+    def tag_bytes(self) -> int:
+        return TAG_BYTES if self.key is not None else 0
+
+    def _sealed(self, data: torch.Tensor, receiver: int) -> torch.Tensor:
+        """`data` (uint8) followed by its tag, on the wire's device."""
+        data = data.to(self.device)
+        if self.key is None:
+            return data
+        tag = self.key.tag(self._scope, self._sequence, self.rank, receiver, data)
+        return torch.cat([data, torch.frombuffer(bytearray(tag), dtype=torch.uint8).to(self.device)])
+
+    def _opened(self, part: torch.Tensor, sender: int, receiver: int) -> torch.Tensor | None:
+        """A received part without its tag, or None when the tag does not verify. This rank's own
+        part never crossed the link (the collective copies it locally), so it is not checked."""
+        if self.key is None:
+            return part
+        if sender == self.rank:
+            return part[:-TAG_BYTES]
+        data, tag = part[:-TAG_BYTES], part[-TAG_BYTES:]
+        tag_bytes = tag.cpu().numpy().tobytes()
+        return data if self.key.verify(tag_bytes, self._scope, self._sequence, sender, receiver, data) else None
+
+    def _run(self, op: str, context: str, collective: Callable[[], object], sent: int, received: int) -> None:
+        try:
+            collective()
+        except RuntimeError as exc:
+            raise CollectiveError(f"{op} failed on rank {self.rank} of {self.size} in {context}: {exc}") from exc
+        self.stats.bytes_sent += sent
+        self.stats.bytes_received += received
+        self.stats.round_trips += 1
+        if self.link is not None:
+            held = time.perf_counter()
+            self.link.wait(sent)
+            self.stats.link_seconds += time.perf_counter() - held
+
+    def all_gather(self, buffer: torch.Tensor, context: str) -> list[torch.Tensor | None]:
+        """All-gather equal-size 1-D uint8 buffers; returns one per rank, in rank order, on the wire's
+        device (None: its tag failed)."""
+        if self.size == 1:
+            return [buffer.to(self.device)]
+        sealed = self._sealed(buffer.reshape(-1).view(torch.uint8), EVERY_RANK)
+        n = sealed.numel()
+        if n == 0:
+            return [sealed] * self.size
+        gathered = torch.empty(self.size * n, dtype=torch.uint8, device=self.device)
+        nbytes = (self.size - 1) * n
+        self._run("all_gather", context, lambda: self._all_gather_into(gathered, sealed), nbytes, nbytes)
+        parts = [self._opened(part, sender, EVERY_RANK) for sender, part in enumerate(gathered.split(n))]
+        self._sequence += 1
+        return parts
+
+    def all_gather_padded(self, buffer: torch.Tensor, sizes: Sequence[int], context: str
+                          ) -> list[torch.Tensor | None]:
+        """All-gather byte buffers whose per-rank sizes every rank knows."""
+        width = max(sizes)
+        buffer = buffer[:sizes[self.rank]]  # more only where every rank refused this rank's sizes
+        padded = torch.cat([buffer.to(self.device), buffer.new_zeros(width - buffer.numel(), device=self.device)])
+        return [None if part is None else part[:size]
+                for part, size in zip(self.all_gather(padded, context), sizes)]
+
+    def all_gather_ints(self, values: Sequence[int], context: str) -> list[list[int] | None]:
+        gathered = self.all_gather(torch.tensor(list(values), dtype=torch.int64).view(torch.uint8), context)
+        return [None if part is None else part.cpu().clone().view(torch.int64).tolist() for part in gathered]
+
+    def all_gather_floats(self, values: Sequence[float], context: str) -> list[list[float] | None]:
+        """Every rank's float64 values (a few statistics), in rank order."""
+        gathered = self.all_gather(torch.tensor(list(values), dtype=torch.float64).view(torch.uint8), context)
+        return [None if part is None else part.cpu().clone().view(torch.float64).tolist() for part in gathered]
+
+    def all_to_all(self, blocks: Sequence[torch.Tensor], receive_sizes: Sequence[int], context: str
+                   ) -> list[torch.Tensor | None]:
+        """Send blocks[j] (uint8) to rank j; returns the block from each rank, in rank order (None:
+        its tag failed). `receive_sizes` are the blocks' sizes without tags."""
+        if self.size == 1:
+            return [blocks[0].to(self.device)]
+        sealed = [self._sealed(block, receiver) for receiver, block in enumerate(blocks)]
+        send_sizes = [block.numel() for block in sealed]
+        receive_sizes = [size + self.tag_bytes for size in receive_sizes]
+        received = torch.empty(sum(receive_sizes), dtype=torch.uint8, device=self.device)
+        send = torch.cat(sealed)
+        sent = sum(send_sizes) - send_sizes[self.rank]
+        taken = sum(receive_sizes) - receive_sizes[self.rank]
+        self._run("all_to_all", context, lambda: self._all_to_all_into(received, send, list(receive_sizes), send_sizes),
+                  sent, taken)
+        parts = [self._opened(part, sender, self.rank)
+                 for sender, part in enumerate(received.split(list(receive_sizes)))]
+        self._sequence += 1
+        return parts
+
+    def sum_per_worker(self, values: Sequence[float], workers: int, context: str) -> list[list[float]]:
+        """Each worker's sums of `values` over its ranks (result[k][i]), for a group that spans every
+        rank with the worker index slowest: every rank's values gathered, summed in rank order. A
+        rank whose tag fails counts as zeros (these are statistics, not weights)."""
+        rows = self.all_gather_floats(values, context)
+        per_worker = self.size // workers
+        sums = [[0.0] * len(values) for _ in range(workers)]
+        for rank, row in enumerate(rows):
+            if row is not None:
+                sums[rank // per_worker] = [a + b for a, b in zip(sums[rank // per_worker], row)]
+        return sums
+
+
+class GroupWire(Wire):
+    """A Wire over a torch.distributed process group (None: the default group)."""
+
+    def __init__(self, group, link: SlowLink | None, key: JobKey | None = None, channel: str = "outer"):
+        super().__init__(dist.get_rank(group), dist.get_world_size(group), comm.group_device(group), link, key, channel)
+        self.group = group
+
+    def _all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        dist.all_gather_into_tensor(output, input, group=self.group)
+
+    def _all_to_all_into(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
+                         input_sizes: list[int]) -> None:
+        dist.all_to_all_single(output, input, output_sizes, input_sizes, group=self.group)
