@@ -6,10 +6,12 @@ of its own whose egress the kernel limits to RATE (tools/datacenters.py; needs r
 
 Every rank builds the preset's real model (gloo, its outer traffic on its namespace's address) and an
 OuterLoop over it with 4-bit statistical compression + error feedback, then takes SYNCS outer syncs of
-random pseudogradients per collective. Per sync and worker it prints the bytes its interface sent
-(the kernel's counter: payload, framing and TCP/IP headers), the sync's wall time (this rank's, with its metrics), the time spent
-inside the transport's collectives, and the link share: (bytes x 8 / rate) over the sync's wall
-time, and over the transport's. One launch per K and rate; the last line is JSON.
+random pseudogradients per collective (`sync`: encoding, the exchange, decoding, the metrics); then the
+wire alone moves a payload of the same size the way each collective does, SYNCS times (`transport`).
+Every part starts on all ranks together (a barrier) and its time runs until all are done. Per part it
+prints the payload bytes the wire counted (per rank), the bytes each worker's interface sent (the
+kernel's counter: payload, tags, framing, TCP/IP headers), the time, and the link share: the least
+interface bytes x 8 / rate over that time. One launch per K and rate; the last line is JSON.
 """
 from __future__ import annotations
 
@@ -22,7 +24,6 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
 COMPRESSION = {"method": "statistical", "bits": 4, "error_feedback": True}
 SYNC_INTERVAL = 30
 
@@ -47,36 +48,26 @@ def _tx_bytes() -> int:
 
 
 def measure(args: argparse.Namespace) -> list[dict]:
-    """One rank: every sync of every collective; its rows."""
+    """One rank: every sync of every collective, then the transport alone on the same payload; its rows."""
     import torch
     import torch.distributed as dist
 
     from outer_worker import worker_model
-    from muloco.diloco import wire as transport
     from muloco.diloco.config import CompressionConfig, MuLoCoConfig
     from muloco.diloco.membership import StaticMembership
     from muloco.diloco.outer_loop import OuterLoop
-    from tools.datacenters import rate_bits
     from trainer.model.builder import canonical_names
     from trainer.outer_host import megatron_tensors
 
-    in_transport = [0.0]  # seconds inside the transport's collectives, this sync
-
-    def timed(raw):
-        def run(self, *a, **k):
-            start = time.perf_counter()
-            try:
-                return raw(self, *a, **k)
-            finally:
-                in_transport[0] += time.perf_counter() - start
-        return run
-    wire = transport.GroupWire
-    wire._all_gather_into, wire._all_to_all_into = timed(wire._all_gather_into), timed(wire._all_to_all_into)
-
     model, topology, shape = worker_model(args.model, args.vocab_size)
-    K, rank, rate = dist.get_world_size(), dist.get_rank(), rate_bits(args.rate)
+    K, rank = dist.get_world_size(), dist.get_rank()
     generator = torch.Generator().manual_seed(rank)
-    rows = []
+    rows, payload = [], 0
+
+    def row(part: str, collective: str, repeat: int, wall: float, sent: int, wire_bytes: float | None) -> dict:
+        return {"K": K, "rank": rank, "rate": args.rate, "part": part, "collective": collective, "repeat": repeat,
+                "wire_bytes": wire_bytes, "interface_bytes": sent, "seconds": wall}
+
     for collective in args.collectives:
         config = MuLoCoConfig(workers=K, sync_interval=SYNC_INTERVAL, collective=collective,
                               compression=CompressionConfig(**COMPRESSION))
@@ -90,17 +81,50 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 for p in model.parameters():
                     p.add_(torch.randn(p.shape, generator=generator), alpha=1e-3)
             dist.barrier()
-            in_transport[0], sent, start = 0.0, _tx_bytes(), time.perf_counter()
+            sent, start = _tx_bytes(), time.perf_counter()
             outer.after_inner_step(sync * SYNC_INTERVAL)  # the sync, blocking (no overlap)
             outer.flush_metrics()
-            wall, sent = time.perf_counter() - start, _tx_bytes() - sent
-            rows.append({"K": K, "rank": rank, "rate": args.rate, "collective": collective, "sync": sync,
-                         # the record (the logging rank's): the mean over ranks of the payload bytes sent
-                         "payload_bytes": records[-1]["bytes_sent_per_rank"] if records else None,
-                         "interface_bytes": sent, "sync_seconds": wall, "transport_seconds": in_transport[0],
-                         "share_of_sync": sent * 8 / rate / wall, "share_of_transport": sent * 8 / rate / in_transport[0]})
+            dist.barrier()  # until every worker is done
+            # the record (the logging rank's): the mean over ranks of the payload bytes sent
+            mean = records[-1]["bytes_sent_per_rank"] if records else None
+            rows.append(row("sync", collective, sync, time.perf_counter() - start, _tx_bytes() - sent, mean))
+            payload = payload or (int(mean) // (K - 1) if mean and collective == "all_gather" else 0)
         del outer
+    shared = [payload]
+    dist.broadcast_object_list(shared, src=0)
+    rows += transport(args, shared[0], row)
     dist.destroy_process_group()
+    return rows
+
+
+def transport(args: argparse.Namespace, payload: int, row) -> list[dict]:
+    """The wire alone (tags on, as a job's) moving a payload of the sync's size the way each collective
+    does: all_gather, one all-gather of it; reduce_scatter, an all-to-all of its K chunks, then an
+    all-gather of one chunk. Every rank starts together and the time runs until every one is done."""
+    import torch
+    import torch.distributed as dist
+
+    from muloco.diloco.auth import JobKey
+    from muloco.diloco.wire import GroupWire
+
+    wire = GroupWire(None, link=None, key=JobKey(b"benchmark-secret" * 2, "link-share"))
+    K = wire.size
+    buffer = torch.randint(0, 256, (payload - payload % K,), dtype=torch.uint8)
+    chunks = list(buffer.chunk(K))
+    rows = []
+    for collective in args.collectives:
+        for repeat in range(1, args.syncs + 1):
+            wire.begin(outer_step=repeat, fragment=0)
+            dist.barrier()
+            sent, start = _tx_bytes(), time.perf_counter()
+            if collective == "all_gather":
+                wire.all_gather(buffer, "link share")
+            else:
+                wire.all_to_all(chunks, [c.numel() for c in chunks], "link share")
+                wire.all_gather(chunks[wire.rank], "link share")
+            dist.barrier()
+            wall, sent = time.perf_counter() - start, _tx_bytes() - sent
+            rows.append(row("transport", collective, repeat, wall, sent, wire.take_stats().bytes_sent))
     return rows
 
 
@@ -133,31 +157,31 @@ def main() -> None:
         rows = measure(args)
         Path(args.out).write_text(json.dumps(rows))
         return
-    from tools.datacenters import unavailable
+    from tools.datacenters import rate_bits, unavailable
 
     why = unavailable()
     if why:
         sys.exit(f"link_share: cannot make network namespaces here: {why}")
     print(f"model {args.model}, 4-bit statistical + EF, one rank per worker, each worker's egress limited by tbf",
           flush=True)
-    print(f"{'K':>2} {'rate':>9} {'collective':<15} {'sync':>4} {'payload MB':>10} {'sent MB (per worker)':<24} "
-          f"{'sync s':>7} {'transport s':>11} {'share/sync':>10} {'share/transport':>15}", flush=True)
+    print(f"{'K':>2} {'rate':>9} {'collective':<15} {'part':<9} {'#':>2} {'wire MB':>8} "
+          f"{'sent MB per worker':<20} {'seconds':>8} {'link share':>10}", flush=True)
     rows = []
     for K in args.workers:
         for rate in args.rates:
             got = launch(args, K, rate)
             rows += got
-            for collective in args.collectives:
-                for sync in range(1, args.syncs + 1):
-                    per = sorted((r for r in got if r["collective"] == collective and r["sync"] == sync),
-                                 key=lambda r: r["rank"])
-                    slowest = max(per, key=lambda r: r["sync_seconds"])
-                    sent = " ".join(f"{r['interface_bytes'] / 1e6:.1f}" for r in per)
-                    print(f"{K:>2} {rate:>9} {collective:<15} {sync:>4} {per[0]['payload_bytes'] / 1e6:>10.1f} "
-                          f"{sent:<24} {slowest['sync_seconds']:>7.2f} "
-                          f"{max(r['transport_seconds'] for r in per):>11.2f} "
-                          f"{min(r['share_of_sync'] for r in per):>10.2f} "
-                          f"{min(r['share_of_transport'] for r in per):>15.2f}", flush=True)
+            for part in ("transport", "sync"):
+                for collective in args.collectives:
+                    for repeat in range(1, args.syncs + 1):
+                        per = sorted((r for r in got if (r["part"], r["collective"], r["repeat"]) ==
+                                      (part, collective, repeat)), key=lambda r: r["rank"])
+                        wall = max(r["seconds"] for r in per)
+                        wire_mb = max(r["wire_bytes"] or 0 for r in per)
+                        share = min(r["interface_bytes"] for r in per) * 8 / rate_bits(rate) / wall
+                        sent = " ".join(f"{r['interface_bytes'] / 1e6:.1f}" for r in per)
+                        print(f"{K:>2} {rate:>9} {collective:<15} {part:<9} {repeat:>2} {wire_mb / 1e6:>8.1f} "
+                              f"{sent:<20} {wall:>8.2f} {share:>10.2f}", flush=True)
     print(json.dumps({"model": args.model, "compression": COMPRESSION, "rows": rows}))
 
 

@@ -29,7 +29,7 @@ SUBNET = "10.58.0"
 LIGHTHOUSE_HOST = 2
 FIRST_DATACENTER_HOST = 10
 INTERFACE = "eth0"  # each site's end of its link, inside its namespace
-TBF_LATENCY = "400ms"  # how long a packet may queue in the rate limiter before it is dropped
+TBF_LATENCY = "50ms"  # the limiter's queue: a packet waiting longer is dropped (a router's buffer)
 BURST_SECONDS = 0.01  # the limiter's bucket: 10 ms of the rate (at least a few full frames)
 MIN_BURST_BYTES = 32 * 1024
 
