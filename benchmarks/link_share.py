@@ -7,7 +7,9 @@ of its own whose egress the kernel limits to RATE (tools/datacenters.py; needs r
 Every rank builds the preset's real model (gloo, its outer traffic on its namespace's address) and an
 OuterLoop over it with 4-bit statistical compression + error feedback, then takes SYNCS outer syncs of
 random pseudogradients per collective (`sync`: encoding, the exchange, decoding, the metrics); then the
-wire alone moves a payload of the same size the way each collective does, SYNCS times (`transport`).
+wire alone moves a payload of the same size the way each collective does, SYNCS times, in two forms
+taken in turns: gloo's own collectives (`wire, gloo collective`), and point to point with one connection
+per direction (`wire, lanes`: what the outer loop's gloo groups use).
 Every part starts on all ranks together (a barrier) and its time runs until all are done. Per part it
 prints the payload bytes the wire counted (per rank), the bytes each worker's interface sent (the
 kernel's counter: payload, tags, framing, TCP/IP headers), the time, and the link share: the least
@@ -100,31 +102,36 @@ def measure(args: argparse.Namespace) -> list[dict]:
 def transport(args: argparse.Namespace, payload: int, row) -> list[dict]:
     """The wire alone (tags on, as a job's) moving a payload of the sync's size the way each collective
     does: all_gather, one all-gather of it; reduce_scatter, an all-to-all of its K chunks, then an
-    all-gather of one chunk. Every rank starts together and the time runs until every one is done."""
+    all-gather of one chunk; in two forms, in turns: gloo's own collectives, and point to point on lanes
+    (what the outer loop's gloo groups use, muloco/diloco/wire.py). Every rank starts together and the
+    time runs until every one is done."""
     import torch
     import torch.distributed as dist
 
     from muloco.diloco.auth import JobKey
-    from muloco.diloco.wire import GroupWire
+    from muloco.diloco.wire import GroupWire, Lanes
 
-    wire = GroupWire(None, link=None, key=JobKey(b"benchmark-secret" * 2, "link-share"))
-    K = wire.size
+    key = JobKey(b"benchmark-secret" * 2, "link-share")
+    wires = {"gloo collective": GroupWire(None, link=None, key=key),
+             "lanes": GroupWire(None, link=None, key=key, lanes=Lanes(dist.new_group(), dist.new_group()))}
+    K = dist.get_world_size()
     buffer = torch.randint(0, 256, (payload - payload % K,), dtype=torch.uint8)
     chunks = list(buffer.chunk(K))
     rows = []
     for collective in args.collectives:
         for repeat in range(1, args.syncs + 1):
-            wire.begin(outer_step=repeat, fragment=0)
-            dist.barrier()
-            sent, start = _tx_bytes(), time.perf_counter()
-            if collective == "all_gather":
-                wire.all_gather(buffer, "link share")
-            else:
-                wire.all_to_all(chunks, [c.numel() for c in chunks], "link share")
-                wire.all_gather(chunks[wire.rank], "link share")
-            dist.barrier()
-            wall, sent = time.perf_counter() - start, _tx_bytes() - sent
-            rows.append(row("transport", collective, repeat, wall, sent, wire.take_stats().bytes_sent))
+            for form, wire in wires.items():  # in turns: a drift of the machine's load hits both alike
+                wire.begin(outer_step=repeat, fragment=0)
+                dist.barrier()
+                sent, start = _tx_bytes(), time.perf_counter()
+                if collective == "all_gather":
+                    wire.all_gather(buffer, "link share")
+                else:
+                    wire.all_to_all(chunks, [c.numel() for c in chunks], "link share")
+                    wire.all_gather(chunks[wire.rank], "link share")
+                dist.barrier()
+                wall, sent = time.perf_counter() - start, _tx_bytes() - sent
+                rows.append(row(f"wire, {form}", collective, repeat, wall, sent, wire.take_stats().bytes_sent))
     return rows
 
 
@@ -164,14 +171,14 @@ def main() -> None:
         sys.exit(f"link_share: cannot make network namespaces here: {why}")
     print(f"model {args.model}, 4-bit statistical + EF, one rank per worker, each worker's egress limited by tbf",
           flush=True)
-    print(f"{'K':>2} {'rate':>9} {'collective':<15} {'part':<9} {'#':>2} {'wire MB':>8} "
+    print(f"{'K':>2} {'rate':>9} {'collective':<15} {'part':<22} {'#':>2} {'wire MB':>8} "
           f"{'sent MB per worker':<20} {'seconds':>8} {'link share':>10}", flush=True)
     rows = []
     for K in args.workers:
         for rate in args.rates:
             got = launch(args, K, rate)
             rows += got
-            for part in ("transport", "sync"):
+            for part in ("wire, gloo collective", "wire, lanes", "sync"):
                 for collective in args.collectives:
                     for repeat in range(1, args.syncs + 1):
                         per = sorted((r for r in got if (r["part"], r["collective"], r["repeat"]) ==
@@ -180,7 +187,7 @@ def main() -> None:
                         wire_mb = max(r["wire_bytes"] or 0 for r in per)
                         share = min(r["interface_bytes"] for r in per) * 8 / rate_bits(rate) / wall
                         sent = " ".join(f"{r['interface_bytes'] / 1e6:.1f}" for r in per)
-                        print(f"{K:>2} {rate:>9} {collective:<15} {part:<9} {repeat:>2} {wire_mb / 1e6:>8.1f} "
+                        print(f"{K:>2} {rate:>9} {collective:<15} {part:<22} {repeat:>2} {wire_mb / 1e6:>8.1f} "
                               f"{sent:<20} {wall:>8.2f} {share:>10.2f}", flush=True)
     print(json.dumps({"model": args.model, "compression": COMPRESSION, "rows": rows}))
 

@@ -47,14 +47,16 @@ class Plan:
         return len(self.rates)
 
 
-def ds_config(plan: Plan, lighthouse: str) -> dict:
-    """The elastic job's DeepSpeed config: the tiny model, 4-bit statistical compression with error feedback."""
+def ds_config(plan: Plan, lighthouse: str | None) -> dict:
+    """The job's DeepSpeed config: the tiny model, 4-bit statistical compression with error feedback;
+    elastic with a lighthouse, else the static mode (one world of K workers)."""
     muloco = {
         "workers": plan.workers, "sync_interval": plan.sync_interval, "outer_lr": 0.7, "outer_momentum": 0.6,
         "nesterov": True, "compression": {"method": "statistical", "bits": 4, "error_feedback": True},
         "collective": plan.collective, "sync_timeout_s": plan.sync_timeout_s,
-        "elastic": {"lighthouse": lighthouse, "quorum_timeout_s": plan.quorum_timeout_s, "max_attempts": 4},
     }
+    if lighthouse is not None:
+        muloco["elastic"] = {"lighthouse": lighthouse, "quorum_timeout_s": plan.quorum_timeout_s, "max_attempts": 4}
     if plan.latency_ms:  # the real link limits the rate; only its latency is emulated
         muloco["link"] = {"bandwidth_gbit_s": 1e6, "latency_ms": plan.latency_ms}
     if plan.pace:
@@ -97,6 +99,7 @@ class Rehearsal:
         subprocess.run([sys.executable, "-m", "muloco.diloco.auth", "new-key", str(self.work / "job.key")],
                        check=True, cwd=REPO_ROOT, env=self.env(), capture_output=True)
         (self.work / "ds_config.json").write_text(json.dumps(ds_config(self.plan, self.lighthouse_url)))
+        (self.work / "static.json").write_text(json.dumps(ds_config(self.plan, None)))
 
     def env(self, site: Site | None = None) -> dict[str, str]:
         env = {**os.environ, **EXTENSIONS_ENV, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1",
@@ -119,18 +122,35 @@ class Rehearsal:
         site = self.dcs.sites[worker]
         hostfile = self.work / f"{name}.hostfile"
         hostfile.write_text(f"localhost slots={self.plan.ranks_per_worker}\n")
-        # A port unique on the machine: DeepSpeed names its shared-memory files (not per namespace) by it.
-        port = launch_port()
-        self.ports.append(port)
-        argv = [str(Path(sys.executable).parent / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh",
-                "--node_rank", "0", "--master_addr", site.address, "--master_port", str(port),
-                "trainer/pretrain.py", "--ds_config", str(self.work / "ds_config.json"), "--model", "tiny",
-                "--data-path", str(self.work / "markov"), "--vocab-size", str(TINY_VOCAB),
-                "--train-iters", str(self.plan.train_iters), "--log-interval", str(self.plan.sync_interval),
-                "--eval-interval", "0", "--worker-id", str(worker), "--run-dir", str(self.work / name)]
+        argv = self._launcher(hostfile, 0, site.address, launch_port()) + [
+            "--ds_config", str(self.work / "ds_config.json"), "--worker-id", str(worker), "--run-dir", str(self.work / name)]
         proc = self.dcs.spawn(site, argv, self.work / f"{name}.log", self.env(site), cwd=REPO_ROOT)
         self.runs[name] = (worker, proc)
         return proc
+
+    def start_static(self) -> None:
+        """The static mode: one world of K workers (no lighthouse), node k in datacenter k, as DeepSpeed's
+        multi-node launch without ssh starts it (every node runs the launcher with its --node_rank), the
+        world's store on datacenter 0's address. Runs "static<k>"; node 0's run folder is "static"."""
+        hostfile = self.work / "static.hostfile"
+        hostfile.write_text("".join(f"{s.name} slots={self.plan.ranks_per_worker}\n" for s in self.dcs.sites))
+        port = launch_port()
+        for k, site in enumerate(self.dcs.sites):
+            argv = self._launcher(hostfile, k, self.dcs.sites[0].address, port) + [
+                "--ds_config", str(self.work / "static.json"), "--run-dir", str(self.work / "static")]
+            self.runs[f"static{k}"] = (k, self.dcs.spawn(site, argv, self.work / f"static{k}.log", self.env(site),
+                                                         cwd=REPO_ROOT))
+
+    def _launcher(self, hostfile: Path, node: int, master: str, port: int) -> list[str]:
+        """`deepspeed` on `hostfile`'s node `node` without ssh, the store on master:port, and the trainer's
+        flags but its config and run folder. The port is unique on the machine: DeepSpeed names its
+        shared-memory files (not per namespace) by it."""
+        self.ports.append(port)
+        return [str(Path(sys.executable).parent / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh",
+                "--node_rank", str(node), "--master_addr", master, "--master_port", str(port),
+                "trainer/pretrain.py", "--model", "tiny", "--data-path", str(self.work / "markov"),
+                "--vocab-size", str(TINY_VOCAB), "--train-iters", str(self.plan.train_iters),
+                "--log-interval", str(self.plan.sync_interval), "--eval-interval", "0"]
 
     def syncs(self, name: str) -> dict[int, dict]:
         """outer step -> its metrics record, of run `name`."""
