@@ -6,10 +6,10 @@ of its own whose egress the kernel limits to RATE (tools/datacenters.py; needs r
 
 Every rank builds the preset's real model (gloo, its outer traffic on its namespace's address) and an
 OuterLoop over it with 4-bit statistical compression + error feedback, then takes SYNCS outer syncs of
-random pseudogradients per collective (`sync`: encoding, the exchange, decoding, the metrics); then the
-wire alone moves a payload of the same size the way each collective does, SYNCS times, in two forms
-taken in turns: gloo's own collectives (`wire, gloo collective`), and point to point with one connection
-per direction (`wire, lanes`: what the outer loop's gloo groups use).
+random pseudogradients per collective and form (`sync`: encoding, the exchange, decoding, the metrics);
+then the wire alone moves a payload of the same size the way each collective does, SYNCS times per form.
+The two forms, taken in turns: gloo's own collectives (`gloo collective`), and point to point with one
+connection per direction (`lanes`: what the outer loop's gloo groups use, muloco/diloco/wire.py's exchange).
 Every part starts on all ranks together (a barrier) and its time runs until all are done. Per part it
 prints the payload bytes the wire counted (per rank), the bytes each worker's interface sent (the
 kernel's counter: payload, tags, framing, TCP/IP headers), the time, and the link share: the least
@@ -74,11 +74,15 @@ def measure(args: argparse.Namespace) -> list[dict]:
         config = MuLoCoConfig(workers=K, sync_interval=SYNC_INTERVAL, collective=collective,
                               compression=CompressionConfig(**COMPRESSION))
         records = []
+        membership = StaticMembership(config, topology, None)
         outer = OuterLoop(config, megatron_tensors(list(model.named_parameters()), canonical_names(model), 0,
                                                    shape.num_layers, config.streaming.fragments),
-                          topology, log=lambda record, step: records.append(record),
-                          membership=StaticMembership(config, topology, None))
-        for sync in range(1, args.syncs + 1):
+                          topology, log=lambda record, step: records.append(record), membership=membership)
+        wire = membership._session.wire  # its lanes taken away for the syncs in gloo's collective form
+        lanes = wire.lanes
+        for sync in range(1, 2 * args.syncs + 1):
+            form = "gloo collective" if sync % 2 else "lanes"  # in turns: a drift of the load hits both alike
+            wire.lanes = lanes if form == "lanes" else None
             with torch.no_grad():  # this worker's H inner steps, as far as the sync can tell
                 for p in model.parameters():
                     p.add_(torch.randn(p.shape, generator=generator), alpha=1e-3)
@@ -89,7 +93,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
             dist.barrier()  # until every worker is done
             # the record (the logging rank's): the mean over ranks of the payload bytes sent
             mean = records[-1]["bytes_sent_per_rank"] if records else None
-            rows.append(row("sync", collective, sync, time.perf_counter() - start, _tx_bytes() - sent, mean))
+            rows.append(row(f"sync, {form}", collective, (sync + 1) // 2, time.perf_counter() - start,
+                            _tx_bytes() - sent, mean))
             payload = payload or (int(mean) // (K - 1) if mean and collective == "all_gather" else 0)
         del outer
     shared = [payload]
@@ -103,7 +108,7 @@ def transport(args: argparse.Namespace, payload: int, row) -> list[dict]:
     """The wire alone (tags on, as a job's) moving a payload of the sync's size the way each collective
     does: all_gather, one all-gather of it; reduce_scatter, an all-to-all of its K chunks, then an
     all-gather of one chunk; in two forms, in turns: gloo's own collectives, and point to point on lanes
-    (what the outer loop's gloo groups use, muloco/diloco/wire.py). Every rank starts together and the
+    (what the outer loop's gloo groups use: muloco/diloco/wire.py's exchange). Every rank starts together and the
     time runs until every one is done."""
     import torch
     import torch.distributed as dist
@@ -178,7 +183,7 @@ def main() -> None:
         for rate in args.rates:
             got = launch(args, K, rate)
             rows += got
-            for part in ("wire, gloo collective", "wire, lanes", "sync"):
+            for part in ("wire, gloo collective", "wire, lanes", "sync, gloo collective", "sync, lanes"):
                 for collective in args.collectives:
                     for repeat in range(1, args.syncs + 1):
                         per = sorted((r for r in got if (r["part"], r["collective"], r["repeat"]) ==

@@ -177,16 +177,40 @@ class Wire:
 class Lanes:
     """Two more groups of the same ranks, one per direction: a message from a lower to a higher rank
     travels on `up`, the others on `down`. gloo runs both directions between two ranks on one connection
-    whose sends and receives take turns, so its collectives move a payload at about 0.6 of a link's
-    rate with K=2 and 0.7-0.8 with K=3 (benchmarks/link_share.py on rate-limited links); with each
-    connection carrying one direction, every payload sent to every peer at once, 0.92-0.96."""
+    whose sends and receives take turns: its all-gather of two ranks, and its all-to-all of any number,
+    move a payload at about 0.5-0.6 of a link's rate (benchmarks/link_share.py on rate-limited links),
+    where one connection per direction reaches 0.9 (results/link_share.md)."""
     up: object
     down: object
+
+    def toward(self, sender: int, receiver: int):
+        return self.up if sender < receiver else self.down
+
+
+def exchange(rank: int, lanes: Lanes, sends: list[torch.Tensor], receives: list[torch.Tensor],
+             send: Callable[[object, torch.Tensor, int], object], receive: Callable[[object, torch.Tensor, int], object]
+             ) -> None:
+    """Send sends[j] to rank j and receive receives[j] from it, each direction on its lane, in K-1 steps:
+    at step s, to rank + s and from rank - s (mod K), so that each rank's link carries one stream out and
+    one in at a time, as gloo's ring does (several at once share the link's queue and lose more packets).
+    `send(lane, tensor, peer)` and `receive(...)` start one and return its work. Both ends know each
+    message's size, so an empty one is skipped on both."""
+    receives[rank].copy_(sends[rank])
+    size = len(sends)
+    for step in range(1, size):
+        to, source = (rank + step) % size, (rank - step) % size
+        works = []
+        if sends[to].numel():
+            works.append(send(lanes.toward(rank, to), sends[to], to))
+        if receives[source].numel():
+            works.append(receive(lanes.toward(source, rank), receives[source], source))
+        for work in works:
+            work.wait()
 
 
 class GroupWire(Wire):
     """A Wire over a torch.distributed process group (None: the default group); with `lanes` (gloo),
-    its payloads go point to point on them, each peer's at once."""
+    its payloads go point to point on them (`exchange`)."""
 
     def __init__(self, group, link: SlowLink | None, key: JobKey | None = None, channel: str = "outer",
                  lanes: Lanes | None = None):
@@ -207,18 +231,6 @@ class GroupWire(Wire):
             self._exchange(list(input.split(input_sizes)), list(output.split(output_sizes)))
 
     def _exchange(self, sends: list[torch.Tensor], receives: list[torch.Tensor]) -> None:
-        """Send sends[j] to rank j and receive receives[j] from it, every peer at once, each direction on
-        its lane. Both ends know each message's size, so an empty one is skipped on both."""
-        receives[self.rank].copy_(sends[self.rank])
-        works = []
-        for peer in range(self.size):
-            if peer == self.rank:
-                continue
-            if sends[peer].numel():
-                lane = self.lanes.up if self.rank < peer else self.lanes.down
-                works.append(dist.isend(sends[peer], group=lane, group_dst=peer))
-            if receives[peer].numel():
-                lane = self.lanes.up if peer < self.rank else self.lanes.down
-                works.append(dist.irecv(receives[peer], group=lane, group_src=peer))
-        for work in works:
-            work.wait()
+        exchange(self.rank, self.lanes, sends, receives,
+                 lambda lane, tensor, peer: dist.isend(tensor, group=lane, group_dst=peer),
+                 lambda lane, tensor, peer: dist.irecv(tensor, group=lane, group_src=peer))
