@@ -12,9 +12,11 @@ job secret required. One rehearsal launch is shared by the scenario tests (modul
    (fp32 weights and momentum: ~13 MB for the tiny model, 26 s at LINK_RATE) within one
    `sync_timeout_s`; so while the link is down every datacenter's rate is raised to CATCH_UP_RATE
    (on a real deployment: sync_timeout_s above the state's bytes over the link's rate, docs/multi_datacenter.md).
-All along, `ss` inside each namespace samples its TCP connections. The tests are skipped where network
-namespaces cannot be made (not root, no iproute2); the address checks and the bad inputs that need no
-namespace run everywhere.
+All along, `ss` inside each namespace samples its TCP connections. Beside it, launches of their own: the
+static mode across two namespaces (DeepSpeed's launcher, no ssh), the outer payload's share of a real link
+(tests/_lanes_probe.py), teardown after SIGTERM, a namespace name in use, a rate `tc` refuses. Those need
+root and iproute2 (skipped with the reason elsewhere) and form CI's step `-m datacenters`; the address
+checks and the bad inputs that need no namespace run in the default suite.
 """
 from __future__ import annotations
 
