@@ -179,7 +179,9 @@ class Lanes:
     travels on `up`, the others on `down`. gloo runs both directions between two ranks on one connection
     whose sends and receives take turns: its all-gather of two ranks, and its all-to-all of any number,
     move a payload at about 0.5-0.6 of a link's rate (benchmarks/link_share.py on rate-limited links),
-    where one connection per direction reaches 0.9 (results/link_share.md)."""
+    where one connection per direction reaches 0.8-0.94. From three ranks on, gloo's ring all-gather
+    sends and receives on two connections and the two forms are even (0.85-0.93 each at 50-200 Mbit/s,
+    the ring ahead at 50, the lanes at 1000; results/link_share.md): one form for every case."""
     up: object
     down: object
 
