@@ -15,6 +15,8 @@ since a long-lived one slowed down run after run): K = 2 workers of one rank eac
   elastic nosync    the elastic mode (each worker its own job, a torchft lighthouse with the job
                     secret, muloco/elastic/), the outer loop never syncing after the first quorum
   elastic sync+link, tau=1   the elastic mode syncing over the link, tau = 1
+With `--real-link RATE` (root) the static cases run with each worker in a network namespace of its own
+whose egress the kernel limits to RATE (benchmarks/timed_runs.py), the link's 50 ms still emulated.
 Elastic cases are compared with `elastic nosync` (the same runs with syncs disabled), the others with
 `nosync`. Beside each ratio, per sync: the time the emulated link held it (`link_seconds`), the CPU
 time of the sync's own work (`sync_cpu_seconds`: encode, decode, checks, tags, on the thread that ran
@@ -52,7 +54,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-from timed_runs import timed_trainer, write_config
+from timed_runs import link_block, link_name, run_world_on_real_link, timed_trainer, write_config
 
 SLOW_LINK = {"bandwidth_gbit_s": 1, "latency_ms": 50}
 FOUR_BIT_EF = {"method": "statistical", "bits": 4, "error_feedback": True}
@@ -61,22 +63,25 @@ FOUR_BIT_EF = {"method": "statistical", "bits": 4, "error_feedback": True}
 ELASTIC = {"quorum_timeout_s": 300, "max_attempts": 2}  # the lighthouse's address comes from $TORCHFT_LIGHTHOUSE
 
 
-def cases(sync_interval: int, steps: int) -> dict[str, dict]:
-    """Name -> muloco block."""
+def cases(sync_interval: int, steps: int, real_link: str | None = None) -> dict[str, dict]:
+    """Name -> muloco block (on a real link: the static cases only)."""
     # No final sync: the baseline must not sync at its last step, and the cases are measured in steady state.
     muloco = {"workers": 2, "sync_interval": sync_interval, "outer_lr": 0.7, "outer_momentum": 0.6,
               "nesterov": True, "compression": FOUR_BIT_EF, "final_sync": False}
-    tau1 = {"link": SLOW_LINK, "streaming": {"overlap_steps": 1}}
-    return {
+    link = link_block(SLOW_LINK, real_link)
+    tau1 = {"link": link, "streaming": {"overlap_steps": 1}}
+    static = {
         "nosync": {**muloco, "sync_interval": steps + 1},
         "sync": muloco,
-        "sync+link": {**muloco, "link": SLOW_LINK},
+        "sync+link": {**muloco, "link": link},
         "sync+link, tau=1": {**muloco, **tau1},
-        "sync+link, tau=2": {**muloco, "link": SLOW_LINK, "streaming": {"overlap_steps": 2}},
-        "sync+link, tau=auto": {**muloco, "link": SLOW_LINK, "streaming": {"overlap_steps": "auto"}},
-        "elastic nosync": {**muloco, "sync_interval": steps + 1, "elastic": ELASTIC},
-        "elastic sync+link, tau=1": {**muloco, **tau1, "elastic": ELASTIC},
+        "sync+link, tau=2": {**muloco, "link": link, "streaming": {"overlap_steps": 2}},
+        "sync+link, tau=auto": {**muloco, "link": link, "streaming": {"overlap_steps": "auto"}},
     }
+    if real_link:
+        return static
+    return {**static, "elastic nosync": {**muloco, "sync_interval": steps + 1, "elastic": ELASTIC},
+            "elastic sync+link, tau=1": {**muloco, **tau1, "elastic": ELASTIC}}
 
 
 def bootstrap_interval(ratios: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -100,6 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-pin", action="store_true",
                    help="let the OS place the ranks (default: rank, or elastic worker, k on core k mod cores)")
     p.add_argument("--cases", nargs="+", help="run only these cases (and their baselines)")
+    p.add_argument("--real-link", metavar="RATE",
+                   help="the static cases with each worker in a network namespace of its own, its egress limited "
+                        "to RATE by the kernel (1gbit: the emulated link's rate), the 50 ms still emulated (root)")
     p.add_argument("--workdir", help=argparse.SUPPRESS)  # these three are set by the launcher
     p.add_argument("--case", help=argparse.SUPPRESS)
     p.add_argument("--run-index", type=int, help=argparse.SUPPRESS)
@@ -116,7 +124,7 @@ def run_order(args: argparse.Namespace) -> list[tuple[str, int]]:
 
 
 def case_names(args: argparse.Namespace) -> list[str]:
-    names = list(cases(args.sync_interval, steps(args)))
+    names = list(cases(args.sync_interval, steps(args), args.real_link))
     if args.cases:
         unknown = set(args.cases) - set(names)
         if unknown:
@@ -134,7 +142,7 @@ def train_one(args: argparse.Namespace) -> None:
     """One rank of run `--run-index` (case `--case`); it writes its metrics.jsonl and step times under
     the workdir."""
     if not args.no_pin:  # before torch starts its threads: they inherit the core
-        k = args.worker_id if args.worker_id is not None else int(os.environ["LOCAL_RANK"])
+        k = args.worker_id if args.worker_id is not None else int(os.environ["RANK"])
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[k % len(cores)]})
     import deepspeed
@@ -150,7 +158,7 @@ def train_one(args: argparse.Namespace) -> None:
     ds_path = workdir / f"run{i}.json"
     elastic = args.worker_id is not None
     if dist.get_rank() == 0 and not elastic:  # an elastic case's launcher wrote it
-        write_config(ds_path, cases(args.sync_interval, steps(args))[args.case])
+        write_config(ds_path, cases(args.sync_interval, steps(args), args.real_link)[args.case])
     dist.barrier()
     run_dir = workdir / f"run{i}" / (f"worker{args.worker_id}" if elastic else "")
     flags = build_parser().parse_args([
@@ -179,7 +187,13 @@ def launch(args: argparse.Namespace, name: str, i: int, workdir: str, env: dict)
     elastic case a lighthouse and one single-process job per worker."""
     forwarded = [__file__, "--model", args.model, "--sync-interval", str(args.sync_interval), "--windows",
                  str(args.windows), "--seq-length", str(args.seq_length), "--workdir", workdir, "--case", name,
-                 "--run-index", str(i), *(["--no-pin"] if args.no_pin else [])]
+                 "--run-index", str(i), *(["--no-pin"] if args.no_pin else []),
+                 *(["--real-link", args.real_link] if args.real_link else [])]
+    if args.real_link:
+        logs = Path(workdir) / f"run{i}.logs"
+        logs.mkdir()
+        run_world_on_real_link(args.real_link, 2, forwarded, env, REPO_ROOT, logs)
+        return
     if not name.startswith("elastic"):
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         *forwarded], check=True, env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
@@ -234,7 +248,7 @@ def main() -> None:
     ratios = {name: [b / t for b, t in zip(tokens[baseline_of(name)], tokens[name])] for name in names}
     spread = max(tokens["nosync"]) / min(tokens["nosync"]) if "nosync" in tokens else None
     print(f"model {args.model}, K = 2 workers x 4 sequences x {args.seq_length} tokens per step, H = {args.sync_interval}, "
-          f"4-bit statistical + EF, link {SLOW_LINK['bandwidth_gbit_s']} Gbit/s + {SLOW_LINK['latency_ms']} ms; "
+          f"4-bit statistical + EF, link {link_name(SLOW_LINK, args.real_link)}; "
           f"medians of {args.repeats} interleaved runs; ranks {'not pinned' if args.no_pin else 'pinned to cores'}; "
           f"nosync spread {spread or float('nan'):.3f} (fastest / slowest run), {time.strftime('%Y-%m-%d')}")
     print(f"{'case':<26} {'tokens/s':>9} {'overhead_vs_nosync':>19} {'95% interval':>16} {'tau':>5} "
@@ -263,7 +277,8 @@ def main() -> None:
               f"{row['round_trips_per_sync']:>12.1f} {row['background_round_trips_per_sync']:>11.1f} "
               f"{row['sync_seconds']:>7.3f} {row['link_seconds']:>7.3f} {row['sync_cpu_seconds']:>11.3f} "
               f"{row['apply_wait_seconds']:>13.3f} {row['bytes_per_rank_per_sync'] / 1e6:>13.3f}")
-    print(json.dumps({"model": args.model, "sync_interval": args.sync_interval, "repeats": args.repeats,
+    print(json.dumps({"model": args.model, "link": link_name(SLOW_LINK, args.real_link), "sync_interval": args.sync_interval,
+                      "repeats": args.repeats,
                       "pinned": not args.no_pin, "nosync_spread": spread, "date": time.strftime("%Y-%m-%d"),
                       "load_average": os.getloadavg(), "rows": rows}))
 

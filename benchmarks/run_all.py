@@ -34,6 +34,7 @@ SETTINGS: dict[str, list[str]] = {
     "step_throughput": ["--steps", "30"],
     "checkpoint_io": ["--presets", "tiny", "150m"],
     "newton_schulz_forms": ["--presets", "150m"],  # 15b: minutes of CPU per matrix (results/newton_schulz_forms.md)
+    "link_share": ["--rates", "200mbit", "--workers", "2", "--syncs", "1"],  # root: namespaces (results/link_share.md)
 }
 # Run first: later scripts use their numbers.
 ORDER = ("step_throughput",)

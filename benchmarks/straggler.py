@@ -19,6 +19,11 @@ sleeps half its time, which leaves its peers more CPU, so the steps/s ratios of 
 read above what separate machines would give; the useful shares do not depend on that. Last line:
 JSON.
 
+    python benchmarks/straggler.py --real-link 1gbit
+
+The same static cases with each worker (one rank) in a network namespace of its own whose egress the
+kernel limits to 1 Gbit/s (benchmarks/timed_runs.py; root), the 50 ms latency still emulated.
+
     python benchmarks/straggler.py --elastic
 
 The elastic mode (`muloco.elastic`, docs/multi_datacenter.md), where a worker can be left out of a
@@ -46,7 +51,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-from timed_runs import timed_trainer, write_config
+from timed_runs import link_block, link_name, run_world_on_real_link, timed_trainer, write_config
 
 from tools.trainer_runs import EXTENSIONS_ENV, free_port, shared_memory_files
 
@@ -67,9 +72,9 @@ ELASTIC_SETTINGS = {"join_timeout_s": 10.0, "heartbeat_timeout_s": 1.0, "sync_ti
                     "quorum_timeout_s": 120.0, "quorum_request_timeout_s": 10.0}
 
 
-def muloco_block(case: str, sync_interval: int, lighthouse: str = "") -> dict:
+def muloco_block(case: str, sync_interval: int, lighthouse: str = "", real_link: str | None = None) -> dict:
     block = {"workers": WORKERS, "sync_interval": sync_interval, "outer_lr": 0.7, "outer_momentum": 0.6,
-             "nesterov": True, "compression": FOUR_BIT_EF, "link": SLOW_LINK}
+             "nesterov": True, "compression": FOUR_BIT_EF, "link": link_block(SLOW_LINK, real_link)}
     if lighthouse:
         block["sync_timeout_s"] = ELASTIC_SETTINGS["sync_timeout_s"]
         block["elastic"] = {"lighthouse": lighthouse, "quorum_timeout_s": ELASTIC_SETTINGS["quorum_timeout_s"],
@@ -88,6 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--syncs", type=int, default=6, help="outer syncs per run (the first window is warm-up)")
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--elastic", action="store_true", help="the elastic cases: all equal, and worker 2 frozen")
+    p.add_argument("--real-link", metavar="RATE",
+                   help="the static cases with each worker in a network namespace of its own, its egress limited "
+                        "to RATE by the kernel (1gbit: the emulated link's rate), the 50 ms still emulated (root)")
     p.add_argument("--workdir", help=argparse.SUPPRESS)  # these four are set by the launcher
     p.add_argument("--case", help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, help=argparse.SUPPRESS)
@@ -129,11 +137,16 @@ def forwarded(args: argparse.Namespace, case: str, steps: int, workdir: str) -> 
 
 
 def launch(args: argparse.Namespace, case: str, steps: int, workdir: str, env: dict) -> dict:
-    write_config(Path(workdir) / f"{case}.json", muloco_block(case, args.sync_interval))
+    write_config(Path(workdir) / f"{case}.json", muloco_block(case, args.sync_interval, real_link=args.real_link))
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORKERS}",
-                    *forwarded(args, case, steps, workdir)], check=True, env=env, cwd=REPO_ROOT,
-                   stdout=subprocess.DEVNULL)
+    if args.real_link:
+        logs = Path(workdir) / f"{case}.logs"
+        logs.mkdir()
+        run_world_on_real_link(args.real_link, WORKERS, forwarded(args, case, steps, workdir), env, REPO_ROOT, logs)
+    else:
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORKERS}",
+                        *forwarded(args, case, steps, workdir)], check=True, env=env, cwd=REPO_ROOT,
+                       stdout=subprocess.DEVNULL)
     run = run_dir(workdir, case, None)
     per_rank = [json.loads((run / f"step_times.rank{k}.json").read_text()) for k in range(WORKERS)]
     return read_run(read_records(run), per_rank, args.sync_interval, time.perf_counter() - started)
@@ -257,6 +270,8 @@ def main() -> None:
         write_new_key(Path(tmp) / "job.key")
         env = {**os.environ, **EXTENSIONS_ENV, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", KEY_FILE_ENV: str(Path(tmp) / "job.key")}
         if args.elastic:
+            if args.real_link:
+                sys.exit("--real-link runs the static cases; the elastic mode on a real link is scripts/datacenters.sh")
             for case in ("elastic_equal", "elastic_sigstop"):
                 print(f"{case} ...", file=sys.stderr, flush=True)
                 results[case] = launch_elastic(args, case, steps, tmp, env)
@@ -279,8 +294,8 @@ def main() -> None:
         "val_loss_paced_vs_equal_tokens": results["paced"]["val_loss"] / results["equal_tokens"]["val_loss"],
     }
     print(f"model {args.model}, K = {WORKERS} workers x 4 sequences x {args.seq_length} tokens per step, "
-          f"H = {args.sync_interval}, {steps} steps, 4-bit statistical + EF, link {SLOW_LINK['bandwidth_gbit_s']} "
-          f"Gbit/s + {SLOW_LINK['latency_ms']} ms, slowdown {STRAGGLER}, {time.strftime('%Y-%m-%d %H:%M')}")
+          f"H = {args.sync_interval}, {steps} steps, 4-bit statistical + EF, link {link_name(SLOW_LINK, args.real_link)}, "
+          f"slowdown {STRAGGLER}, {time.strftime('%Y-%m-%d %H:%M')}")
     print(f"{'case':<13} {'fast steps/s':>12} {'fast useful':>11} {'val loss':>9} {'inner steps (per worker)':>25} "
           f"{'launch s':>9}")
     for case, r in results.items():
@@ -288,7 +303,7 @@ def main() -> None:
               f"{str(r['inner_steps']):>25} {r['launch_seconds']:>9.1f}")
     for key, value in summary.items():
         print(f"{key}: {value:.3f}")
-    print(json.dumps({"summary": summary, "cases": results}))
+    print(json.dumps({"summary": summary, "link": link_name(SLOW_LINK, args.real_link), "cases": results}))
 
 
 def report_elastic(args: argparse.Namespace, steps: int, results: dict) -> None:

@@ -1,8 +1,11 @@
 """What the launched benchmarks of the outer loop share (outer_hook_overhead.py, straggler.py): each
-case's ds_config, and a trainer that records every rank's wall clock."""
+case's ds_config, a trainer that records every rank's wall clock, and their `--real-link RATE` form: the
+same static world with each worker (one rank) in a network namespace of its own whose egress the kernel
+limits to RATE (tools/datacenters.py, root), the link's latency still emulated (`muloco.link`)."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -44,3 +47,39 @@ def timed_trainer():
             return values
 
     return TimedTrainer
+
+
+def link_block(emulated: dict, real_link: str | None) -> dict:
+    """The muloco.link block of a case: `emulated`, or on a real link only its latency (the kernel limits the rate)."""
+    if real_link is None:
+        return emulated
+    return {"bandwidth_gbit_s": 1e6, "latency_ms": emulated["latency_ms"]}
+
+
+def link_name(emulated: dict, real_link: str | None) -> str:
+    if real_link:
+        return f"real {real_link} (tbf, a namespace per worker) + {emulated['latency_ms']} ms emulated"
+    return f"emulated {emulated['bandwidth_gbit_s']} Gbit/s + {emulated['latency_ms']} ms"
+
+
+def run_world_on_real_link(rate: str, workers: int, argv: list[str], env: dict, cwd: Path, logs: Path) -> None:
+    """What `torchrun --standalone --nproc_per_node=WORKERS ARGV` starts, with rank k in datacenter k: its
+    own namespace, its egress limited to `rate`, its gloo sockets on its routable address. Exits with the
+    failing rank's log."""
+    from tools.datacenters import INTERFACE, Datacenters, unavailable, wait_until
+    from tools.trainer_runs import free_port
+
+    why = unavailable()
+    if why:
+        sys.exit(f"--real-link: cannot make network namespaces here: {why}")
+    with Datacenters([rate] * workers) as dcs:
+        port, procs = free_port(), []
+        for k, site in enumerate(dcs.sites):
+            world = {"RANK": str(k), "LOCAL_RANK": "0", "WORLD_SIZE": str(workers), "LOCAL_WORLD_SIZE": "1",
+                     "MASTER_ADDR": dcs.sites[0].address, "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": INTERFACE}
+            procs.append(dcs.spawn(site, [sys.executable, *argv], logs / f"rank{k}.log", {**env, **world}, cwd=cwd))
+        wait_until(lambda: all(p.poll() is not None for p in procs), 3600, "the ranks to finish", poll_s=0.5)
+        failed = [k for k, p in enumerate(procs) if p.returncode != 0]
+        if failed:
+            sys.exit(f"rank {failed[0]} failed on the real link; its log ends:\n"
+                     f"{(logs / f'rank{failed[0]}.log').read_text()[-4000:]}")

@@ -18,7 +18,8 @@ from torchft.coordination import LighthouseClient, LighthouseServer
 from job_keys import KEY, STRANGER_KEY
 from muloco.elastic.authentic_quorum import AuthenticatedQuorums, signed_replica_id
 from muloco.elastic.quorum import NoQuorum, QuorumGroup
-from muloco.elastic.tunnel import Gateway, host_port
+from muloco.core.network import host_port
+from muloco.elastic.tunnel import Gateway
 
 TIMEOUT = timedelta(seconds=5)
 

@@ -20,7 +20,8 @@ import pytest
 from torchft.coordination import LighthouseClient, LighthouseServer
 
 from job_keys import KEY, STRANGER_KEY
-from muloco.elastic.tunnel import Gateway, Tunnel, TunnelError, _Direction, host_port
+from muloco.core.network import host_port
+from muloco.elastic.tunnel import Gateway, Tunnel, TunnelError, _Direction
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

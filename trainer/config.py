@@ -26,7 +26,7 @@ from muloco.diloco.auth import read_private_job_key, resolve_key_file
 from muloco.diloco.config import MuLoCoConfig
 from muloco.core.typed_json import read_json_object
 from trainer.ds_config import DsConfig, load_ds_config
-from muloco.diloco.elastic_config import check_worker_id
+from muloco.diloco.elastic_config import check_addresses, check_worker_id
 from muloco.core.errors import ConfigError
 from trainer.flags import Flag, add_flags, declared_flags
 from trainer.model.presets import PRESET_SIZES, PRESETS, ModelShape, preset_of
@@ -337,6 +337,8 @@ def _parallel_sizes(ds: DsConfig, args: argparse.Namespace, world_size: int) -> 
     workers = ds.muloco.workers if ds.muloco is not None else 1
     elastic = ds.muloco is not None and ds.muloco.elastic is not None
     check_worker_id(args.worker_id, workers, elastic)
+    if elastic:
+        check_addresses(ds.muloco.elastic, ds.muloco.outer_backend)
     sizes = ParallelSizes.from_world(world_size, 1 if elastic else workers, args.pipeline_parallel,
                                      args.tensor_parallel)
     if ds.layout is not None and (wrong := ds.layout.mismatches(sizes.tensor, sizes.pipeline, sizes.data)):

@@ -19,14 +19,18 @@ meet only in a fault-tolerant outer group (muloco/elastic/__init__.py).
                                       an address its other nodes reach inside the datacenter)
       }
     }
-Each launch names its worker with `--worker-id k`.
+Each launch names its worker with `--worker-id k`. Across hosts, the peers dial each worker's rendezvous
+store (the launcher's MASTER_ADDR, which torchft's quorum advertises) and its gloo sockets (the address its
+host name resolves to, or GLOO_SOCKET_IFNAME's interface): `check_addresses` refuses loopback ones there.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from muloco.core.errors import ConfigError
+from muloco.core.network import GLOO_INTERFACE_ENV, gloo_on_loopback, host_port, is_loopback
 from muloco.core.typed_json import ConfigBlock, setting
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -73,3 +77,30 @@ def check_worker_id(worker_id: int | None, workers: int, elastic: bool) -> None:
                           "world holds every worker")
     if elastic and not 0 <= worker_id < workers:
         raise ConfigError(f"--worker-id {worker_id} is outside 0..{workers - 1} (muloco.workers = {workers})")
+
+
+def check_addresses(elastic: ElasticConfig, backend: str, environ: Mapping[str, str] = os.environ) -> None:
+    """Where the lighthouse is on another host, so are the peers: refuse an address only this host
+    reaches where they (or this worker's other nodes) dial it. One ConfigError line naming the setting."""
+    lighthouse = elastic.lighthouse or environ.get(LIGHTHOUSE_ENV, "")
+    try:
+        lighthouse_host = host_port(lighthouse)[0]
+    except ValueError:
+        return  # no lighthouse yet, or one that is no address: lighthouse_address() says so where it is used
+    if is_loopback(lighthouse_host):
+        return  # a rehearsal on one host
+    where = f"the lighthouse ({lighthouse}) and the peers are on other hosts"
+    store = environ.get("MASTER_ADDR", "")
+    if store and is_loopback(store):
+        raise ConfigError(f"MASTER_ADDR={store} is loopback, but {where} and dial this worker's rendezvous store "
+                          f"there: launch with a routable master address (deepspeed --hostfile FILE --no_ssh "
+                          f"--node_rank 0 --master_addr ADDR; torchrun --master-addr ADDR)")
+    why = gloo_on_loopback(environ) if backend == "gloo" else None
+    if why:
+        raise ConfigError(f"{why}, so gloo's outer sockets would be loopback ones, but {where}: set "
+                          f"{GLOO_INTERFACE_ENV} to this host's interface they reach")
+    ranks, on_host = environ.get("WORLD_SIZE", "1"), environ.get("LOCAL_WORLD_SIZE", environ.get("LOCAL_SIZE", ""))
+    if on_host and ranks != on_host and is_loopback(elastic.manager_host):
+        raise ConfigError(f"muloco.elastic.manager_host {elastic.manager_host} is loopback, but this worker's "
+                          f"{ranks} ranks span several hosts ({on_host} here), whose ranks dial it: set it to this "
+                          f"host's address inside the datacenter")

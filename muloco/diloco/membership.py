@@ -30,7 +30,7 @@ from muloco.diloco import vote
 from muloco.diloco.auth import JobKey
 from muloco.diloco.averaging import Exchanged, everyone
 from muloco.diloco.payload_checks import AUTHENTICATION
-from muloco.diloco.wire import GroupWire, Wire
+from muloco.diloco.wire import GroupWire, Lanes, Wire
 from muloco.diloco.config import MuLoCoConfig
 from muloco.core.errors import ConfigError, DisagreementError
 from muloco.core.topology import Topology, outer_ranks, worker_ranks
@@ -147,7 +147,8 @@ OUTSIDE_SYNCS = -1  # the outer step the tags of the exchanges outside any sync 
 
 class StaticMembership:
     """The K workers of one world. Every rank creates every group, in the same order, on
-    `outer_backend`: the outer groups (one per shard position), the metrics group (every rank) and,
+    `outer_backend`: the outer groups (one per shard position) and, on gloo, their lanes, the metrics
+    group (every rank) and,
     with several ranks per worker, a group per worker for the ballots (the training loop's worker
     group stays the training loop's)."""
     records_checksum = False
@@ -158,10 +159,13 @@ class StaticMembership:
         if backend == "nccl" and comm.compute_device().type == "cpu":
             raise ConfigError("muloco.outer_backend 'nccl' needs an accelerator; use 'gloo' on the host")
         mine = comm.new_subgroups(outer_ranks(sizes), timeout, backend=backend)
+        # gloo's payloads travel point to point, one connection per direction (wire.Lanes says why).
+        lanes = (Lanes(comm.new_subgroups(outer_ranks(sizes), timeout, backend=backend),
+                       comm.new_subgroups(outer_ranks(sizes), timeout, backend=backend)) if backend == "gloo" else None)
         every_rank = comm.new_group(list(range(sizes.world)), timeout, backend=backend)
         self.ballot_group = (comm.new_subgroups(worker_ranks(sizes), timeout, backend=backend)
                              if sizes.ranks_per_worker > 1 else None)
-        self._session = _StaticSession(GroupWire(mine, config.link, key, "outer"),
+        self._session = _StaticSession(GroupWire(mine, config.link, key, "outer", lanes),
                                        GroupWire(every_rank, config.link, key, "metrics"), sizes.workers,
                                        config.max_norm_ratio)
 

@@ -173,16 +173,66 @@ class Wire:
         return sums
 
 
-class GroupWire(Wire):
-    """A Wire over a torch.distributed process group (None: the default group)."""
+@dataclass(frozen=True)
+class Lanes:
+    """Two more groups of the same ranks, one per direction: a message from a lower to a higher rank
+    travels on `up`, the others on `down`. gloo runs both directions between two ranks on one connection
+    whose sends and receives take turns: its all-gather of two ranks, and its all-to-all of any number,
+    move a payload at about 0.5-0.6 of a link's rate (benchmarks/link_share.py on rate-limited links),
+    where one connection per direction reaches 0.8-0.94. From three ranks on, gloo's ring all-gather
+    sends and receives on two connections and the two forms are even (0.85-0.93 each at 50-200 Mbit/s,
+    the ring ahead at 50, the lanes at 1000; results/link_share.md): one form for every case."""
+    up: object
+    down: object
 
-    def __init__(self, group, link: SlowLink | None, key: JobKey | None = None, channel: str = "outer"):
+    def toward(self, sender: int, receiver: int):
+        return self.up if sender < receiver else self.down
+
+
+def exchange(rank: int, lanes: Lanes, sends: list[torch.Tensor], receives: list[torch.Tensor],
+             send: Callable[[object, torch.Tensor, int], object], receive: Callable[[object, torch.Tensor, int], object]
+             ) -> None:
+    """Send sends[j] to rank j and receive receives[j] from it, each direction on its lane, in K-1 steps:
+    at step s, to rank + s and from rank - s (mod K), so that each rank's link carries one stream out and
+    one in at a time, as gloo's ring does (several at once share the link's queue and lose more packets).
+    `send(lane, tensor, peer)` and `receive(...)` start one and return its work. Both ends know each
+    message's size, so an empty one is skipped on both."""
+    receives[rank].copy_(sends[rank])
+    size = len(sends)
+    for step in range(1, size):
+        to, source = (rank + step) % size, (rank - step) % size
+        works = []
+        if sends[to].numel():
+            works.append(send(lanes.toward(rank, to), sends[to], to))
+        if receives[source].numel():
+            works.append(receive(lanes.toward(source, rank), receives[source], source))
+        for work in works:
+            work.wait()
+
+
+class GroupWire(Wire):
+    """A Wire over a torch.distributed process group (None: the default group); with `lanes` (gloo),
+    its payloads go point to point on them (`exchange`)."""
+
+    def __init__(self, group, link: SlowLink | None, key: JobKey | None = None, channel: str = "outer",
+                 lanes: Lanes | None = None):
         super().__init__(dist.get_rank(group), dist.get_world_size(group), comm.group_device(group), link, key, channel)
-        self.group = group
+        self.group, self.lanes = group, lanes
 
     def _all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        dist.all_gather_into_tensor(output, input, group=self.group)
+        if self.lanes is None:
+            dist.all_gather_into_tensor(output, input, group=self.group)
+        else:
+            self._exchange([input] * self.size, list(output.split(input.numel())))
 
     def _all_to_all_into(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
                          input_sizes: list[int]) -> None:
-        dist.all_to_all_single(output, input, output_sizes, input_sizes, group=self.group)
+        if self.lanes is None:
+            dist.all_to_all_single(output, input, output_sizes, input_sizes, group=self.group)
+        else:
+            self._exchange(list(input.split(input_sizes)), list(output.split(output_sizes)))
+
+    def _exchange(self, sends: list[torch.Tensor], receives: list[torch.Tensor]) -> None:
+        exchange(self.rank, self.lanes, sends, receives,
+                 lambda lane, tensor, peer: dist.isend(tensor, group=lane, group_dst=peer),
+                 lambda lane, tensor, peer: dist.irecv(tensor, group=lane, group_src=peer))

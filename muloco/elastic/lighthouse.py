@@ -31,7 +31,8 @@ from pathlib import Path
 
 from muloco.diloco.auth import KEY_FILE_ENV, AuthConfig, read_private_job_key
 from muloco.elastic.private_network import enter_private_network
-from muloco.elastic.tunnel import Gateway, host_port
+from muloco.core.network import host_port
+from muloco.elastic.tunnel import Gateway
 from muloco.core.errors import ConfigError
 
 

@@ -34,32 +34,46 @@ from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
 from muloco.core import comm
 from muloco.diloco.auth import JobKey
-from muloco.diloco.wire import Wire
+from muloco.diloco.wire import Lanes, Wire, exchange
 from muloco.diloco.link import SlowLink
 from muloco.elastic.authentic_quorum import AuthenticatedQuorums, signed_replica_id
-from muloco.elastic.tunnel import Tunnel, host_port
+from muloco.core.network import host_port
+from muloco.elastic.tunnel import Tunnel
 
 
 class QuorumWire(Wire):
-    """The outer exchange (muloco.diloco.wire.Wire) on the current quorum's group: the rank is
-    this worker's place in the quorum, the size the quorum's size. Valid for one quorum."""
+    """The outer exchange (muloco.diloco.wire.Wire) on the current quorum's group: the rank is this
+    worker's place in the quorum, the size the quorum's size. Valid for one quorum. With `lanes` (gloo)
+    the payloads go point to point on them (muloco.diloco.wire.exchange; Lanes says why)."""
 
-    def __init__(self, group, rank: int, size: int, device: torch.device, link: SlowLink | None, key: JobKey | None):
+    def __init__(self, group, rank: int, size: int, device: torch.device, link: SlowLink | None, key: JobKey | None,
+                 lanes: Lanes | None = None):
         super().__init__(rank, size, device, link, key, channel="quorum")
-        self.group = group
+        self.group, self.lanes = group, lanes
 
     def _all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        self.group.allgather_into_tensor_coalesced([output], [input], AllgatherOptions()).wait()
+        if self.lanes is None:
+            self.group.allgather_into_tensor_coalesced([output], [input], AllgatherOptions()).wait()
+        else:
+            self._exchange([input] * self.size, list(output.split(input.numel())))
 
     def _all_to_all_into(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
                          input_sizes: list[int]) -> None:
-        self.group.alltoall_base(output, input, output_sizes, input_sizes, AllToAllOptions()).wait()
+        if self.lanes is None:
+            self.group.alltoall_base(output, input, output_sizes, input_sizes, AllToAllOptions()).wait()
+        else:
+            self._exchange(list(input.split(input_sizes)), list(output.split(output_sizes)))
+
+    def _exchange(self, sends: list[torch.Tensor], receives: list[torch.Tensor]) -> None:
+        exchange(self.rank, self.lanes, sends, receives, lambda lane, tensor, peer: lane.send([tensor], peer, 0),
+                 lambda lane, tensor, peer: lane.recv([tensor], peer, 0))
 
 
 class _RemembersQuorum:
     """A torchft reconfigurable group that remembers this rank's place in the last quorum (the
     Manager's own view of it counts only the members at the highest step, and catching up is ours)."""
     quorum_id, rank_in_quorum, quorum_size = -1, 0, 0
+    lanes: Lanes | None = None  # one group per direction of the payloads (gloo's, below)
 
     def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None, *args, **kwargs) -> None:
         super().configure(store_addr, replica_id, rank, world_size, quorum_id, *args, **kwargs)
@@ -67,7 +81,17 @@ class _RemembersQuorum:
 
 
 class _QuorumGloo(_RemembersQuorum, ProcessGroupGloo):
-    pass
+    """With two lanes: gloo groups of the same quorum, one per direction of the payloads
+    (muloco.diloco.wire.Lanes), set up with it under their own prefixes of its store."""
+
+    def __init__(self, timeout: timedelta):
+        super().__init__(timeout=timeout)
+        self.lanes = Lanes(ProcessGroupGloo(timeout=timeout), ProcessGroupGloo(timeout=timeout))
+
+    def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None, *args, **kwargs) -> None:
+        super().configure(store_addr, replica_id, rank, world_size, quorum_id, *args, **kwargs)
+        for name, lane in (("up", self.lanes.up), ("down", self.lanes.down)):
+            lane.configure(f"{store_addr}/lane_{name}", replica_id, rank, world_size, quorum_id)
 
 
 class _QuorumNCCL(_RemembersQuorum, ProcessGroupNCCL):
@@ -174,7 +198,8 @@ class QuorumGroup:
         return self.group.quorum_id
 
     def wire(self, link: SlowLink | None) -> QuorumWire:
-        return QuorumWire(self.group, self.group.rank_in_quorum, self.group.quorum_size, self.device, link, self.key)
+        return QuorumWire(self.group, self.group.rank_in_quorum, self.group.quorum_size, self.device, link, self.key,
+                          self.group.lanes)
 
     @property
     def committed_syncs(self) -> int:

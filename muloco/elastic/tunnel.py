@@ -293,11 +293,3 @@ class Tunnel(_Listener):
             return
         _relay(conn, remote, outgoing=c2s, incoming=s2c)
 
-
-def host_port(address: str) -> tuple[str, int]:
-    """("host", port) of "http://host:port", "host:port" or "[v6]:port"."""
-    rest = address.split("://", 1)[-1].rstrip("/")
-    host, _, port = rest.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"expected HOST:PORT, got {address!r}")
-    return host.strip("[]"), int(port)

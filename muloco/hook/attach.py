@@ -53,6 +53,7 @@ from muloco.core.typed_json import load, read_json_object
 from muloco.diloco.agreement import check_resumed
 from muloco.diloco.auth import read_private_job_key, resolve_key_file
 from muloco.diloco.config import MuLoCoConfig
+from muloco.diloco.elastic_config import check_addresses
 from muloco.diloco.outer_loop import OuterLoop
 from muloco.diloco.outer_state import digest_of
 from muloco.diloco.snapshot import CHECKPOINT, read_rank_snapshot, save_rank_snapshot, snapshot_file
@@ -234,6 +235,8 @@ def check(config: MuLoCoConfig | dict | str | Path, world_size: int | None = Non
         ParallelSizes.from_world(world_size, block.workers, 1, 1)
     if block.elastic is not None and not (isinstance(worker_id, int) and 0 <= worker_id < block.workers):
         raise ConfigError(f"an elastic worker needs worker_id in 0..{block.workers - 1}, got {worker_id!r}")
+    if block.elastic is not None:
+        check_addresses(block.elastic, block.outer_backend)
     _key_file(block, folder)
     return block
 
@@ -266,6 +269,8 @@ def attach(engine, config: MuLoCoConfig | dict | str | Path, workers: Workers, *
                              else f"muloco.workers is {config.workers}"))
     if config.elastic is not None and not (isinstance(worker_id, int) and 0 <= worker_id < config.workers):
         raise ConfigError(f"an elastic worker needs worker_id in 0..{config.workers - 1}, got {worker_id!r}")
+    if config.elastic is not None:
+        check_addresses(config.elastic, config.outer_backend)
     why_not = refusal(engine)
     if why_not:
         raise ConfigError(why_not)
