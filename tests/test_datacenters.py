@@ -6,8 +6,9 @@ job secret required. One rehearsal launch is shared by the scenario tests (modul
    model's 4-bit payload lasts seconds: a cut can land in the middle of one);
 2. short cut: while datacenter 1 is sending (its interface's byte counter rising), its link goes down
    for SHORT_CUT_S, shorter than every timeout: that sync completes late, nobody is dropped;
-3. long cut: while datacenter 2 is sending, its link goes down for LONG_CUT_S, longer than the sync
-   and lighthouse timeouts: workers 0 and 1 drop it and go on; when the link returns it rejoins, catches
+3. long cut: while datacenter 2 is sending, its link goes down until workers 0 and 1 have dropped it (longer
+   than the sync and lighthouse timeouts) and synced without it; the link returns while they still have
+   LEFT_AFTER_CUT inner steps to go (on an idle machine they run ~7 a second), and it rejoins, catches
    up from a peer, and the three end with the same weights. A catch-up moves the whole outer state
    (fp32 weights and momentum: ~13 MB for the tiny model, 26 s at LINK_RATE) within one
    `sync_timeout_s`; so while the link is down every datacenter's rate is raised to CATCH_UP_RATE
@@ -44,9 +45,11 @@ def needs_namespaces(test):
 
 LINK_RATE = "4mbit"  # the tiny model's ~0.8 MB payload: about 2 s per sync
 SHORT_CUT_S = 2.0  # under the lighthouse's heartbeat timeout and the sync timeout
-LONG_CUT_S = 25.0  # over both (and over the time the survivors take to drop the worker)
 CATCH_UP_RATE = "100mbit"
-PLAN = Plan(rates=(LINK_RATE,) * 3, ranks_per_worker=1, train_iters=90, sync_interval=5, sync_timeout_s=10.0,
+# The survivors' steps after the long cut: a fixed cut (25 s) outlasted the whole rest of a 90-step run on an
+# idle machine, so worker 2 found nobody to rejoin; the cut now ends on an event, with this much run left.
+LEFT_AFTER_CUT = 200  # the long cut lands within the first 90 steps
+PLAN = Plan(rates=(LINK_RATE,) * 3, ranks_per_worker=1, train_iters=90 + LEFT_AFTER_CUT, sync_interval=5, sync_timeout_s=10.0,
             lighthouse_timeout_s=5.0, quorum_timeout_s=120.0)
 PHASE_TIMEOUT_S = 300
 
@@ -101,19 +104,21 @@ def scenario(tmp_path_factory):
                 wait_until(synced(f"worker{k}", 2), PHASE_TIMEOUT_S, f"worker {k}'s second sync")
             dc1, dc2 = dcs.sites[1], dcs.sites[2]
             _sending(dcs, dc1, PHASE_TIMEOUT_S)
+            in_flight = len(rehearsal.syncs("worker1")) + 1  # the sync the short cut lands in
             short = time.time()
             dcs.cut(dc1)
             time.sleep(SHORT_CUT_S)
             dcs.restore(dc1)
             short_cut = (short, time.time())
-            done = len(rehearsal.syncs("worker2"))
-            wait_until(synced("worker2", done + 1), PHASE_TIMEOUT_S, "a sync after the short cut")
+            # The long cut waits for a whole sync after that one (the short cut's test reads the sync after it).
+            wait_until(synced("worker2", in_flight + 1), PHASE_TIMEOUT_S, "a sync after the short cut")
             _sending(dcs, dc2, PHASE_TIMEOUT_S)
             long = time.time()
             dcs.cut(dc2)
             for site in dcs.sites:
                 dcs.set_rate(site, CATCH_UP_RATE)
-            time.sleep(LONG_CUT_S)
+            wait_until(lambda: any(r["missing"] == [2] for r in rehearsal.syncs("worker0").values()),
+                       PHASE_TIMEOUT_S, "workers 0 and 1 to sync without worker 2")
             dcs.restore(dc2)
             long_cut = (long, time.time())
             namespaces_during = leftovers(tag)
