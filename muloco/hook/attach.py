@@ -222,6 +222,15 @@ def _key_file(config: MuLoCoConfig, config_dir: Path | None) -> Path | None:
     return path
 
 
+def _check_elastic_worker(config: MuLoCoConfig, worker_id) -> None:
+    """An elastic worker's id, and the addresses its peers on other hosts would dial."""
+    if config.elastic is None:
+        return
+    if not (isinstance(worker_id, int) and 0 <= worker_id < config.workers):
+        raise ConfigError(f"an elastic worker needs worker_id in 0..{config.workers - 1}, got {worker_id!r}")
+    check_addresses(config.elastic, config.outer_backend)
+
+
 def check(config: MuLoCoConfig | dict | str | Path, world_size: int | None = None, *, worker_id: int | None = None,
           config_dir: str | Path | None = None) -> MuLoCoConfig:
     """The ds_config's `muloco` block (a dict, or the ds_config's path), checked before anything is built:
@@ -233,10 +242,7 @@ def check(config: MuLoCoConfig | dict | str | Path, world_size: int | None = Non
         world_size = dist.get_world_size()
     if world_size is not None and block.elastic is None:
         ParallelSizes.from_world(world_size, block.workers, 1, 1)
-    if block.elastic is not None and not (isinstance(worker_id, int) and 0 <= worker_id < block.workers):
-        raise ConfigError(f"an elastic worker needs worker_id in 0..{block.workers - 1}, got {worker_id!r}")
-    if block.elastic is not None:
-        check_addresses(block.elastic, block.outer_backend)
+    _check_elastic_worker(block, worker_id)
     _key_file(block, folder)
     return block
 
@@ -267,10 +273,7 @@ def attach(engine, config: MuLoCoConfig | dict | str | Path, workers: Workers, *
         raise ConfigError(f"the world was split into {topology.sizes.workers} workers (data_parallel_workers), but "
                           + ("an elastic job is one worker" if config.elastic is not None
                              else f"muloco.workers is {config.workers}"))
-    if config.elastic is not None and not (isinstance(worker_id, int) and 0 <= worker_id < config.workers):
-        raise ConfigError(f"an elastic worker needs worker_id in 0..{config.workers - 1}, got {worker_id!r}")
-    if config.elastic is not None:
-        check_addresses(config.elastic, config.outer_backend)
+    _check_elastic_worker(config, worker_id)
     why_not = refusal(engine)
     if why_not:
         raise ConfigError(why_not)
