@@ -10,10 +10,11 @@ once per attempt:
    again with exponential backoff, one line each, until `elastic.quorum_timeout_s` after the first
    (`_Asking`), then the job stops with one line naming the lighthouse and the time it asked;
 2. catch-up, only when torchft counts fewer members at the highest number of committed syncs than in
-   the quorum: every member publishes (worker id, committed syncs), tagged; the first member that has
-   them all sends its state and the sync's task to the members behind, over the quorum's group, tagged,
+   the quorum: every member publishes (worker id, committed syncs, the largest part its link has moved),
+   tagged; a member that has them all sends its state and the sync's task to the members behind, over the quorum's group, tagged,
    as safetensors (nothing received is unpickled), each checked against its own shapes before it is
-   loaded (muloco/diloco/snapshot.py, the form a checkpoint has too);
+   loaded (muloco/diloco/snapshot.py, the form a checkpoint has too); in pieces no larger than a sync's
+   parts, so that each op fits in sync_timeout_s on any link that can sync (`_catch_up` says how);
 3. the exchange: every member's row rides in its payload's header (worker id, inner step, joining,
    non-finite, squared norm, committed syncs), so who contributes (`left_out` below) is decided in the
    same collective: one round trip. Left out: a row that fails its tag, a member that is joining (it
