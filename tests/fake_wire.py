@@ -57,7 +57,8 @@ class FakeWire(Wire):
                          input_sizes: list[int]) -> None:
         blocks = list(self._put("all_to_all", input).split(input_sizes))
         everyone = self.board.exchange(self.rank, blocks)
-        self._crossed(max(block.numel() for src, row in enumerate(everyone) for dst, block in enumerate(row) if dst != src))
+        self._crossed(max(block.numel() for src, row in enumerate(everyone)
+                          for dst, block in enumerate(row) if dst != src))
         received = [everyone[src][self.rank] for src in range(self.size)]
         received[self.rank] = input.split(input_sizes)[self.rank]  # its own block stays local
         if [block.numel() for block in received] != list(output_sizes):
@@ -74,8 +75,8 @@ class RateLimitedWire(FakeWire):
     rate fails on every member (on a real group the members it does not involve fail at their next op,
     waiting for those it does). No time passes: the rate decides, not a sleep."""
 
-    def __init__(self, board: Board, rank: int, key: JobKey | None = None, channel: str = "outer",
-                 link: SlowLink | None = None, timeout_s: float = 0.0):
+    def __init__(self, board: Board, rank: int, key: JobKey | None = None, channel: str = "outer", *,
+                 link: SlowLink, timeout_s: float):
         super().__init__(board, rank, key, channel)
         self.rate_limit, self.timeout_s = link, timeout_s
 

@@ -11,10 +11,11 @@ once per attempt:
    (`_Asking`), then the job stops with one line naming the lighthouse and the time it asked;
 2. catch-up, only when torchft counts fewer members at the highest number of committed syncs than in
    the quorum: every member publishes (worker id, committed syncs, the largest part its link has moved),
-   tagged; a member that has them all sends its state and the sync's task to the members behind, over the quorum's group, tagged,
-   as safetensors (nothing received is unpickled), each checked against its own shapes before it is
-   loaded (muloco/diloco/snapshot.py, the form a checkpoint has too); in pieces no larger than a sync's
-   parts, so that each op fits in sync_timeout_s on any link that can sync (`_catch_up` says how);
+   tagged; a member that has them all sends its state and the sync's task to the members behind, over
+   the quorum's group, tagged, as safetensors (nothing received is unpickled), each checked against its
+   own shapes before it is loaded (muloco/diloco/snapshot.py, the form a checkpoint has too); in pieces
+   no larger than a sync's parts, so that each op fits in sync_timeout_s on any link that can sync
+   (`_catch_up` says how);
 3. the exchange: every member's row rides in its payload's header (worker id, inner step, joining,
    non-finite, squared norm, committed syncs), so who contributes (`left_out` below) is decided in the
    same collective: one round trip. Left out: a row that fails its tag, a member that is joining (it
@@ -395,8 +396,8 @@ class QuorumMembership:
             return
         wire.begin(outer_step=0, fragment=0, epoch=session.epoch)
         context = f"catch-up in quorum {session.epoch}"
-        rows = [row if row is not None else [-1, -1, 0] for row in  # a row that fails its tag: neither sends nor receives
-                wire.all_gather_ints([self.worker, self.quorum.committed_syncs, self.largest_part], context)]
+        rows = wire.all_gather_ints([self.worker, self.quorum.committed_syncs, self.largest_part], context)
+        rows = [row if row is not None else [-1, -1, 0] for row in rows]  # failed its tag: neither sends nor receives
         committed = [row[1] for row in rows]
         top = max(committed)
         behind = [i for i, c in enumerate(committed) if 0 <= c < top]
