@@ -45,7 +45,7 @@ class FakeWire(Wire):
         data = data.clone()
         return self.tamper(op, self._sequence, data) if self.tamper is not None else data
 
-    def _all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
+    def _group_all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
         parts = self.board.exchange(self.rank, self._put("all_gather", input))
         if any(part.numel() != input.numel() for part in parts):
             raise RuntimeError(f"all_gather: ranks sent buffers of different sizes {[p.numel() for p in parts]}")
@@ -53,8 +53,8 @@ class FakeWire(Wire):
         parts[self.rank] = input  # as in gloo: a rank's own part is copied locally, never over the link
         output.copy_(torch.cat(parts))
 
-    def _all_to_all_into(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
-                         input_sizes: list[int]) -> None:
+    def _group_all_to_all_into(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
+                               input_sizes: list[int]) -> None:
         blocks = list(self._put("all_to_all", input).split(input_sizes))
         everyone = self.board.exchange(self.rank, blocks)
         self._crossed(max(block.numel() for src, row in enumerate(everyone)

@@ -5,6 +5,7 @@ checkpoint ends where the run that was not stopped ended, bit for bit."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from tools.trainer_runs import REPO_ROOT, launch_ranks, shared_memory_files
 
 EXAMPLE = REPO_ROOT / "examples" / "hf_trainer_muloco.py"
+RESULT_LINE = re.compile(r'\{"worker": [^{}\n]*\}')
 
 
 def run_example(*args: str) -> list[dict]:
@@ -19,8 +21,8 @@ def run_example(*args: str) -> list[dict]:
     for path in shared_memory_files(result.master_port):
         path.unlink(missing_ok=True)
     result.check("the Hugging Face Trainer example")
-    return sorted((json.loads(line) for line in result.output.splitlines() if line.startswith('{"worker"')),
-                  key=lambda line: line["worker"])
+    # each first rank prints its line in one write, but another rank's unfinished line may precede it
+    return sorted((json.loads(found) for found in RESULT_LINE.findall(result.output)), key=lambda line: line["worker"])
 
 
 @pytest.mark.launch

@@ -48,20 +48,44 @@ class Wire:
     group; muloco/elastic's QuorumWire: torchft's reconfigurable group)."""
 
     def __init__(self, rank: int, size: int, device: torch.device, link: SlowLink | None,
-                 key: JobKey | None = None, channel: str = "outer"):
+                 key: JobKey | None = None, channel: str = "outer", lanes: Lanes | None = None):
         self.rank, self.size, self.device = rank, size, device
-        self.link = link
+        self.link, self.lanes = link, lanes
         self.stats = CollectiveStats()
         self.largest_part = 0  # bytes: the largest part an op moved to or from one peer (not reset by take_stats)
         self.key, self.channel = key, channel
         self.begin(outer_step=0, fragment=0)
 
-    def _all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
+    # What each kind of group provides: its own two collectives, and one point-to-point send and
+    # receive on a lane that return the started work.
+    def _group_all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def _group_all_to_all_into(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
+                               input_sizes: list[int]) -> None:
+        raise NotImplementedError
+
+    def _send(self, lane, tensor: torch.Tensor, peer: int):
+        raise NotImplementedError
+
+    def _receive(self, lane, tensor: torch.Tensor, peer: int):
+        raise NotImplementedError
+
+    def _all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        if self.lanes is None:
+            self._group_all_gather_into(output, input)
+        else:
+            self._exchange([input] * self.size, list(output.split(input.numel())))
 
     def _all_to_all_into(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
                          input_sizes: list[int]) -> None:
-        raise NotImplementedError
+        if self.lanes is None:
+            self._group_all_to_all_into(output, input, output_sizes, input_sizes)
+        else:
+            self._exchange(list(input.split(input_sizes)), list(output.split(output_sizes)))
+
+    def _exchange(self, sends: list[torch.Tensor], receives: list[torch.Tensor]) -> None:
+        exchange(self.rank, self.lanes, sends, receives, self._send, self._receive)
 
     def take_stats(self) -> CollectiveStats:
         """The counts since the last call (one sync's)."""
@@ -223,23 +247,19 @@ class GroupWire(Wire):
 
     def __init__(self, group, link: SlowLink | None, key: JobKey | None = None, channel: str = "outer",
                  lanes: Lanes | None = None):
-        super().__init__(dist.get_rank(group), dist.get_world_size(group), comm.group_device(group), link, key, channel)
-        self.group, self.lanes = group, lanes
+        super().__init__(dist.get_rank(group), dist.get_world_size(group), comm.group_device(group), link, key, channel,
+                         lanes)
+        self.group = group
 
-    def _all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        if self.lanes is None:
-            dist.all_gather_into_tensor(output, input, group=self.group)
-        else:
-            self._exchange([input] * self.size, list(output.split(input.numel())))
+    def _group_all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        dist.all_gather_into_tensor(output, input, group=self.group)
 
-    def _all_to_all_into(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
-                         input_sizes: list[int]) -> None:
-        if self.lanes is None:
-            dist.all_to_all_single(output, input, output_sizes, input_sizes, group=self.group)
-        else:
-            self._exchange(list(input.split(input_sizes)), list(output.split(output_sizes)))
+    def _group_all_to_all_into(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
+                               input_sizes: list[int]) -> None:
+        dist.all_to_all_single(output, input, output_sizes, input_sizes, group=self.group)
 
-    def _exchange(self, sends: list[torch.Tensor], receives: list[torch.Tensor]) -> None:
-        exchange(self.rank, self.lanes, sends, receives,
-                 lambda lane, tensor, peer: dist.isend(tensor, group=lane, group_dst=peer),
-                 lambda lane, tensor, peer: dist.irecv(tensor, group=lane, group_src=peer))
+    def _send(self, lane, tensor: torch.Tensor, peer: int):
+        return dist.isend(tensor, group=lane, group_dst=peer)
+
+    def _receive(self, lane, tensor: torch.Tensor, peer: int):
+        return dist.irecv(tensor, group=lane, group_src=peer)

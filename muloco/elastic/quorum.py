@@ -34,7 +34,7 @@ from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
 from muloco.core import comm
 from muloco.diloco.auth import JobKey
-from muloco.diloco.wire import Lanes, Wire, exchange
+from muloco.diloco.wire import Lanes, Wire
 from muloco.diloco.link import SlowLink
 from muloco.elastic.authentic_quorum import AuthenticatedQuorums, signed_replica_id
 from muloco.core.network import host_port
@@ -48,25 +48,21 @@ class QuorumWire(Wire):
 
     def __init__(self, group, rank: int, size: int, device: torch.device, link: SlowLink | None, key: JobKey | None,
                  lanes: Lanes | None = None):
-        super().__init__(rank, size, device, link, key, channel="quorum")
-        self.group, self.lanes = group, lanes
+        super().__init__(rank, size, device, link, key, channel="quorum", lanes=lanes)
+        self.group = group
 
-    def _all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        if self.lanes is None:
-            self.group.allgather_into_tensor_coalesced([output], [input], AllgatherOptions()).wait()
-        else:
-            self._exchange([input] * self.size, list(output.split(input.numel())))
+    def _group_all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        self.group.allgather_into_tensor_coalesced([output], [input], AllgatherOptions()).wait()
 
-    def _all_to_all_into(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
-                         input_sizes: list[int]) -> None:
-        if self.lanes is None:
-            self.group.alltoall_base(output, input, output_sizes, input_sizes, AllToAllOptions()).wait()
-        else:
-            self._exchange(list(input.split(input_sizes)), list(output.split(output_sizes)))
+    def _group_all_to_all_into(self, output: torch.Tensor, input: torch.Tensor, output_sizes: list[int],
+                               input_sizes: list[int]) -> None:
+        self.group.alltoall_base(output, input, output_sizes, input_sizes, AllToAllOptions()).wait()
 
-    def _exchange(self, sends: list[torch.Tensor], receives: list[torch.Tensor]) -> None:
-        exchange(self.rank, self.lanes, sends, receives, lambda lane, tensor, peer: lane.send([tensor], peer, 0),
-                 lambda lane, tensor, peer: lane.recv([tensor], peer, 0))
+    def _send(self, lane, tensor: torch.Tensor, peer: int):
+        return lane.send([tensor], peer, 0)
+
+    def _receive(self, lane, tensor: torch.Tensor, peer: int):
+        return lane.recv([tensor], peer, 0)
 
 
 class _RemembersQuorum:
