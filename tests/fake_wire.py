@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from muloco.diloco.auth import JobKey
+from muloco.diloco.link import SlowLink
 from muloco.diloco.wire import Wire
 
 TIMEOUT_S = 30
@@ -48,6 +49,7 @@ class FakeWire(Wire):
         parts = self.board.exchange(self.rank, self._put("all_gather", input))
         if any(part.numel() != input.numel() for part in parts):
             raise RuntimeError(f"all_gather: ranks sent buffers of different sizes {[p.numel() for p in parts]}")
+        self._crossed(input.numel())
         parts[self.rank] = input  # as in gloo: a rank's own part is copied locally, never over the link
         output.copy_(torch.cat(parts))
 
@@ -55,11 +57,33 @@ class FakeWire(Wire):
                                input_sizes: list[int]) -> None:
         blocks = list(self._put("all_to_all", input).split(input_sizes))
         everyone = self.board.exchange(self.rank, blocks)
+        self._crossed(max(block.numel() for src, row in enumerate(everyone)
+                          for dst, block in enumerate(row) if dst != src))
         received = [everyone[src][self.rank] for src in range(self.size)]
         received[self.rank] = input.split(input_sizes)[self.rank]  # its own block stays local
         if [block.numel() for block in received] != list(output_sizes):
             raise RuntimeError("all_to_all: a block of an unexpected size")
         output.copy_(torch.cat(received))
+
+    def _crossed(self, largest: int) -> None:
+        """The op's largest part from one rank to another (every rank sees the same): a link's limit goes here."""
+
+
+class RateLimitedWire(FakeWire):
+    """A FakeWire on links of `link`'s rate whose every op times out after `timeout_s`, as gloo's do (torchft's
+    group is made with muloco.sync_timeout_s): an op whose largest part takes longer than that at the link's
+    rate fails on every member (on a real group the members it does not involve fail at their next op,
+    waiting for those it does). No time passes: the rate decides, not a sleep."""
+
+    def __init__(self, board: Board, rank: int, key: JobKey | None = None, channel: str = "outer", *,
+                 link: SlowLink, timeout_s: float):
+        super().__init__(board, rank, key, channel)
+        self.rate_limit, self.timeout_s = link, timeout_s
+
+    def _crossed(self, largest: int) -> None:
+        if self.rate_limit.delay(largest) > self.timeout_s:
+            raise RuntimeError(f"timed out after {self.timeout_s:g} s: a part of {largest} bytes takes "
+                               f"{self.rate_limit.delay(largest):.3g} s at the link's rate")
 
 
 def run_ranks(size: int, fn: Callable[[int], object]) -> list:

@@ -5,14 +5,17 @@ contribution dropped: the same weights as a run without it), and none in a quoru
 After each, every member's global weights are bit-identical."""
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
-from fake_wire import Board, FakeQuorum, run_ranks
+from fake_wire import Board, FakeQuorum, FakeWire, RateLimitedWire, run_ranks
 from outer_workers import FakeTime, PairAt, Worker, checksums, elastic_config, quorum_worker, steps, sync_all
 
 from muloco.diloco.auth import JobKey
 from muloco.diloco.config import MuLoCoConfig, StreamingConfig
 from muloco.diloco.elastic_config import ElasticConfig
+from muloco.diloco.link import SlowLink
 from muloco.diloco.sync import SyncTask
 from muloco.diloco.wire import CollectiveError
 from muloco.elastic.membership import DIVERGED
@@ -58,6 +61,70 @@ def test_a_restarted_worker_catches_up_at_whichever_sync_its_peers_are_at(fragme
     assert joined["fragment"] == restarted.loop.offsets.index(syncing % 4)
     assert len(checksums(workers)) == 1
     assert workers[0].records[-1]["workers_in_sync"] == 3 and not workers[0].records[-1]["left_out"]
+
+
+def _restarted_after_step_8(config: MuLoCoConfig, wires: list) -> list[Worker]:
+    """Three workers (worker r on `wires[r]`) to step 8's sync; worker 2 dies there and is restarted
+    (its outer state the initial one: committed 0) while its peers go on to step 11."""
+    board = Board(3)
+    workers = [quorum_worker(r, board, config, wire=wires[r]) for r in range(3)]
+    workers[2].loop.host.last_step = 8
+    steps(workers, 1, 8)
+    workers[2].loop.close()
+    workers[2] = quorum_worker(2, board, config, wire=wires[2])
+    steps(workers[:2], 9, 11)
+    return workers
+
+
+def _rejoin_at_step_12(workers: list[Worker]) -> None:
+    """Workers 0 and 1 sync at step 12; the restarted worker 2 joins that sync (QuorumMembership.join
+    without torchft)."""
+    def rank(r):
+        if r < 2:
+            workers[r].train(12)
+            return
+        loop = workers[2].loop
+        loop.joining = True
+        result = loop.sync(SyncTask(0, 0, loop.state.outer_step + 1, None), loop.zero_deltas(0))
+        loop.apply(result, overlapped=False)
+    run_ranks(3, rank)
+
+
+def test_a_restarted_worker_catches_up_over_a_link_too_slow_to_move_its_state_within_the_sync_timeout():
+    """Each op of the quorum's group times out after sync_timeout_s (10 s); the link moves 100 bytes a
+    second: a sync's largest part (~550 bytes, 5.5 s) crosses in time, the outer state a restarted worker
+    needs (weights, momentum and the sync it joins: ~2.8 kB, 28 s) does not. Sent in one op, its catch-up
+    timed out on every attempt, for its peers too, and the run stopped; in pieces no larger than the parts
+    the link moved in the syncs before, it catches up at the first attempt and every member ends
+    bit-identical."""
+    config = elastic_config(sync_timeout_s=10.0, final_sync=False)
+    link = SlowLink(bandwidth_gbit_s=800e-9)  # 100 bytes a second
+    wire = partial(RateLimitedWire, link=link, timeout_s=config.sync_timeout_s)
+    workers = _restarted_after_step_8(config, [wire] * 3)
+    _rejoin_at_step_12(workers)
+    steps(workers, 13, 16)
+    joined = next(r for r in workers[2].records if r.get("rejoined"))
+    assert (joined["outer_step"], joined["attempts"], joined["left_out"]) == (3, 1, {"2": "joining"})
+    assert len(checksums(workers)) == 1 and workers[0].records[-1]["workers_in_sync"] == 3
+
+
+def test_a_piece_of_a_catch_up_that_fails_its_tag_fails_the_attempt_on_every_member_at_once(capsys):
+    """Worker 0 sends the state; one of its pieces to worker 2 is altered on the way. Every member learns
+    it from the progress gathered after that piece and fails the attempt there, with the same line: none
+    waits out a timeout for a member that stopped."""
+    config = elastic_config(final_sync=False, elastic=ElasticConfig(lighthouse="http://x:1", max_attempts=1))
+
+    def flip(op: str, sequence: int, data: torch.Tensor) -> torch.Tensor:
+        if op == "all_to_all":
+            data[-1] ^= 1  # the tag of the last block: the piece to worker 2
+        return data
+    workers = _restarted_after_step_8(config, [partial(FakeWire, tamper=flip), FakeWire, FakeWire])
+    with pytest.raises(CollectiveError, match="outer sync failed 1 times in a row"):
+        _rejoin_at_step_12(workers)
+    out = capsys.readouterr().out
+    for k in range(3):
+        assert (f"worker {k}: outer sync attempt 1 failed: the state from quorum member 0 failed authentication at "
+                f"quorum member(s) [2] (bytes 0-") in out, out
 
 
 def test_a_member_whose_weights_drifted_is_left_out_and_caught_up_at_its_next_sync():

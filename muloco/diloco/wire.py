@@ -8,7 +8,9 @@ caller's context. What the bytes mean is the averaging protocol's (muloco/diloco
 Byte accounting (CollectiveStats, per rank, what it puts on / takes off the wire; the same for a ring
 and for direct sends): an all-gather of n bytes per rank sends and receives (K-1)*n; an all-to-all
 sends the blocks addressed to the other K-1 ranks and receives theirs. With a job key every part
-sent adds a 32-byte tag.
+sent adds a 32-byte tag. `largest_part` is the most bytes one op of this wire moved to or from one peer
+and completed: what the link is known to move within the group's per-op timeout (the elastic catch-up
+sizes its pieces by it, muloco/elastic/membership.py).
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ class Wire:
         self.rank, self.size, self.device = rank, size, device
         self.link, self.lanes = link, lanes
         self.stats = CollectiveStats()
+        self.largest_part = 0  # bytes: the largest part an op moved to or from one peer (not reset by take_stats)
         self.key, self.channel = key, channel
         self.begin(outer_step=0, fragment=0)
 
@@ -117,11 +120,13 @@ class Wire:
         tag_bytes = tag.cpu().numpy().tobytes()
         return data if self.key.verify(tag_bytes, self._scope, self._sequence, sender, receiver, data) else None
 
-    def _run(self, op: str, context: str, collective: Callable[[], object], sent: int, received: int) -> None:
+    def _run(self, op: str, context: str, collective: Callable[[], object], sent: int, received: int,
+             largest_part: int) -> None:
         try:
             collective()
         except RuntimeError as exc:
             raise CollectiveError(f"{op} failed on rank {self.rank} of {self.size} in {context}: {exc}") from exc
+        self.largest_part = max(self.largest_part, largest_part)
         self.stats.bytes_sent += sent
         self.stats.bytes_received += received
         self.stats.round_trips += 1
@@ -141,7 +146,7 @@ class Wire:
             return [sealed] * self.size
         gathered = torch.empty(self.size * n, dtype=torch.uint8, device=self.device)
         nbytes = (self.size - 1) * n
-        self._run("all_gather", context, lambda: self._all_gather_into(gathered, sealed), nbytes, nbytes)
+        self._run("all_gather", context, lambda: self._all_gather_into(gathered, sealed), nbytes, nbytes, n)
         parts = [self._opened(part, sender, EVERY_RANK) for sender, part in enumerate(gathered.split(n))]
         self._sequence += 1
         return parts
@@ -177,8 +182,10 @@ class Wire:
         send = torch.cat(sealed)
         sent = sum(send_sizes) - send_sizes[self.rank]
         taken = sum(receive_sizes) - receive_sizes[self.rank]
+        largest = max(size for peer, sizes in enumerate(zip(send_sizes, receive_sizes)) if peer != self.rank
+                      for size in sizes)
         self._run("all_to_all", context, lambda: self._all_to_all_into(received, send, list(receive_sizes), send_sizes),
-                  sent, taken)
+                  sent, taken, largest)
         parts = [self._opened(part, sender, self.rank)
                  for sender, part in enumerate(received.split(list(receive_sizes)))]
         self._sequence += 1

@@ -10,10 +10,12 @@ once per attempt:
    again with exponential backoff, one line each, until `elastic.quorum_timeout_s` after the first
    (`_Asking`), then the job stops with one line naming the lighthouse and the time it asked;
 2. catch-up, only when torchft counts fewer members at the highest number of committed syncs than in
-   the quorum: every member publishes (worker id, committed syncs), tagged; the first member that has
-   them all sends its state and the sync's task to the members behind, over the quorum's group, tagged,
-   as safetensors (nothing received is unpickled), each checked against its own shapes before it is
-   loaded (muloco/diloco/snapshot.py, the form a checkpoint has too);
+   the quorum: every member publishes (worker id, committed syncs, the largest part its link has moved),
+   tagged; a member that has them all sends its state and the sync's task to the members behind, over
+   the quorum's group, tagged, as safetensors (nothing received is unpickled), each checked against its
+   own shapes before it is loaded (muloco/diloco/snapshot.py, the form a checkpoint has too); in pieces
+   no larger than a sync's parts, so that each op fits in sync_timeout_s on any link that can sync
+   (`_catch_up` says how);
 3. the exchange: every member's row rides in its payload's header (worker id, inner step, joining,
    non-finite, squared norm, committed syncs), so who contributes (`left_out` below) is decided in the
    same collective: one round trip. Left out: a row that fails its tag, a member that is joining (it
@@ -253,6 +255,9 @@ class QuorumMembership:
         self.started_at: float | None = None  # when a fresh run joined, until its first sync commits
         self.last_quorum: list[int] | None = None  # the worker ids of the last committed sync's quorum
         self._prepared: dict[int, Future] = {}  # launch step -> its first attempt's quorum request
+        # The most bytes this rank's link has moved to or from one peer in one op of a quorum's group (each op
+        # within sync_timeout_s): the size of the pieces of a catch-up it sends.
+        self.largest_part = 0
 
     # -- joining and leaving ---------------------------------------------------------------------
 
@@ -310,7 +315,7 @@ class QuorumMembership:
         attempt = 0
         while True:
             attempt += 1
-            result, error = None, None
+            result, error, session = None, None, None
             early, prepared = prepared, None
             try:
                 self._quorum(early, asking)
@@ -325,6 +330,8 @@ class QuorumMembership:
             except (_NotReady, *_ATTEMPT_FAILURES) as exc:
                 error = exc
                 self.quorum.report_error(exc)
+            if session is not None:  # the ops that completed, in an attempt that failed too
+                self.largest_part = max(self.largest_part, session.wire.largest_part)
             if self.quorum.commit():
                 self.loop.joining = self.rejoined = False
                 self._say_if_the_group_changed(result.record["quorum"])
@@ -377,37 +384,65 @@ class QuorumMembership:
 
     def _catch_up(self, session: _QuorumSession, task) -> None:
         """When some members are behind (torchft counts fewer at the highest committed syncs than in the
-        quorum), the first member with every sync sends its state and `task` to them. Tagged for this
-        quorum alone: a member behind does not know the outer step yet."""
+        quorum), a member with every sync sends its state and `task` to them, in pieces. Each piece is an
+        op of the quorum's group, which times out after sync_timeout_s, and is no larger than the largest
+        part the sender's link has moved to or from one peer in one op (a sync's payload, `_piece_bytes`);
+        after each piece every member all-gathers how much it has received, so that no member waits in one
+        op for more than a piece. A link that moves a sync within sync_timeout_s so moves a state of any
+        size, and a peer that dies is still found within sync_timeout_s. Tagged for this quorum alone: a
+        member behind does not know the outer step yet."""
         wire, loop = session.wire, self.loop
         if self.quorum.everyone_current(wire.size):
             return
         wire.begin(outer_step=0, fragment=0, epoch=session.epoch)
         context = f"catch-up in quorum {session.epoch}"
-        rows = wire.all_gather_ints([self.worker, self.quorum.committed_syncs], context)
-        committed = [row[1] if row is not None else -1 for row in rows]
+        rows = wire.all_gather_ints([self.worker, self.quorum.committed_syncs, self.largest_part], context)
+        rows = [row if row is not None else [-1, -1, 0] for row in rows]  # failed its tag: neither sends nor receives
+        committed = [row[1] for row in rows]
         top = max(committed)
         behind = [i for i, c in enumerate(committed) if 0 <= c < top]
-        source = committed.index(top)
+        # The member with every sync whose link has moved the largest part sends (the first of them on a tie).
+        source = max((i for i, c in enumerate(committed) if c == top), key=lambda i: (rows[i][2], -i))
         me = wire.rank
         blob = (torch.frombuffer(bytearray(state_to_bytes(loop.snapshot(CATCH_UP, joins=task).to_tree())),
                                  dtype=torch.uint8) if me == source else torch.empty(0, dtype=torch.uint8))
-        sizes = wire.all_gather_ints([blob.numel()], context)
-        blocks = [blob if j in behind and me == source else blob[:0] for j in range(wire.size)]
-        if me not in behind:
-            wire.all_to_all(blocks, [0] * wire.size, context)
-            return
+        announced = wire.all_gather_ints([blob.numel()], context)[source]
         own = sum(t.numel() * t.element_size() for t in (*loop.state.global_weights.values(), *loop.state.momentum.values()))
         limit = 2 * own + _STATE_SLACK_BYTES  # the weights and momentum, and at most as much in flight
-        if sizes[source] is None or not 0 < sizes[source][0] <= limit:
+        if announced is None or not 0 < announced[0] <= limit:  # every member counts the pieces from it
             raise RankFileError(f"the state size announced by quorum member {source} "
-                                + ("failed authentication" if sizes[source] is None else f"is not within {limit} bytes"))
-        received = wire.all_to_all(blocks, [sizes[source][0] if src == source else 0 for src in range(wire.size)],
-                                   context)[source]
-        if received is None:
-            raise RankFileError(f"the state from quorum member {source} failed authentication")
+                                + ("failed authentication" if announced is None else f"is not within {limit} bytes"))
+        total, piece = announced[0], _piece_bytes(rows[source][2], len(behind), announced[0])
+        if self.topology.is_logging_rank and (me == source or me in behind):
+            print(f"worker {self.worker}: catch-up in quorum {session.epoch}: worker {rows[source][0]} sends its state "
+                  f"({total} bytes) to worker(s) {[rows[i][0] for i in behind]} in {-(-total // piece)} piece(s) of at "
+                  f"most {piece} bytes", flush=True)
         what = f"the state from quorum member {source}"
+        received = torch.empty(total if me in behind else 0, dtype=torch.uint8)
+        for begin in range(0, total, piece):
+            end = min(begin + piece, total)
+            blocks = [blob[begin:end] if me == source and j in behind else blob[:0] for j in range(wire.size)]
+            parts = wire.all_to_all(blocks, [end - begin if me in behind and j == source else 0
+                                             for j in range(wire.size)], context)
+            arrived = me not in behind or parts[source] is not None
+            if me in behind and arrived:
+                received[begin:end].copy_(parts[source])
+            # Every member learns whether each member behind has the piece: a piece that failed its tag fails
+            # the attempt on every member at once, not through their timeouts.
+            progress = wire.all_gather_ints([end if arrived else -1], context)
+            short = [i for i in behind if progress[i] != [end]]
+            if short:
+                raise RankFileError(f"{what} failed authentication at quorum member(s) {short} (bytes {begin}-{end})")
+        if me not in behind:
+            return
         session.caught_up = loop.load_snapshot(loop.read_snapshot(state_from_bytes(received.numpy().tobytes(), what),
                                                                   CATCH_UP, what))
         session.joining = self.rejoined = True
         self.quorum.set_committed_syncs(top)
+
+
+def _piece_bytes(largest_part: int, receivers: int, total: int) -> int:
+    """The bytes of each piece of a catch-up: the sender's link moved `largest_part` to one peer in one op,
+    and its pieces of one round go to the `receivers` one after another (the last of them waits for them
+    all). A sender that has only ever synced alone has moved nothing: it sends the state in one piece."""
+    return max(largest_part // receivers, 1) if largest_part > 0 else total
