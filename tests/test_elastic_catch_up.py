@@ -18,7 +18,7 @@ from muloco.diloco.elastic_config import ElasticConfig
 from muloco.diloco.link import SlowLink
 from muloco.diloco.sync import SyncTask
 from muloco.diloco.wire import CollectiveError
-from muloco.elastic.membership import DIVERGED
+from muloco.elastic.membership import DIVERGED, MAX_CATCH_UP_PIECES, _piece_bytes
 
 
 @pytest.mark.parametrize("fragments, tau, host", [(1, 0, "trainer"), (2, 1, "trainer"), (2, 1, "deepspeed")])
@@ -230,3 +230,10 @@ def test_a_member_behind_loads_no_state_in_a_quorum_smaller_than_min_workers():
     with pytest.raises(CollectiveError, match="its last quorum held 2 of 3 workers, fewer than"):
         sync_all(workers, 4)
     assert not workers[1].loop.joining and not workers[1].loop.membership.rejoined
+
+
+def test_a_catch_up_takes_at_most_its_bound_of_pieces_and_never_more_than_a_synced_part_per_receiver():
+    state = 100 << 20
+    assert _piece_bytes(24, 1, state) * MAX_CATCH_UP_PIECES >= state  # only header bytes moved: the bound holds
+    assert _piece_bytes(4 << 20, 2, state) == 2 << 20  # two behind: each piece is half a synced part
+    assert _piece_bytes(0, 1, state) == state  # it has only ever synced alone: one piece

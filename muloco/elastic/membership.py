@@ -77,6 +77,7 @@ _START_POLL_S = 1.0
 _FIRST_BACKOFF_S, _MAX_BACKOFF_S = 1.0, 15.0
 # Bytes a peer's serialized state may hold beyond the tensors this rank owns (its JSON tree, its
 # in-flight averages are counted separately).
+MAX_CATCH_UP_PIECES = 1024  # a bound on a catch-up's round trips (_piece_bytes)
 _STATE_SLACK_BYTES = 16 << 20
 
 
@@ -444,5 +445,8 @@ class QuorumMembership:
 def _piece_bytes(largest_part: int, receivers: int, total: int) -> int:
     """The bytes of each piece of a catch-up: the sender's link moved `largest_part` to one peer in one op,
     and its pieces of one round go to the `receivers` one after another (the last of them waits for them
-    all). A sender that has only ever synced alone has moved nothing: it sends the state in one piece."""
-    return max(largest_part // receivers, 1) if largest_part > 0 else total
+    all). A sender that has only ever synced alone has moved nothing: it sends the state in one piece.
+    At most MAX_CATCH_UP_PIECES pieces: a sender that has moved only a few header bytes would otherwise
+    take millions of round trips."""
+    fewest = -(-total // MAX_CATCH_UP_PIECES)
+    return max(largest_part // receivers, fewest, 1) if largest_part > 0 else total
