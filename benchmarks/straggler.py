@@ -117,7 +117,8 @@ def link_rates(rate: str, case: str, slow_link: bool) -> list[str]:
     case but the equal ones."""
     rates = [rate] * WORKERS
     if slow_link and not case.startswith("equal"):
-        rates[SLOW] = f"{rate_bits(rate) / SLOW_LINK_SHARE / 1e3:g}kbit"
+        slow = rate_bits(rate) / SLOW_LINK_SHARE
+        rates[SLOW] = f"{slow / 1e6:g}mbit" if slow % 1e6 == 0 else f"{slow / 1e3:g}kbit"
     return rates
 
 
