@@ -40,7 +40,7 @@ from tools.rehearsal import Plan, Rehearsal, ds_config
 from tools.trainer_runs import REPO_ROOT, TINY_VOCAB, free_port
 
 CANNOT = unavailable()
-# Its own CI step (setup.cfg leaves it out of the default run): `scripts/test.sh -m datacenters`, about 3 minutes.
+# Its own CI step (setup.cfg leaves it out of the default run): `scripts/test.sh -m datacenters`, about 3.5 minutes.
 def needs_namespaces(test):
     return pytest.mark.datacenters(pytest.mark.skipif(CANNOT is not None, reason=f"no network namespaces here: {CANNOT}")(test))
 
@@ -200,7 +200,7 @@ def test_everything_the_rehearsal_made_is_gone_after_it(scenario):
 
 
 FULL_RATE, QUARTER_RATE = "16mbit", "4mbit"  # the slow link's payload copy: about 1.6 s
-QUARTER = Plan(rates=(FULL_RATE, FULL_RATE, QUARTER_RATE), ranks_per_worker=1, train_iters=20, sync_interval=5,
+QUARTER = Plan(rates=(FULL_RATE, FULL_RATE, QUARTER_RATE), ranks_per_worker=1, train_iters=15, sync_interval=5,
                pace=True, sync_timeout_s=30.0)  # the timeout above the slow link's sync, as a user sets it
 
 
