@@ -134,7 +134,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "to RATE by the kernel (1gbit: the emulated link's rate), the 50 ms still emulated (root)")
     p.add_argument("--slow-link", action="store_true",
                    help="with --real-link RATE: nobody slowed down, datacenter 2's link at RATE / 4 instead (the "
-                        "cases equal, barrier, paced, overlap)")
+                        "cases equal, barrier, paced, overlap, equal_overlap)")
     p.add_argument("--workdir", help=argparse.SUPPRESS)  # these four are set by the launcher
     p.add_argument("--case", help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, help=argparse.SUPPRESS)
