@@ -192,7 +192,7 @@ def launch(args: argparse.Namespace, name: str, i: int, workdir: str, env: dict)
     if args.real_link:
         logs = Path(workdir) / f"run{i}.logs"
         logs.mkdir()
-        run_world_on_real_link(args.real_link, 2, forwarded, env, REPO_ROOT, logs)
+        run_world_on_real_link([args.real_link] * 2, forwarded, env, REPO_ROOT, logs)
         return
     if not name.startswith("elastic"):
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

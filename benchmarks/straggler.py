@@ -24,6 +24,24 @@ JSON.
 The same static cases with each worker (one rank) in a network namespace of its own whose egress the
 kernel limits to 1 Gbit/s (benchmarks/timed_runs.py; root), the 50 ms latency still emulated.
 
+    python benchmarks/straggler.py --real-link 32mbit --slow-link
+
+A datacenter whose LINK is the slow one: every worker at full compute speed, each in its namespace,
+datacenter 2's egress limited to a quarter of RATE (8 Mbit/s here), the others' to RATE:
+  equal    every link at RATE, fixed H (the reference)
+  barrier  datacenter 2 at RATE / 4, fixed H
+  paced    the same, `pace: {"mode": "wall_clock"}`
+  overlap  the same, fixed H, `streaming.overlap_steps: "auto"` (up to H / 2 steps): the sync runs in
+           the background while the inner steps go on
+  equal_overlap  every link at RATE, the same overlap (overlap's reference: the overlap also hides
+           the workers' wait for each other's noise, which the link has nothing to do with)
+(pace with overlap is refused by the config: see docs/unequal_workers.md.) Per case: the fast workers'
+and the slow worker's inner steps/s after the first window (syncs included), their outer seconds per
+interval (the step hooks: the sync and its wait, or with overlap the wait for its result), and from
+worker 0's records the bytes each rank sent per sync and the sync's wall time (mean and least: the
+least is the transfer with the least wait for a worker that came late). Ratios against `equal`, and
+overlap's also against `equal_overlap`.
+
     python benchmarks/straggler.py --elastic
 
 The elastic mode (`muloco.elastic`, docs/multi_datacenter.md), where a worker can be left out of a
@@ -53,6 +71,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 from timed_runs import link_block, link_name, run_world_on_real_link, timed_trainer, write_config
 
+from tools.datacenters import rate_bits
 from tools.trainer_runs import EXTENSIONS_ENV, free_port, shared_memory_files
 
 WORKERS = 3
@@ -60,6 +79,10 @@ SLOW_LINK = {"bandwidth_gbit_s": 1, "latency_ms": 50}
 FOUR_BIT_EF = {"method": "statistical", "bits": 4, "error_feedback": True}
 STRAGGLER = [1.0, 1.0, 2.0]
 FAST = [0, 1]
+SLOW = 2  # the straggler: slowed down, frozen, or behind the slow link
+SLOW_LINK_SHARE = 4  # --slow-link: datacenter 2's rate is RATE / 4
+SLOW_LINK_CASES = ("equal", "barrier", "paced", "overlap", "equal_overlap")
+OVERLAPPED = ("overlap", "equal_overlap")
 FROZEN_SYNCS = 3
 # The lighthouse forms a quorum at once when every worker still heartbeating (every 100 ms), or every
 # member of the previous quorum, has asked; it waits --join-timeout-s (the grace window) only for a
@@ -72,18 +95,31 @@ ELASTIC_SETTINGS = {"join_timeout_s": 10.0, "heartbeat_timeout_s": 1.0, "sync_ti
                     "quorum_timeout_s": 120.0, "quorum_request_timeout_s": 10.0}
 
 
-def muloco_block(case: str, sync_interval: int, lighthouse: str = "", real_link: str | None = None) -> dict:
+def muloco_block(case: str, sync_interval: int, lighthouse: str = "", real_link: str | None = None,
+                 slow_link: bool = False) -> dict:
     block = {"workers": WORKERS, "sync_interval": sync_interval, "outer_lr": 0.7, "outer_momentum": 0.6,
              "nesterov": True, "compression": FOUR_BIT_EF, "link": link_block(SLOW_LINK, real_link)}
     if lighthouse:
         block["sync_timeout_s"] = ELASTIC_SETTINGS["sync_timeout_s"]
         block["elastic"] = {"lighthouse": lighthouse, "quorum_timeout_s": ELASTIC_SETTINGS["quorum_timeout_s"],
                             "quorum_request_timeout_s": ELASTIC_SETTINGS["quorum_request_timeout_s"]}
-    if case in ("barrier", "paced"):
+    if case in ("barrier", "paced") and not slow_link:  # behind a slow link, every worker computes at full speed
         block["emulate_slowdown"] = STRAGGLER
     if case == "paced":
         block["pace"] = {"mode": "wall_clock"}
+    if case in OVERLAPPED:
+        block["streaming"] = {"overlap_steps": "auto", "max_overlap_steps": sync_interval // 2}
     return block
+
+
+def link_rates(rate: str, case: str, slow_link: bool) -> list[str]:
+    """Each datacenter's egress rate on the real link: `rate`, datacenter 2's a quarter of it in a slow-link
+    case but the equal ones."""
+    rates = [rate] * WORKERS
+    if slow_link and not case.startswith("equal"):
+        slow = rate_bits(rate) / SLOW_LINK_SHARE
+        rates[SLOW] = f"{slow / 1e6:g}mbit" if slow % 1e6 == 0 else f"{slow / 1e3:g}kbit"
+    return rates
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,6 +132,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--real-link", metavar="RATE",
                    help="the static cases with each worker in a network namespace of its own, its egress limited "
                         "to RATE by the kernel (1gbit: the emulated link's rate), the 50 ms still emulated (root)")
+    p.add_argument("--slow-link", action="store_true",
+                   help="with --real-link RATE: nobody slowed down, datacenter 2's link at RATE / 4 instead (the "
+                        "cases equal, barrier, paced, overlap, equal_overlap)")
     p.add_argument("--workdir", help=argparse.SUPPRESS)  # these four are set by the launcher
     p.add_argument("--case", help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, help=argparse.SUPPRESS)
@@ -137,12 +176,14 @@ def forwarded(args: argparse.Namespace, case: str, steps: int, workdir: str) -> 
 
 
 def launch(args: argparse.Namespace, case: str, steps: int, workdir: str, env: dict) -> dict:
-    write_config(Path(workdir) / f"{case}.json", muloco_block(case, args.sync_interval, real_link=args.real_link))
+    write_config(Path(workdir) / f"{case}.json",
+                 muloco_block(case, args.sync_interval, real_link=args.real_link, slow_link=args.slow_link))
     started = time.perf_counter()
     if args.real_link:
         logs = Path(workdir) / f"{case}.logs"
         logs.mkdir()
-        run_world_on_real_link(args.real_link, WORKERS, forwarded(args, case, steps, workdir), env, REPO_ROOT, logs)
+        run_world_on_real_link(link_rates(args.real_link, case, args.slow_link), forwarded(args, case, steps, workdir),
+                               env, REPO_ROOT, logs)
     else:
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORKERS}",
                         *forwarded(args, case, steps, workdir)], check=True, env=env, cwd=REPO_ROOT,
@@ -241,17 +282,30 @@ def read_run(records: list[dict], per_rank: list[dict], sync_interval: int, seco
     val_loss = [r["val_loss"] for r in records if "val_loss" in r][-1]
     # Each fast worker after its first window: its inner steps over the time they took (syncs included),
     # and the share of that time outside its step hooks (the outer sync and its wait): its useful compute.
-    fast, useful = [], []
-    for rank in (per_rank[k] for k in FAST):
+    # Its outer seconds per interval: the hooks' time over the windows after the first.
+    steps_per_s, useful, outer_s = [], [], []
+    for rank in per_rank:
         times, hooks = rank["times"], rank["hooks"]
         wall = times[-1] - times[sync_interval - 1]
-        fast.append((len(times) - sync_interval) / wall)
+        steps_per_s.append((len(times) - sync_interval) / wall)
         useful.append(1 - sum(hooks[sync_interval:]) / wall)
+        outer_s.append(sum(hooks[sync_interval:]) / ((len(times) - sync_interval) / sync_interval))
     taken = [len(rank["times"]) for rank in per_rank]
     if outer and "inner_steps" in outer[0]:  # paced: what each worker took, as its headers said
         taken = [sum(r["inner_steps"][k] for r in outer) for k in range(WORKERS)]
-    return {"fast_steps_per_s": min(fast), "fast_useful_share": min(useful), "val_loss": val_loss, "inner_steps": taken,
-            "launch_seconds": seconds}
+    measured = [r for r in outer if "bytes_sent_per_rank" in r][1:]  # after the first sync, as above
+    return {"fast_steps_per_s": min(steps_per_s[k] for k in FAST), "fast_useful_share": min(useful[k] for k in FAST),
+            "slow_steps_per_s": steps_per_s[SLOW], "fast_outer_s": max(outer_s[k] for k in FAST),
+            "slow_outer_s": outer_s[SLOW], "val_loss": val_loss, "inner_steps": taken, "launch_seconds": seconds,
+            "bytes_per_sync": mean(r["bytes_sent_per_rank"] for r in measured),
+            "sync_seconds": mean(r["sync_seconds"] for r in measured),
+            "least_sync_seconds": min((r["sync_seconds"] for r in measured), default=float("nan")),
+            "overlap_steps": mean(r.get("overlap_steps", 0) for r in measured)}
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else float("nan")
 
 
 def main() -> None:
@@ -263,6 +317,8 @@ def main() -> None:
 
     from muloco.diloco.auth import KEY_FILE_ENV, write_new_key
 
+    if args.slow_link and (not args.real_link or args.elastic):
+        sys.exit("--slow-link needs --real-link RATE (every datacenter's rate but the slow one's), static cases only")
     steps = args.sync_interval * args.syncs
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -276,6 +332,12 @@ def main() -> None:
                 print(f"{case} ...", file=sys.stderr, flush=True)
                 results[case] = launch_elastic(args, case, steps, tmp, env)
             report_elastic(args, steps, results)
+            return
+        if args.slow_link:
+            for case in SLOW_LINK_CASES:
+                print(f"{case} ...", file=sys.stderr, flush=True)
+                results[case] = launch(args, case, steps, tmp, env)
+            report_slow_link(args, steps, results)
             return
         for case in ("equal", "barrier", "paced"):
             print(f"{case} ...", file=sys.stderr, flush=True)
@@ -304,6 +366,28 @@ def main() -> None:
     for key, value in summary.items():
         print(f"{key}: {value:.3f}")
     print(json.dumps({"summary": summary, "link": link_name(SLOW_LINK, args.real_link), "cases": results}))
+
+
+def report_slow_link(args: argparse.Namespace, steps: int, results: dict) -> None:
+    summary = {}
+    for case, reference in [(c, "equal") for c in SLOW_LINK_CASES[1:]] + [("overlap", "equal_overlap")]:
+        for who in ("fast", "slow"):
+            summary[f"{who}_throughput_{case}_vs_{reference}"] = (results[case][f"{who}_steps_per_s"]
+                                                                 / results[reference][f"{who}_steps_per_s"])
+    slow_rate = link_rates(args.real_link, "barrier", True)[SLOW]
+    print(f"model {args.model}, K = {WORKERS} workers x 4 sequences x {args.seq_length} tokens per step, "
+          f"H = {args.sync_interval}, {steps} steps, 4-bit statistical + EF, links real {args.real_link} (tbf, a "
+          f"namespace per worker) + {SLOW_LINK['latency_ms']} ms emulated, datacenter {SLOW} at {slow_rate} but in "
+          f"`equal`, {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"{'case':<13} {'fast steps/s':>12} {'slow steps/s':>12} {'fast outer s':>12} {'slow outer s':>12} "
+          f"{'MB/sync':>7} {'sync s':>6} {'least':>6} {'tau':>4} {'val loss':>8} {'inner steps':>16} {'launch s':>8}")
+    for case, r in results.items():
+        print(f"{case:<13} {r['fast_steps_per_s']:>12.3f} {r['slow_steps_per_s']:>12.3f} {r['fast_outer_s']:>12.3f} "
+              f"{r['slow_outer_s']:>12.3f} {r['bytes_per_sync'] / 1e6:>7.3f} {r['sync_seconds']:>6.3f} "
+              f"{r['least_sync_seconds']:>6.3f} {r['overlap_steps']:>4.1f} {r['val_loss']:>8.4f} {str(r['inner_steps']):>16} {r['launch_seconds']:>8.1f}")
+    for key, value in summary.items():
+        print(f"{key}: {value:.3f}")
+    print(json.dumps({"summary": summary, "rates": {"fast": args.real_link, "slow": slow_rate}, "cases": results}))
 
 
 def report_elastic(args: argparse.Namespace, steps: int, results: dict) -> None:

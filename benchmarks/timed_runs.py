@@ -62,9 +62,9 @@ def link_name(emulated: dict, real_link: str | None) -> str:
     return f"emulated {emulated['bandwidth_gbit_s']} Gbit/s + {emulated['latency_ms']} ms"
 
 
-def run_world_on_real_link(rate: str, workers: int, argv: list[str], env: dict, cwd: Path, logs: Path) -> None:
-    """What `torchrun --standalone --nproc_per_node=WORKERS ARGV` starts, with rank k in datacenter k: its
-    own namespace, its egress limited to `rate`, its gloo sockets on its routable address. Exits with the
+def run_world_on_real_link(rates: list[str], argv: list[str], env: dict, cwd: Path, logs: Path) -> None:
+    """What `torchrun --standalone --nproc_per_node=len(rates) ARGV` starts, with rank k in datacenter k: its
+    own namespace, its egress limited to `rates[k]`, its gloo sockets on its routable address. Exits with the
     failing rank's log."""
     from tools.datacenters import INTERFACE, Datacenters, unavailable, wait_until
     from tools.trainer_runs import free_port
@@ -72,7 +72,8 @@ def run_world_on_real_link(rate: str, workers: int, argv: list[str], env: dict, 
     why = unavailable()
     if why:
         sys.exit(f"--real-link: cannot make network namespaces here: {why}")
-    with Datacenters([rate] * workers) as dcs:
+    workers = len(rates)
+    with Datacenters(rates) as dcs:
         port, procs = free_port(), []
         for k, site in enumerate(dcs.sites):
             world = {"RANK": str(k), "LOCAL_RANK": "0", "WORLD_SIZE": str(workers), "LOCAL_WORLD_SIZE": "1",

@@ -12,9 +12,10 @@ job secret required. One rehearsal launch is shared by the scenario tests (modul
    up from a peer, and the three end with the same weights. The catch-up moves the whole outer state
    (fp32 weights and momentum: ~8 MB for the tiny model, 16 s at LINK_RATE, against a 10 s
    `sync_timeout_s`) in pieces of a sync's part, each op within the timeout (muloco/elastic/membership.py).
-All along, `ss` inside each namespace samples its TCP connections. Beside it, launches of their own: the
-static mode across two namespaces (DeepSpeed's launcher, no ssh), the outer payload's share of a real link
-(tests/_lanes_probe.py), teardown after SIGTERM, a namespace name in use, a rate `tc` refuses. Those need
+All along, `ss` inside each namespace samples its TCP connections. Beside it, launches of their own: one
+datacenter at a quarter of the others' rate with pace on, the static mode across two namespaces
+(DeepSpeed's launcher, no ssh), the outer payload's share of a real link (tests/_lanes_probe.py),
+teardown after SIGTERM, a namespace name in use, a rate `tc` refuses. Those need
 root and iproute2 (skipped with the reason elsewhere) and form CI's step `-m datacenters`; the address
 checks and the bad inputs that need no namespace run in the default suite.
 """
@@ -39,7 +40,7 @@ from tools.rehearsal import Plan, Rehearsal, ds_config
 from tools.trainer_runs import REPO_ROOT, TINY_VOCAB, free_port
 
 CANNOT = unavailable()
-# Its own CI step (setup.cfg leaves it out of the default run): `scripts/test.sh -m datacenters`, about 3 minutes.
+# Its own CI step (setup.cfg leaves it out of the default run): `scripts/test.sh -m datacenters`, about 3.5 minutes.
 def needs_namespaces(test):
     return pytest.mark.datacenters(pytest.mark.skipif(CANNOT is not None, reason=f"no network namespaces here: {CANNOT}")(test))
 
@@ -197,6 +198,42 @@ def test_everything_the_rehearsal_made_is_gone_after_it(scenario):
     assert len(scenario.namespaces_during) == PLAN.workers + 2  # the datacenters, the lighthouse, the bridge
     assert leftovers(scenario.tag) == []
     assert all(proc.poll() is not None for _, proc in scenario.rehearsal.runs.values())
+
+
+FULL_RATE, QUARTER_RATE = "16mbit", "4mbit"  # the slow link's payload copy: about 1.6 s
+QUARTER = Plan(rates=(FULL_RATE, FULL_RATE, QUARTER_RATE), ranks_per_worker=1, train_iters=15, sync_interval=5,
+               pace=True, sync_timeout_s=30.0)  # the timeout above the slow link's sync, as a user sets it
+
+
+@needs_namespaces
+@pytest.mark.launch
+def test_a_datacenter_at_a_quarter_of_the_rate_with_pace_holds_every_sync_for_its_link_and_drops_nobody(tmp_path):
+    """Datacenter 2's egress at a quarter of the others', pace on: every sync has all three workers (first
+    attempt), merges all three contributions, and leaves them with the same global weights; and the fast
+    workers' syncs last at least one copy of the slow datacenter's payload over its link (a sync is an
+    exchange every worker waits for, and pacing's deadline does not shorten it: results/straggler.md)."""
+    with Datacenters(list(QUARTER.rates), tag=f"t{free_port()}") as dcs, Rehearsal(dcs, QUARTER, tmp_path) as rehearsal:
+        rehearsal.prepare()
+        rehearsal.start_lighthouse()
+        for k in range(QUARTER.workers):
+            rehearsal.start_worker(k)
+        try:
+            codes = rehearsal.wait_all(PHASE_TIMEOUT_S)
+        except TimeoutError as err:
+            pytest.fail(f"{err}\n" + "\n".join(rehearsal.log(name)[-2000:] for name in rehearsal.runs))
+    assert codes == {"worker0": 0, "worker1": 0, "worker2": 0}, rehearsal.log("worker2")[-3000:]
+    lines, agree = rehearsal.agreement(list(rehearsal.runs))
+    assert agree, "\n".join(lines)
+    records = {name: _records(rehearsal, name) for name in rehearsal.runs}
+    for name, syncs in records.items():
+        assert len(syncs) == QUARTER.train_iters // QUARTER.sync_interval, (name, syncs)
+        assert all(r["quorum"] == [0, 1, 2] and r["missing"] == [] and r["attempts"] == 1 for r in syncs), (name, syncs)
+        assert all(len(r["inner_steps"]) == 3 and min(r["inner_steps"]) >= 1 for r in syncs), (name, syncs)
+    # An all-gather: each worker sends its payload to both others, the bytes recorded per rank are the two copies.
+    one_copy = records["worker0"][0]["bytes_sent_per_rank"] / (QUARTER.workers - 1)
+    floor = one_copy * 8 / rate_bits(QUARTER_RATE)
+    fast = sorted(r["sync_seconds"] for name in ("worker0", "worker1") for r in records[name])
+    assert fast[len(fast) // 2] >= floor, (floor, fast)
 
 
 _HOLDER = """
