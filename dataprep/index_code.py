@@ -68,6 +68,8 @@ def import_without_package_init() -> ModuleType | None:
                 del sys.modules[name]
     # A module bound as a whole (`import megatron.core.x`) would be looked up in the package at call time, where
     # these modules are gone: only the names it imported from them are certain to be the ones it runs.
-    if any(isinstance(value, ModuleType) and value.__name__.startswith("megatron") for value in vars(module).values()):
+    top = PACKAGE.partition(".")[0]
+    if any(isinstance(value, ModuleType) and (value.__name__ + ".").startswith(top + ".")
+           for value in vars(module).values()):
         return None
     return module
