@@ -2,7 +2,7 @@
 preprocessing command with 2 processes against 1 on one JSONL file.
 
 python benchmarks/tool_startup.py [--repeats 5] [--mb 40 160] [--scaling-repeats 3] [--checkouts DIR ...]
-    [--skip-help] [--skip-scaling]
+    [--skip-help] [--skip-scaling] [--import-first]
 
 --help: every command the README names, run as it writes it, wall clock and CPU time (steadier on a shared machine)
 of the whole process; the commands and the two baselines take turns --repeats times (so a burst of load hits them
@@ -16,7 +16,9 @@ means the split adds no work, so on two free cores the ratio is what the start-u
 and the share of the cores other processes used during the run are printed with every number: on a shared machine
 a wall clock depends on what else got the cores; the ratio is also given over the quiet runs alone (others at most
 QUIET_SHARE of the cores) when both process counts have one. Every run's .bin/.idx is checked byte-for-byte against
-the first run's.
+the first run's. --import-first clocks each preprocessing command from after its process has imported Megatron's .idx
+code (in the same process, before the command runs): the ratio once that import costs nothing (the CPU seconds still
+hold it).
 
 --checkouts DIR ... runs these checkouts' commands instead of this one's (e.g. this one and a clone from before a
 change), taking turns with each other as well, with the same baselines and corpus. The last line printed is a JSON
@@ -55,6 +57,20 @@ COMMANDS = {
 }
 BASELINES = {"import torch": ["-c", "import torch"], "pass": ["-c", "pass"]}
 QUIET_SHARE = 0.1  # a run during which other processes used at most this share of the cores counts as quiet
+# --import-first: `python -c IMPORT_FIRST tools/preprocess_data.py ARGS` imports Megatron's .idx code, then runs the
+# command and prints how long it took after the import.
+AFTER_IMPORT = "seconds after the import: "
+IMPORT_FIRST = f"""
+import runpy, sys, time
+from dataprep.indexed_writer import load_index_code
+load_index_code()
+start = time.perf_counter()
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:
+    print("{AFTER_IMPORT}" + str(time.perf_counter() - start), file=sys.stderr)
+"""
 
 
 def environment(checkout: Path) -> dict[str, str]:
@@ -76,16 +92,20 @@ def machine_busy_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def timed(args: list[str], checkout: Path) -> tuple[float, float, float]:
+def timed(args: list[str], checkout: Path, after_import: bool = False) -> tuple[float, float, float]:
     """Wall and CPU seconds (with its own children) of `python ARGS` run in `checkout`, and the share of the machine's
-    cores that other processes used meanwhile (what makes a wall clock on a shared machine slower)."""
+    cores that other processes used meanwhile (what makes a wall clock on a shared machine slower); `after_import`:
+    the wall seconds the process printed after AFTER_IMPORT instead (IMPORT_FIRST)."""
     cpu, busy, start = children_cpu_seconds(), machine_busy_seconds(), time.perf_counter()
     result = subprocess.run([sys.executable, *args], cwd=checkout, env=environment(checkout), capture_output=True,
                             text=True)
     wall, cpu, busy = time.perf_counter() - start, children_cpu_seconds() - cpu, machine_busy_seconds() - busy
     if result.returncode != 0:
         raise SystemExit(f"python {' '.join(args)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    return wall, cpu, max(0.0, busy - cpu) / (wall * (os.cpu_count() or 1))
+    others = max(0.0, busy - cpu) / (wall * (os.cpu_count() or 1))
+    if after_import:
+        wall = float(result.stderr.rsplit(AFTER_IMPORT, 1)[1].split()[0])
+    return wall, cpu, others
 
 
 def help_times(checkouts: list[Path], repeats: int) -> list[dict]:
@@ -108,18 +128,20 @@ def help_times(checkouts: list[Path], repeats: int) -> list[dict]:
              "load_1min": f"{min(loads):.1f}-{max(loads):.1f}"} for (checkout, name), (wall, cpu) in median.items()]
 
 
-def scaling(checkouts: list[Path], corpus: Path, model: Path, work_dir: Path, repeats: int) -> list[dict]:
+def scaling(checkouts: list[Path], corpus: Path, model: Path, work_dir: Path, repeats: int,
+            import_first: bool = False) -> list[dict]:
     """Per checkout, the whole command with 1 and 2 processes, every run taking its turn; whether every run wrote the
-    same .bin/.idx as the first."""
+    same .bin/.idx as the first. `import_first`: clocked from after the process imported Megatron's .idx code."""
     runs: dict[tuple[Path, int], list[dict]] = {(checkout, p): [] for checkout in checkouts for p in (1, 2)}
     reference, same = str(work_dir / f"{corpus.stem}_reference_text_document"), True
     for _ in range(repeats):
         for (checkout, processes), measured in runs.items():
             prefix = work_dir / "run"
             load = os.getloadavg()[0]
-            wall, cpu, others = timed(["tools/preprocess_data.py", "--input", str(corpus), "--output-prefix",
-                                       str(prefix), "--tokenizer-model", str(model), "--processes", str(processes)],
-                                      checkout)
+            command = ["tools/preprocess_data.py", "--input", str(corpus), "--output-prefix", str(prefix),
+                       "--tokenizer-model", str(model), "--processes", str(processes)]
+            wall, cpu, others = timed(["-c", IMPORT_FIRST, *command] if import_first else command, checkout,
+                                      after_import=import_first)
             measured.append({"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "others_share": round(others, 3),
                              "load_1min": round(load, 2)})
             output = f"{prefix}_text_document"
@@ -134,6 +156,7 @@ def scaling(checkouts: list[Path], corpus: Path, model: Path, work_dir: Path, re
                     for p in (1, 2))
         quiet = [[run["wall_s"] for run in runs[(checkout, p)] if run["others_share"] <= QUIET_SHARE] for p in (1, 2)]
         cases.append({"checkout": str(checkout), "megabytes": round(corpus.stat().st_size / 1e6, 1),
+                      "import_first": import_first,
                       "runs_1_process": runs[(checkout, 1)], "runs_2_processes": runs[(checkout, 2)],
                       "ratio_2_over_1": round(one["wall_s"] / two["wall_s"], 3),
                       "quiet_ratio_2_over_1": round(statistics.median(quiet[0]) / statistics.median(quiet[1]), 3)
@@ -152,6 +175,8 @@ def main() -> int:
                         help="whose commands to run, taking turns (default: this checkout)")
     parser.add_argument("--skip-help", action="store_true")
     parser.add_argument("--skip-scaling", action="store_true")
+    parser.add_argument("--import-first", action="store_true",
+                        help="clock the preprocessing commands from after they imported Megatron's .idx code")
     args = parser.parse_args()
     checkouts = [checkout.resolve() for checkout in args.checkouts]
     result: dict = {"benchmark": "tool_startup", "cpu_count": os.cpu_count()}
@@ -171,11 +196,12 @@ def main() -> int:
             for megabytes in args.mb:
                 corpus = work_dir / f"corpus_{megabytes:g}mb.jsonl"
                 corpus.write_bytes(b"".join(corpus_lines(megabytes)))
-                cases = scaling(checkouts, corpus, model, work_dir, args.scaling_repeats)
+                cases = scaling(checkouts, corpus, model, work_dir, args.scaling_repeats, args.import_first)
                 corpus.unlink()
                 result["scaling"] += cases
                 for case in cases:
-                    print(f"preprocessing {case['megabytes']} MB of JSONL, whole command, {case['checkout']}, medians "
+                    clock = "clocked after importing Megatron's .idx code" if args.import_first else "whole command"
+                    print(f"preprocessing {case['megabytes']} MB of JSONL, {clock}, {case['checkout']}, medians "
                           f"of {args.scaling_repeats}: 2 processes / 1 process = {case['ratio_2_over_1']:.2f}x faster "
                           f"(runs with others at most {QUIET_SHARE:.0%} of the cores: {case['quiet_ratio_2_over_1']}), "
                           f"{case['cpu_2_over_1']:.2f}x the CPU seconds; every run's .bin/.idx identical: "

@@ -5,17 +5,17 @@ Every document here is one sequence (what Megatron's preprocessing writes for a 
 not split into sentences), so sequence and document counts agree.
 
 The .idx is written and read by Megatron's own code, imported where an index is written or read (`write_index`,
-`document_lengths`): its import brings torch and megatron.core (~2.5 s), which a process that only fills a .bin
-(preprocessing's tokenizing processes) never pays.
+`document_lengths`; dataprep.index_code reaches it for about the cost of `import torch`), which a process that only
+fills a .bin (preprocessing's tokenizing processes) never pays.
 """
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Sequence
-from types import ModuleType
 
 import numpy as np
+
+from dataprep.index_code import load_index_code
 
 
 class DocumentWriter:
@@ -69,15 +69,6 @@ def write_index(idx_path: str, dtype: type[np.number], lengths: Sequence[int]) -
     builder.sequence_lengths.extend(lengths)
     builder.document_indices.extend(range(1, len(lengths) + 1))
     builder.finalize(idx_path)
-
-
-def load_index_code() -> ModuleType:
-    """Megatron's indexed_dataset module (its .idx writer and reader), imported on first use; a process with a core
-    to spare can call this ahead of `write_index` and `document_lengths` while others work."""
-    with warnings.catch_warnings():  # megatron.core warns about GPU kernels that .bin/.idx files never use
-        warnings.simplefilter("ignore")
-        from megatron.core.datasets import indexed_dataset
-    return indexed_dataset
 
 
 def document_lengths(prefix: str) -> np.ndarray:

@@ -16,7 +16,8 @@ JSONL by byte ranges, compressed JSONL decompressed once here and handed out in 
 row groups. Each chunk's result is published atomically as a part file pair in a .parts/ folder with a
 manifest; the parts are merged in order, so the output is byte-identical for any number of processes. The
 processes only tokenize (into each part's .bin); this one writes the .idx files with Megatron's own writer, whose
-import (torch and megatron.core, seconds) it makes while the first chunks are tokenized. A rerun
+import (about as long as torch's, without the rest of megatron.core: dataprep.index_code) it makes while the first
+chunks are tokenized. A rerun
 with the same arguments reuses the finished chunks, so an interrupted run resumes; the final files appear
 only once complete, their .meta.json (dataprep.dataset_meta) last.
 

@@ -14,7 +14,7 @@ from typing import Self
 import numpy as np
 
 from dataprep.chunks import Chunk
-from dataprep.indexed_writer import load_index_code
+from dataprep.index_code import load_index_code
 from dataprep.parts import ChunkStats, publish_part
 from dataprep.progress import ProgressLine
 from tools.preprocessing.config import PreprocessConfig
@@ -52,8 +52,9 @@ class ChunkDispatcher:
         self._dtype = dtype
         self._max_in_flight = CHUNKS_IN_FLIGHT_PER_PROCESS * config.processes
         self._in_flight: dict[Future, _Part] = {}
-        # Megatron's .idx code (torch and megatron.core, ~2.5 s) is imported by a thread while the first chunks are
-        # tokenized, on a core the processes leave (or beside them); their parts wait for it in _unpublished.
+        # Megatron's .idx code (about the cost of `import torch`: dataprep.index_code) is imported by a thread while
+        # the first chunks are tokenized, on a core the processes leave (or beside them); their parts wait for it in
+        # _unpublished.
         self._index_code: threading.Thread | None = None
         self._unpublished: list[_Part] = []
         self._on_done = on_done
