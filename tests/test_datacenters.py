@@ -40,7 +40,7 @@ from tools.rehearsal import Plan, Rehearsal, ds_config
 from tools.trainer_runs import REPO_ROOT, TINY_VOCAB, free_port
 
 CANNOT = unavailable()
-# Its own CI step (setup.cfg leaves it out of the default run): `scripts/test.sh -m datacenters`, about 3.5 minutes.
+# Its own CI step (setup.cfg leaves it out of the default run): `scripts/test.sh -m datacenters`, about 5 minutes.
 def needs_namespaces(test):
     return pytest.mark.datacenters(pytest.mark.skipif(CANNOT is not None, reason=f"no network namespaces here: {CANNOT}")(test))
 
