@@ -65,7 +65,9 @@ import signal
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -346,6 +348,34 @@ def main() -> None:
         equal_steps = round(sum(results["paced"]["inner_steps"]) / WORKERS)
         print(f"equal_tokens ({equal_steps} steps) ...", file=sys.stderr, flush=True)
         results["equal_tokens"] = launch(args, "equal_tokens", equal_steps, tmp, env)
+    report_static(args, steps, results)
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a report's table: its label, its width, the value of a case (a key of its results, or a
+    function of them) and the value's format after the width ("": as text)."""
+    label: str
+    width: int
+    value: str | Callable[[dict], object]
+    spec: str = ""
+
+    def cell(self, result: dict) -> str:
+        value = result[self.value] if isinstance(self.value, str) else self.value(result)
+        return format(value if self.spec else str(value), f">{self.width}{self.spec}")
+
+
+def print_table(title: str, case_width: int, columns: list[Column], results: dict, summary: dict) -> None:
+    """A report: its title line, one row per case, then each summary ratio on a line of its own."""
+    print(title)
+    print(" ".join([f"{'case':<{case_width}}", *(f"{c.label:>{c.width}}" for c in columns)]))
+    for case, result in results.items():
+        print(" ".join([f"{case:<{case_width}}", *(c.cell(result) for c in columns)]))
+    for key, value in summary.items():
+        print(f"{key}: {value:.3f}")
+
+
+def report_static(args: argparse.Namespace, steps: int, results: dict) -> None:
     reference = results["equal"]["fast_steps_per_s"]
     useful = results["equal"]["fast_useful_share"]
     summary = {
@@ -355,16 +385,14 @@ def main() -> None:
         "useful_share_paced_vs_equal": results["paced"]["fast_useful_share"] / useful,
         "val_loss_paced_vs_equal_tokens": results["paced"]["val_loss"] / results["equal_tokens"]["val_loss"],
     }
-    print(f"model {args.model}, K = {WORKERS} workers x 4 sequences x {args.seq_length} tokens per step, "
-          f"H = {args.sync_interval}, {steps} steps, 4-bit statistical + EF, link {link_name(SLOW_LINK, args.real_link)}, "
-          f"slowdown {STRAGGLER}, {time.strftime('%Y-%m-%d %H:%M')}")
-    print(f"{'case':<13} {'fast steps/s':>12} {'fast useful':>11} {'val loss':>9} {'inner steps (per worker)':>25} "
-          f"{'launch s':>9}")
-    for case, r in results.items():
-        print(f"{case:<13} {r['fast_steps_per_s']:>12.3f} {r['fast_useful_share']:>11.3f} {r['val_loss']:>9.4f} "
-              f"{str(r['inner_steps']):>25} {r['launch_seconds']:>9.1f}")
-    for key, value in summary.items():
-        print(f"{key}: {value:.3f}")
+    print_table(f"model {args.model}, K = {WORKERS} workers x 4 sequences x {args.seq_length} tokens per step, "
+                f"H = {args.sync_interval}, {steps} steps, 4-bit statistical + EF, link "
+                f"{link_name(SLOW_LINK, args.real_link)}, slowdown {STRAGGLER}, {time.strftime('%Y-%m-%d %H:%M')}",
+                13, [Column("fast steps/s", 12, "fast_steps_per_s", ".3f"),
+                     Column("fast useful", 11, "fast_useful_share", ".3f"), Column("val loss", 9, "val_loss", ".4f"),
+                     Column("inner steps (per worker)", 25, "inner_steps"),
+                     Column("launch s", 9, "launch_seconds", ".1f")],
+                results, summary)
     print(json.dumps({"summary": summary, "link": link_name(SLOW_LINK, args.real_link), "cases": results}))
 
 
@@ -375,18 +403,19 @@ def report_slow_link(args: argparse.Namespace, steps: int, results: dict) -> Non
             summary[f"{who}_throughput_{case}_vs_{reference}"] = (results[case][f"{who}_steps_per_s"]
                                                                  / results[reference][f"{who}_steps_per_s"])
     slow_rate = link_rates(args.real_link, "barrier", True)[SLOW]
-    print(f"model {args.model}, K = {WORKERS} workers x 4 sequences x {args.seq_length} tokens per step, "
-          f"H = {args.sync_interval}, {steps} steps, 4-bit statistical + EF, links real {args.real_link} (tbf, a "
-          f"namespace per worker) + {SLOW_LINK['latency_ms']} ms emulated, datacenter {SLOW} at {slow_rate} but in "
-          f"`equal`, {time.strftime('%Y-%m-%d %H:%M')}")
-    print(f"{'case':<13} {'fast steps/s':>12} {'slow steps/s':>12} {'fast outer s':>12} {'slow outer s':>12} "
-          f"{'MB/sync':>7} {'sync s':>6} {'least':>6} {'tau':>4} {'val loss':>8} {'inner steps':>16} {'launch s':>8}")
-    for case, r in results.items():
-        print(f"{case:<13} {r['fast_steps_per_s']:>12.3f} {r['slow_steps_per_s']:>12.3f} {r['fast_outer_s']:>12.3f} "
-              f"{r['slow_outer_s']:>12.3f} {r['bytes_per_sync'] / 1e6:>7.3f} {r['sync_seconds']:>6.3f} "
-              f"{r['least_sync_seconds']:>6.3f} {r['overlap_steps']:>4.1f} {r['val_loss']:>8.4f} {str(r['inner_steps']):>16} {r['launch_seconds']:>8.1f}")
-    for key, value in summary.items():
-        print(f"{key}: {value:.3f}")
+    print_table(f"model {args.model}, K = {WORKERS} workers x 4 sequences x {args.seq_length} tokens per step, "
+                f"H = {args.sync_interval}, {steps} steps, 4-bit statistical + EF, links real {args.real_link} (tbf, a "
+                f"namespace per worker) + {SLOW_LINK['latency_ms']} ms emulated, datacenter {SLOW} at {slow_rate} but "
+                f"in `equal`, {time.strftime('%Y-%m-%d %H:%M')}",
+                13, [Column("fast steps/s", 12, "fast_steps_per_s", ".3f"),
+                     Column("slow steps/s", 12, "slow_steps_per_s", ".3f"),
+                     Column("fast outer s", 12, "fast_outer_s", ".3f"),
+                     Column("slow outer s", 12, "slow_outer_s", ".3f"),
+                     Column("MB/sync", 7, lambda r: r["bytes_per_sync"] / 1e6, ".3f"),
+                     Column("sync s", 6, "sync_seconds", ".3f"), Column("least", 6, "least_sync_seconds", ".3f"),
+                     Column("tau", 4, "overlap_steps", ".1f"), Column("val loss", 8, "val_loss", ".4f"),
+                     Column("inner steps", 16, "inner_steps"), Column("launch s", 8, "launch_seconds", ".1f")],
+                results, summary)
     print(json.dumps({"summary": summary, "rates": {"fast": args.real_link, "slow": slow_rate}, "cases": results}))
 
 
@@ -395,18 +424,17 @@ def report_elastic(args: argparse.Namespace, steps: int, results: dict) -> None:
     summary = {"throughput_sigstop_vs_elastic_equal": frozen["fast_steps_per_s"] / equal["fast_steps_per_s"],
                "useful_share_sigstop_vs_elastic_equal": frozen["fast_useful_share"] / equal["fast_useful_share"],
                "val_loss_sigstop_vs_elastic_equal": frozen["val_loss"] / equal["val_loss"]}
-    print(f"model {args.model}, K = {WORKERS} elastic workers x 4 sequences x {args.seq_length} tokens per step, "
-          f"H = {args.sync_interval}, {steps} steps, 4-bit statistical + EF, link {SLOW_LINK['bandwidth_gbit_s']} "
-          f"Gbit/s + {SLOW_LINK['latency_ms']} ms, worker 2 stopped for {FROZEN_SYNCS} syncs, "
-          f"{ELASTIC_SETTINGS}, {time.strftime('%Y-%m-%d %H:%M')}")
-    print(f"{'case':<16} {'fast steps/s':>12} {'fast useful':>11} {'val loss':>9} {'syncs':>5} {'without 2':>9} "
-          f"{'2 rejoined':>10} {'2 syncs':>7} {'2 frozen s':>10} {'launch s':>9}")
-    for case, r in results.items():
-        print(f"{case:<16} {r['fast_steps_per_s']:>12.3f} {r['fast_useful_share']:>11.3f} {r['val_loss']:>9.4f} "
-              f"{r['syncs']:>5} {r['syncs_without_2']:>9} {str(r['worker_2_rejoined']):>10} {r['worker_2_syncs']:>7} "
-              f"{r['frozen_s']:>10.1f} {r['launch_seconds']:>9.1f}")
-    for key, value in summary.items():
-        print(f"{key}: {value:.3f}")
+    print_table(f"model {args.model}, K = {WORKERS} elastic workers x 4 sequences x {args.seq_length} tokens per "
+                f"step, H = {args.sync_interval}, {steps} steps, 4-bit statistical + EF, link "
+                f"{SLOW_LINK['bandwidth_gbit_s']} Gbit/s + {SLOW_LINK['latency_ms']} ms, worker 2 stopped for "
+                f"{FROZEN_SYNCS} syncs, "
+                f"{ELASTIC_SETTINGS}, {time.strftime('%Y-%m-%d %H:%M')}",
+                16, [Column("fast steps/s", 12, "fast_steps_per_s", ".3f"),
+                     Column("fast useful", 11, "fast_useful_share", ".3f"), Column("val loss", 9, "val_loss", ".4f"),
+                     Column("syncs", 5, "syncs"), Column("without 2", 9, "syncs_without_2"),
+                     Column("2 rejoined", 10, "worker_2_rejoined"), Column("2 syncs", 7, "worker_2_syncs"),
+                     Column("2 frozen s", 10, "frozen_s", ".1f"), Column("launch s", 9, "launch_seconds", ".1f")],
+                results, summary)
     if equal["syncs_without_2"]:  # a worker that started more than the join timeout late, on a loaded machine
         print(f"NOT all equal: worker 2 missed {equal['syncs_without_2']} sync(s) of the reference run")
     print(json.dumps({"summary": summary, "cases": results}))
